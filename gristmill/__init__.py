@@ -1,0 +1,19 @@
+"""gristmill: LLM batch inference and serving over one engine of our own."""
+
+from gristmill.config import EngineConfig
+from gristmill.errors import (EngineDeadError, EngineOverloadedError, GenerationError,
+                              GristmillError, PromptTooLongError, RequestError, is_fatal)
+from gristmill.outputs import CompletionOutput, RequestOutput
+from gristmill.sampling import SamplingParams
+
+__all__ = ["LLM", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput",
+           "GristmillError", "RequestError", "PromptTooLongError", "GenerationError",
+           "EngineOverloadedError", "EngineDeadError", "is_fatal"]
+
+
+def __getattr__(name):
+    # LLM pulls in torch and the model code; load it only when asked for.
+    if name == "LLM":
+        from gristmill.llm import LLM
+        return LLM
+    raise AttributeError(f"module 'gristmill' has no attribute {name!r}")

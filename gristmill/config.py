@@ -1,0 +1,79 @@
+"""EngineConfig: every knob of the engine, documented and validated."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from gristmill.errors import RequestError
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Configuration of one engine. Invalid values raise `RequestError` naming the field."""
+
+    #: HF model directory or GGUF file; None = the bundled Gemma 3 270M.
+    model: str | None = None
+    #: Longest prompt + output, in tokens; None = the model's own limit.
+    max_model_len: int | None = None
+    #: Tokens per KV cache block.
+    block_size: int = 16
+    #: Memory given to the KV cache, in GiB; ignored when num_kv_blocks is set.
+    kv_cache_memory_gb: float = 1.0
+    #: Exact number of KV cache blocks (overrides kv_cache_memory_gb).
+    num_kv_blocks: int | None = None
+    #: Most tokens (prefill chunks + decodes) computed in one engine step.
+    max_num_batched_tokens: int = 2048
+    #: Most requests running at once.
+    max_num_seqs: int = 128
+    #: "auto" (CUDA when available, else CPU), "cpu" or "cuda[:N]".
+    device: str = "auto"
+    #: "auto" (bfloat16 on CUDA, float32 on CPU), "float32", "bfloat16" or "float16".
+    dtype: str = "auto"
+    #: Seed of the engine's random stream, used by requests without a seed of their own.
+    seed: int = 0
+    #: Where converted GGUF models are cached; None = ~/.cache/gristmill.
+    cache_dir: str | None = None
+    #: Most requests waiting to be scheduled; past it new requests get
+    #: EngineOverloadedError. None = unbounded.
+    max_waiting_requests: int | None = None
+
+    def __post_init__(self):
+        def check(ok: bool, name: str, message: str):
+            if not ok:
+                raise RequestError(f"EngineConfig.{name}: {message}", param=name)
+
+        check(self.max_model_len is None or _positive_int(self.max_model_len), "max_model_len",
+              f"must be a positive integer or None, got {self.max_model_len!r}")
+        check(_positive_int(self.block_size) and self.block_size & (self.block_size - 1) == 0,
+              "block_size", f"must be a positive power of two, got {self.block_size!r}")
+        check(isinstance(self.kv_cache_memory_gb, (int, float)) and self.kv_cache_memory_gb > 0,
+              "kv_cache_memory_gb", f"must be > 0, got {self.kv_cache_memory_gb!r}")
+        check(self.num_kv_blocks is None or _positive_int(self.num_kv_blocks), "num_kv_blocks",
+              f"must be a positive integer or None, got {self.num_kv_blocks!r}")
+        check(_positive_int(self.max_num_seqs), "max_num_seqs",
+              f"must be a positive integer, got {self.max_num_seqs!r}")
+        check(_positive_int(self.max_num_batched_tokens), "max_num_batched_tokens",
+              f"must be a positive integer, got {self.max_num_batched_tokens!r}")
+        check(self.max_num_batched_tokens >= self.max_num_seqs, "max_num_batched_tokens",
+              f"must be >= max_num_seqs ({self.max_num_seqs}) so every running request can "
+              f"decode in one step, got {self.max_num_batched_tokens}; raise it or lower max_num_seqs")
+        check(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
+              "device", f"must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        check(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
+              f"must be 'auto', 'float32', 'bfloat16' or 'float16', got {self.dtype!r}")
+        check(self.max_waiting_requests is None or _positive_int(self.max_waiting_requests),
+              "max_waiting_requests", f"must be a positive integer or None, got {self.max_waiting_requests!r}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+        """Build from keyword arguments, rejecting unknown names with the list of valid ones."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise RequestError(f"unknown engine option(s) {unknown}; valid options: {sorted(known)}",
+                               param=unknown[0])
+        return cls(**kwargs)
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0

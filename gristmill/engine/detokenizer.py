@@ -1,0 +1,61 @@
+"""Incremental detokenization and stop strings, one `IncrementalDetokenizer` per completion."""
+
+from __future__ import annotations
+
+# Tokens re-decoded before the new ones, so word boundaries and spaces come out right.
+_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text, a few tokens at a time.
+
+    Decodes `ids[prefix:]` and drops the text of `ids[prefix:read]`, so each call costs a
+    handful of tokens, not the whole sequence. Text that ends in an incomplete UTF-8
+    character waits for the next token. Stop strings cut the text before them.
+    """
+
+    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str],
+                 skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.skip_special_tokens = skip_special_tokens
+        self.ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""
+        self.emitted = 0
+        self.stopped = False
+        self._holdback = max((len(s) for s in stop), default=1) - 1
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add_tokens(self, token_ids: list[int]) -> bool:
+        """Append tokens; returns True when a stop string ended the text."""
+        for token_id in token_ids:
+            if self.stopped:
+                break
+            self.ids.append(token_id)
+            prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
+            full_text = self._decode(self.ids[self.prefix_offset:])
+            if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
+                new_text = full_text[len(prefix_text):]
+                self.prefix_offset = self.read_offset
+                self.read_offset = len(self.ids)
+                self._append(new_text)
+        return self.stopped
+
+    def _append(self, new_text: str) -> None:
+        start = max(0, len(self.text) - self._holdback)
+        self.text += new_text
+        hits = [at for stop in self.stop if (at := self.text.find(stop, start)) != -1]
+        if hits:
+            self.text = self.text[:min(hits)]
+            self.stopped = True
+
+    def take_delta(self, finished: bool) -> str:
+        """Text not handed out yet; while running, keeps back what may begin a stop string."""
+        end = len(self.text) if finished or self.stopped else max(self.emitted, len(self.text) - self._holdback)
+        delta = self.text[self.emitted:end]
+        self.emitted = end
+        return delta

@@ -1,0 +1,98 @@
+"""OutputProcessor: engine-core updates -> RequestOutputs (text, stop strings, errors)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gristmill.engine.detokenizer import IncrementalDetokenizer
+from gristmill.engine.scheduler import RequestUpdate
+from gristmill.errors import GenerationError, error_string
+from gristmill.outputs import CompletionOutput, RequestOutput
+from gristmill.sampling import SamplingParams
+
+
+@dataclass
+class _Completion:
+    parent: RequestOutput
+    output: CompletionOutput
+    detokenizer: IncrementalDetokenizer | None
+
+
+class OutputProcessor:
+    """Tracks live requests by engine (child) request id and builds their outputs.
+
+    A failure while detokenizing or checking stops ends only that completion, with
+    finish reason "error"; the caller aborts it in the core so its blocks come back.
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._live: dict[str, _Completion] = {}
+
+    def add(self, parent: RequestOutput, child_ids: list[str], params: SamplingParams) -> None:
+        for index, child_id in enumerate(child_ids):
+            output = parent.outputs[index]
+            if params.logprobs is not None:
+                output.logprobs = []
+            try:
+                detok = IncrementalDetokenizer(self.tokenizer, parent.prompt_token_ids, params.stop,
+                                               params.skip_special_tokens)
+            except Exception as exc:  # noqa: BLE001 - per-request isolation
+                raise GenerationError(f"setting up the detokenizer failed: {exc}") from exc
+            self._live[child_id] = _Completion(parent, output, detok)
+
+    @property
+    def num_live(self) -> int:
+        return len(self._live)
+
+    def process(self, updates: list[RequestUpdate]) -> tuple[list[RequestOutput], list[str]]:
+        """Apply updates. Returns the outputs that changed and the child ids the core must
+        end now (stop string reached, or detokenizing failed)."""
+        changed: dict[int, RequestOutput] = {}
+        to_finish: list[str] = []
+        for update in updates:
+            live = self._live.get(update.request_id)
+            if live is None:
+                continue
+            output = live.output
+            output.token_ids.extend(update.new_token_ids)
+            if update.new_logprobs is not None and output.logprobs is not None:
+                output.logprobs.extend(update.new_logprobs)
+            try:
+                stopped = live.detokenizer.add_tokens(update.new_token_ids)
+            except Exception as exc:  # noqa: BLE001 - per-request isolation
+                self.fail(update.request_id, GenerationError(f"detokenizing failed: {exc}"))
+                to_finish.append(update.request_id)
+                changed[id(live.parent)] = live.parent
+                continue
+            finish_reason = update.finish_reason
+            if stopped and finish_reason is None:
+                finish_reason = "stop"
+                to_finish.append(update.request_id)
+            elif stopped:
+                finish_reason = "stop"
+            output.text = live.detokenizer.text
+            output.delta_text = live.detokenizer.take_delta(finish_reason is not None)
+            if finish_reason is not None:
+                output.finish_reason = finish_reason
+                del self._live[update.request_id]
+            changed[id(live.parent)] = live.parent
+        return list(changed.values()), to_finish
+
+    def fail(self, request_id: str, exc: BaseException) -> RequestOutput | None:
+        """End one completion with an error (finish reason "error")."""
+        live = self._live.pop(request_id, None)
+        if live is None:
+            return None
+        live.output.finish_reason = "error"
+        live.output.error = error_string(exc)
+        live.output.delta_text = ""
+        return live.parent
+
+    def finish(self, request_id: str, reason: str) -> RequestOutput | None:
+        live = self._live.pop(request_id, None)
+        if live is None:
+            return None
+        live.output.finish_reason = reason
+        live.output.delta_text = live.detokenizer.take_delta(True)
+        return live.parent

@@ -1,0 +1,69 @@
+"""Request: the state of one sequence inside the engine core."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from gristmill.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """Token ids and progress of one sequence.
+
+    Invariant: `token_ids` is the prompt followed by every sampled token, and the KV
+    cache holds the first `num_computed_tokens` of them in the blocks `block_ids`.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    #: Token ids that end the request unless `ignore_eos` (the model's EOS ids).
+    eos_token_ids: frozenset[int] = frozenset()
+    token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+
+    def __post_init__(self):
+        self.token_ids = list(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def stop_reason_after(self, token_id: int, max_model_len: int) -> str | None:
+        """The finish reason once `token_id` was appended, or None to go on."""
+        params = self.sampling_params
+        if not params.ignore_eos and token_id in self.eos_token_ids:
+            return "stop"
+        if token_id in params.stop_token_ids:
+            return "stop"
+        if self.num_output_tokens >= params.max_tokens or self.num_tokens >= max_model_len:
+            return "length"
+        return None

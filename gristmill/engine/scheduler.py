@@ -1,0 +1,176 @@
+"""Scheduler: continuous batching over a token budget, chunked prefill, preemption.
+
+Tokens are scheduled, not phases: each request has `num_computed_tokens` and
+`num_tokens`, and a step gives each scheduled request some of the difference. A
+prefill that does not fit the budget is split over steps (chunked prefill). When KV
+blocks run out, the most recently admitted running request is preempted: its blocks
+are freed and it goes back to the front of the waiting queue to be recomputed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from gristmill.engine.kv_blocks import BlockManager
+from gristmill.engine.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    #: Tokens to compute this step: token_ids[num_computed_tokens : +num_new_tokens].
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this step reaches the end of the sequence, so a token is sampled."""
+        request = self.request
+        return request.num_computed_tokens + self.num_new_tokens == request.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """What the model runner computes in one step."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    #: Requests that ended since the previous step; the runner drops their state.
+    finished_request_ids: list[str] = field(default_factory=list)
+    preempted_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+@dataclass(slots=True)
+class SampledToken:
+    token_id: int
+    #: {token_id: logprob} for the sampled token and the top-k, or None.
+    logprobs: dict[int, float] | None = None
+
+
+@dataclass(slots=True)
+class RequestUpdate:
+    """What one step did for one request (the engine core's output per request)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[dict[int, float]] | None
+    finish_reason: str | None
+    num_prompt_tokens: int
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_model_len: int):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._finished_ids: list[str] = []
+
+    # -- requests in and out -------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the engine")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_request(self, request_id: str, reason: str) -> Request | None:
+        """End a request now (abort, error, stop string): free its blocks at once."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self._release(request, reason)
+        return request
+
+    def _release(self, request: Request, reason: str) -> None:
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        self.block_manager.free(request)
+        self._finished_ids.append(request.request_id)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    # -- one step ------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_request_ids=self._finished_ids)
+        self._finished_ids = []
+        budget = self.max_num_batched_tokens
+
+        # Running requests first, oldest first; preempt the newest when blocks run out.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            total = request.num_computed_tokens + num_new
+            while not self.block_manager.can_allocate(request, total):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted_request_ids.append(victim.request_id)
+                if victim is request:
+                    break
+            if request.status is not RequestStatus.RUNNING:
+                break
+            self.block_manager.allocate(request, total)
+            out.scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+            i += 1
+
+        # Then admit waiting requests while there is room, unless this step preempted.
+        while (self.waiting and not out.preempted_request_ids and budget > 0
+               and len(self.running) < self.max_num_seqs):
+            request = self.waiting[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            total = request.num_computed_tokens + num_new
+            if not self.block_manager.can_allocate(request, total):
+                break
+            self.waiting.popleft()
+            self.block_manager.allocate(request, total)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+        return out
+
+    def _preempt(self, request: Request) -> None:
+        self.block_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, SampledToken]) -> list[RequestUpdate]:
+        """Apply a step's results: advance progress, append tokens, end finished requests."""
+        updates = []
+        for item in out.scheduled:
+            request = item.request
+            if request.is_finished:  # ended (aborted) while the step ran
+                continue
+            request.num_computed_tokens += item.num_new_tokens
+            token = sampled.get(request.request_id)
+            if token is None:
+                continue
+            request.append_token(token.token_id)
+            reason = request.stop_reason_after(token.token_id, self.max_model_len)
+            if reason is not None:
+                self.requests.pop(request.request_id)
+                self.running.remove(request)
+                self._release(request, reason)
+            updates.append(RequestUpdate(
+                request.request_id, [token.token_id],
+                [token.logprobs] if token.logprobs is not None else None,
+                reason, request.num_prompt_tokens))
+        return updates

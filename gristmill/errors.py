@@ -1,0 +1,107 @@
+"""The error taxonomy: what failed, whether it is fatal, and how it maps to HTTP.
+
+Every error says what happened and what to change. Errors keep their type and fields
+through pickling (processes, Ray), so a caller on the far side of a process boundary
+can classify them with `is_fatal`.
+"""
+
+from __future__ import annotations
+
+
+class GristmillError(Exception):
+    """Base of every error gristmill raises on purpose."""
+
+    #: HTTP status the server answers with.
+    http_status: int = 500
+    #: OpenAI error envelope `type`.
+    error_type: str = "internal_error"
+    #: True when the engine can no longer be trusted (see `is_fatal`).
+    fatal: bool = False
+
+    def __init__(self, message: str, **fields):
+        if not message:
+            raise ValueError(f"{type(self).__name__} needs a message that says what to change")
+        super().__init__(message)
+        self.message = message
+        self.fields = fields
+        for key, value in fields.items():
+            setattr(self, key, value)
+
+    def __reduce__(self):
+        return (_rebuild, (type(self), self.message, self.fields))
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _rebuild(cls, message, fields):
+    return cls(message, **fields)
+
+
+class RequestError(GristmillError, ValueError):
+    """The request is invalid or can never be served; `param` names the field to change."""
+
+    http_status = 400
+    error_type = "invalid_request_error"
+
+    def __init__(self, message: str, param: str | None = None, **fields):
+        super().__init__(message, param=param, **fields)
+
+
+class PromptTooLongError(RequestError):
+    """Prompt plus max_tokens exceed max_model_len, or the KV cache cannot ever hold it."""
+
+
+class GenerationError(GristmillError):
+    """This one request failed inside the engine; other requests are unaffected."""
+
+    http_status = 500
+    error_type = "internal_error"
+
+
+class EngineOverloadedError(GristmillError):
+    """The waiting queue is full; retry later."""
+
+    http_status = 503
+    error_type = "overloaded_error"
+
+
+class EngineDeadError(GristmillError):
+    """The engine core died, hung, or its state can no longer be trusted."""
+
+    http_status = 503
+    error_type = "engine_dead_error"
+    fatal = True
+
+
+# Exception class names from other libraries that mean the engine is gone.
+_FATAL_FOREIGN_NAMES = {"RayActorError", "ActorDiedError", "ActorUnavailableError",
+                        "DeploymentUnavailableError", "EngineDeadError"}
+
+
+def is_fatal(exc: BaseException) -> bool:
+    """True when `exc` (or anything it wraps) means the engine can no longer be trusted.
+
+    Unwraps `__cause__` chains and wrappers that keep the original in `.cause`
+    (Ray's `RayTaskError`).
+    """
+    seen: set[int] = set()
+    todo: list[BaseException] = [exc]
+    while todo:
+        current = todo.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, GristmillError) and current.fatal:
+            return True
+        if type(current).__name__ in _FATAL_FOREIGN_NAMES:
+            return True
+        for link in (getattr(current, "cause", None), current.__cause__):
+            if isinstance(link, BaseException):
+                todo.append(link)
+    return False
+
+
+def error_string(exc: BaseException) -> str:
+    """The `"<ErrorType>: <message>"` form used in outputs and batch rows."""
+    return f"{type(exc).__name__}: {exc}"

@@ -1,0 +1,174 @@
+"""LLM: the offline API. Runs the engine core in this process until every prompt ends."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from gristmill.config import EngineConfig
+from gristmill.engine.core import EngineCore
+from gristmill.engine.output_processor import OutputProcessor
+from gristmill.engine.processor import InputProcessor, child_request_id
+from gristmill.errors import EngineDeadError, GenerationError, RequestError, error_string
+from gristmill.outputs import CompletionOutput, RequestOutput
+from gristmill.sampling import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """Offline generation over the engine.
+
+    >>> llm = LLM()  # the bundled Gemma 3 270M
+    >>> llm.generate("The capital of France is", SamplingParams(max_tokens=8, temperature=0))
+
+    Keyword arguments are `EngineConfig` fields (max_model_len, block_size, ...).
+    A prompt that fails validation or fails inside the engine comes back as an output
+    with finish_reason "error" and `error` set; only EngineDeadError is raised.
+    """
+
+    def __init__(self, model: str | None = None, **engine_options):
+        from gristmill.model.runner import ModelRunner
+        from gristmill.model.tokenizer import eos_token_ids, load_tokenizer
+
+        self.config = EngineConfig.from_kwargs(model=model, **engine_options)
+        self.runner = ModelRunner(self.config)
+        hf_config = self.runner.hf_config
+        self.tokenizer = load_tokenizer(self.runner.model_dir, hf_config.model_type)
+        self.core = EngineCore(self.config, self.runner)
+        self.inputs = InputProcessor(
+            self.tokenizer, eos_token_ids(self.tokenizer, self.runner.model_dir, hf_config),
+            hf_config.vocab_size, self.runner.max_model_len, self.config.block_size,
+            self.runner.num_blocks)
+        self.outputs = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+        self.dead_error: EngineDeadError | None = None
+
+    @property
+    def max_model_len(self) -> int:
+        return self.runner.max_model_len
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for one prompt or a list (strings or token-id lists); one output each,
+        in order. `sampling_params` is one for all prompts or one per prompt."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        return self._run([(p, None) for p in prompts], sampling_params, use_tqdm)
+
+    def chat(self, conversations: list[dict] | Sequence[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Generate a reply to each conversation (a list of {"role", "content"} messages),
+        rendered with the model's chat template."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        items = []
+        for messages in conversations:
+            try:
+                text = self.apply_chat_template(messages, add_generation_prompt)
+                items.append((text, None))
+            except RequestError as exc:
+                items.append((None, exc))
+        return self._run(items, sampling_params, use_tqdm, add_special_tokens=False)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not isinstance(messages, list) or not all(
+                isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+            raise RequestError("messages must be a list of {'role': ..., 'content': ...} dicts",
+                               param="messages")
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt)
+        except Exception as exc:  # the template raises on e.g. roles out of order
+            raise RequestError(f"the chat template rejected these messages: {exc}",
+                               param="messages") from exc
+
+    # -- the loop --------------------------------------------------------------
+
+    def _run(self, items, sampling_params, use_tqdm: bool, add_special_tokens: bool = True):
+        if self.dead_error is not None:
+            raise self.dead_error
+        params_list = _params_per_prompt(sampling_params, len(items))
+        results: list[RequestOutput] = []
+        for (prompt, early_error), params in zip(items, params_list):
+            results.append(self._add(prompt, params, early_error, add_special_tokens))
+        bar = _progress_bar(len(results), use_tqdm)
+        done = sum(r.finished for r in results)
+        bar.update(done)
+        try:
+            while self.core.has_unfinished:
+                updates = self._step()
+                changed, to_finish = self.outputs.process(updates)
+                self.core.abort(to_finish, "stop")
+                finished_now = sum(r.finished for r in changed)
+                if finished_now:
+                    bar.update(finished_now)
+        finally:
+            bar.close()
+        return results
+
+    def _step(self):
+        try:
+            return self.core.step()
+        except Exception as exc:
+            self.dead_error = EngineDeadError(
+                f"the engine failed during a step and its state can no longer be trusted: "
+                f"{error_string(exc)}; create a new LLM")
+            raise self.dead_error from exc
+
+    def _add(self, prompt, params: SamplingParams, early_error, add_special_tokens) -> RequestOutput:
+        request_id = str(next(self._ids))
+        result = RequestOutput(request_id, prompt if isinstance(prompt, str) else None, [],
+                               [CompletionOutput(i) for i in range(params.n)])
+        try:
+            if early_error is not None:
+                raise early_error
+            result.prompt_token_ids = self._tokenize(prompt, add_special_tokens)
+            requests = self.inputs.make_requests(request_id, result.prompt_token_ids, params)
+            self.outputs.add(result, [r.request_id for r in requests], params)
+        except (RequestError, GenerationError) as exc:
+            for output in result.outputs:
+                output.finish_reason, output.error = "error", error_string(exc)
+            return result
+        for request in requests:
+            self.core.add_request(request)
+        return result
+
+    def _tokenize(self, prompt, add_special_tokens: bool) -> list[int]:
+        if isinstance(prompt, str) and prompt and not add_special_tokens:
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        try:
+            return self.inputs.tokenize(prompt)
+        except RequestError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a tokenizer failure ends only this prompt
+            raise GenerationError(f"tokenizing the prompt failed: {exc}") from exc
+
+
+def _params_per_prompt(sampling_params, count: int) -> list[SamplingParams]:
+    if sampling_params is None:
+        return [SamplingParams()] * count
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * count
+    params = list(sampling_params)
+    if len(params) != count:
+        raise RequestError(f"got {len(params)} SamplingParams for {count} prompts; pass one for "
+                           f"all prompts or exactly one per prompt", param="sampling_params")
+    return params
+
+
+class _NoBar:
+    def update(self, n):
+        pass
+
+    def close(self):
+        pass
+
+
+def _progress_bar(total: int, use_tqdm: bool):
+    if not use_tqdm or total < 2:
+        return _NoBar()
+    from tqdm.auto import tqdm
+    return tqdm(total=total, desc="generate", unit="prompt")

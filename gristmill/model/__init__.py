@@ -1,0 +1,1 @@
+"""The data plane (torch): layers, model families, loading, the model runner."""

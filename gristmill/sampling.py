@@ -1,0 +1,87 @@
+"""SamplingParams: how tokens are chosen and when a request stops."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from gristmill.errors import RequestError
+
+MAX_LOGPROBS = 20
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How one request samples and stops. Invalid values raise `RequestError`."""
+
+    #: Most tokens to generate (the prompt is not counted).
+    max_tokens: int = 16
+    #: 0 picks the most likely token (greedy); higher flattens the distribution.
+    temperature: float = 1.0
+    #: Keep the smallest set of tokens whose probability adds up to top_p (1 = all).
+    top_p: float = 1.0
+    #: Keep the k most likely tokens (0 or -1 = all).
+    top_k: int = 0
+    #: Drop tokens less likely than min_p times the most likely one (0 = off).
+    min_p: float = 0.0
+    #: Seed of this request's own random stream: same seed, same output, whatever
+    #: else is in the batch. None draws from the engine's stream.
+    seed: int | None = None
+    #: Strings that end generation; the returned text never contains them.
+    stop: list[str] = field(default_factory=list)
+    #: Token ids that end generation (in addition to the model's end-of-sequence ids).
+    stop_token_ids: list[int] = field(default_factory=list)
+    #: Keep going past end-of-sequence tokens until max_tokens.
+    ignore_eos: bool = False
+    #: Return the top-k log-probabilities of each sampled token (None = off).
+    logprobs: int | None = None
+    #: Completions to generate for each prompt.
+    n: int = 1
+    #: Leave special tokens out of the returned text.
+    skip_special_tokens: bool = True
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    def validate(self) -> None:
+        def check(ok: bool, param: str, message: str):
+            if not ok:
+                raise RequestError(message, param=param)
+
+        check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
+              f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        check(_is_number(self.temperature) and self.temperature >= 0, "temperature",
+              f"temperature must be a number >= 0 (0 = greedy), got {self.temperature!r}")
+        check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p",
+              f"top_p must be in (0, 1], got {self.top_p!r}")
+        check(_is_int(self.top_k) and (self.top_k >= 0 or self.top_k == -1), "top_k",
+              f"top_k must be an integer >= 0 (0 or -1 = all tokens), got {self.top_k!r}")
+        check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p",
+              f"min_p must be in [0, 1], got {self.min_p!r}")
+        check(self.seed is None or _is_int(self.seed), "seed",
+              f"seed must be an integer or None, got {self.seed!r}")
+        check(all(isinstance(s, str) and s for s in self.stop), "stop",
+              f"stop must be a list of non-empty strings, got {self.stop!r}")
+        check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+              f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+              "logprobs", f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
+        check(_is_int(self.n) and self.n >= 1, "n", f"n must be an integer >= 1, got {self.n!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def clone(self, **changes) -> "SamplingParams":
+        return replace(self, **changes)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
