@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from gristmill.config import EngineConfig
 from gristmill.engine.core import EngineCore
 from gristmill.engine.output_processor import OutputProcessor
-from gristmill.engine.processor import InputProcessor, child_request_id
+from gristmill.engine.processor import InputProcessor
 from gristmill.errors import EngineDeadError, GenerationError, RequestError, error_string
 from gristmill.outputs import CompletionOutput, RequestOutput
 from gristmill.sampling import SamplingParams

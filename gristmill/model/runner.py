@@ -104,8 +104,21 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
         for request_id in out.finished_request_ids:
             self.generators.pop(request_id, None)
-        if not out.scheduled:
+        logits, items = self.forward(out)
+        if not items:
             return {}
+        rows = [SamplerRow(item.request.sampling_params, self._generator(item.request))
+                for item in items]
+        tokens, logprobs = self.sampler(logits, rows)
+        return {item.request.request_id: SampledToken(token, lp)
+                for item, token, lp in zip(items, tokens, logprobs)}
+
+    @torch.inference_mode()
+    def forward(self, out: SchedulerOutput) -> tuple[torch.Tensor | None, list]:
+        """Run the model over a step; returns (logits of the sampled rows, their
+        ScheduledRequests). The KV cache is updated for every scheduled token."""
+        if not out.scheduled:
+            return None, []
         inputs = self.prepare_inputs(out)
         set_context(inputs.metadata)
         try:
@@ -113,13 +126,8 @@ class ModelRunner:
         finally:
             set_context(None)
         if not inputs.sample_items:
-            return {}
-        logits = self.model.compute_logits(hidden[inputs.sample_indices])
-        rows = [SamplerRow(item.request.sampling_params, self._generator(item.request))
-                for item in inputs.sample_items]
-        tokens, logprobs = self.sampler(logits, rows)
-        return {item.request.request_id: SampledToken(token, lp)
-                for item, token, lp in zip(inputs.sample_items, tokens, logprobs)}
+            return None, []
+        return self.model.compute_logits(hidden[inputs.sample_indices]), inputs.sample_items
 
     def _generator(self, request) -> torch.Generator | None:
         seed = request.sampling_params.seed

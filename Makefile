@@ -1,0 +1,31 @@
+# Two commands do all set-up on a fresh machine:
+#   make run    install, then run the main job (generation over examples/prompts.jsonl)
+#   make test   install, then run the test suite
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: install run test bench clean
+
+$(BIN)/gristmill: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# torch first, pinned: the CPU build on disk, not GBs of CUDA packages.
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $(BIN)/gristmill
+
+install: $(BIN)/gristmill
+
+run: install
+	$(BIN)/gristmill generate --input examples/prompts.jsonl --output results.jsonl --max-tokens 64
+	@echo "results written to results.jsonl"
+
+test: install
+	$(BIN)/python -m pytest -q
+
+bench: install
+	$(BIN)/python benchmarks/throughput.py
+
+clean:
+	rm -rf $(VENV) results.jsonl
