@@ -1,0 +1,888 @@
+"""Scheduler and EngineCore tests with a fake executor: no model, no torch.
+
+The fake executor plays the model: it keeps its own copy of the paged KV cache (token
+ids written into the blocks the scheduler handed out), reads each sampled sequence
+back through the request's block table, and returns a token that depends only on that
+content. So outputs are the same whatever the batching, chunking or preemption, and a
+block handed to two requests, or KV content assumed after a preemption, changes them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import subprocess
+import sys
+from collections import defaultdict
+from dataclasses import dataclass
+
+import pytest
+
+from gristmill.config import EngineConfig
+from gristmill.engine.core import EngineCore
+from gristmill.engine.kv_blocks import blocks_needed
+from gristmill.engine.request import Request, RequestStatus
+from gristmill.engine.scheduler import SampledToken, Scheduler
+from gristmill.sampling import SamplingParams
+
+VOCAB = 1000
+EOS = 5000  # outside the fake model's vocabulary: only a script emits it
+
+
+def test_engine_imports_no_torch():
+    # The engine package is the CPU control plane: importing it (and these tests' other
+    # imports) must not pull in torch. Checked in a fresh interpreter, since other test
+    # modules in the same run may import torch.
+    code = ("import sys, gristmill.engine.core, gristmill.engine.scheduler, "
+            "gristmill.engine.kv_blocks, gristmill.engine.request, gristmill.config, "
+            "gristmill.sampling; assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def model_token(seq: list[int], vocab: int = VOCAB) -> int:
+    """The fake model: the next token is a hash of the whole sequence."""
+    digest = hashlib.blake2b(repr(seq).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % vocab
+
+
+def reference_output(prompt, max_tokens, max_model_len, vocab=VOCAB, eos=frozenset({EOS}),
+                     ignore_eos=False, stop_token_ids=(), script=None):
+    """What a request must produce: one sequence alone, no batching, no cache limits."""
+    seq, out = list(prompt), []
+    script = script or {}
+    while True:
+        token = script.get(len(out), None)
+        if token is None:
+            token = model_token(seq, vocab)
+        seq.append(token)
+        out.append(token)
+        if not ignore_eos and token in eos:
+            return out, "stop"
+        if token in stop_token_ids:
+            return out, "stop"
+        if len(out) >= max_tokens or len(seq) >= max_model_len:
+            return out, "length"
+
+
+@dataclass
+class ItemRecord:
+    request_id: str
+    start: int
+    num_new: int
+    samples: bool
+    block_ids: tuple
+
+
+@dataclass
+class StepRecord:
+    items: list
+    preempted: list
+    finished: list
+    sampled: dict
+
+    def item(self, request_id):
+        found = [i for i in self.items if i.request_id == request_id]
+        return found[0] if found else None
+
+    @property
+    def ids(self):
+        return [i.request_id for i in self.items]
+
+
+class FakeExecutor:
+    """Stands in for ModelRunner: `num_blocks`, `max_model_len`, `execute(out)`."""
+
+    def __init__(self, num_blocks, block_size, max_model_len, vocab=VOCAB, script=None):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.vocab = vocab
+        #: request_id -> {output index: token}: forced tokens (EOS, stop ids, ...).
+        self.script = script or {}
+        self.kv = [[None] * block_size for _ in range(num_blocks)]
+        self.steps: list[StepRecord] = []
+        self.outs = []
+        self.observer = None  # called with each SchedulerOutput, mid-step
+
+    def execute(self, out):
+        if self.observer is not None:
+            self.observer(out)
+        bs = self.block_size
+        record = StepRecord([], list(out.preempted_request_ids), list(out.finished_request_ids), {})
+        seen_ids, seen_blocks = set(), set()
+        for item in out.scheduled:
+            r = item.request
+            start = r.num_computed_tokens
+            end = start + item.num_new_tokens
+            assert r.request_id not in seen_ids, "request scheduled twice in one step"
+            seen_ids.add(r.request_id)
+            assert r.status is RequestStatus.RUNNING
+            assert item.num_new_tokens >= 1
+            assert end <= r.num_tokens, "scheduled tokens that do not exist yet"
+            # The cache holds exactly the computed tokens: no block missing, none wasted.
+            assert len(r.block_ids) == blocks_needed(end, bs)
+            assert not seen_blocks & set(r.block_ids), "a block is in two block tables"
+            seen_blocks |= set(r.block_ids)
+            assert all(0 <= b < self.num_blocks for b in r.block_ids)
+            assert item.samples == (end == r.num_tokens)
+            record.items.append(ItemRecord(r.request_id, start, item.num_new_tokens,
+                                           item.samples, tuple(r.block_ids)))
+            for pos in range(start, end):
+                self.kv[r.block_ids[pos // bs]][pos % bs] = r.token_ids[pos]
+        sampled = {}
+        for item in out.scheduled:
+            if not item.samples:
+                continue
+            r = item.request
+            end = r.num_computed_tokens + item.num_new_tokens
+            seq = [self.kv[r.block_ids[p // bs]][p % bs] for p in range(end)]
+            assert seq == r.token_ids, f"KV cache of {r.request_id} does not hold its tokens"
+            token = self.script.get(r.request_id, {}).get(len(seq) - r.num_prompt_tokens)
+            if token is None:
+                token = model_token(seq, self.vocab)
+            sampled[r.request_id] = SampledToken(token)
+        record.sampled = {k: v.token_id for k, v in sampled.items()}
+        self.steps.append(record)
+        self.outs.append(out)
+        return sampled
+
+
+class Harness:
+    """An EngineCore over a FakeExecutor that checks the scheduler's invariants each step."""
+
+    def __init__(self, num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
+                 max_model_len=256, vocab=VOCAB, script=None):
+        config = EngineConfig(block_size=block_size, max_num_seqs=max_num_seqs,
+                              max_num_batched_tokens=max_num_batched_tokens)
+        self.executor = FakeExecutor(num_blocks, block_size, max_model_len, vocab, script)
+        self.executor.observer = self._during_step
+        self.core = EngineCore(config, self.executor)
+        self.sched = self.core.scheduler
+        self.bm = self.core.block_manager
+        self.vocab = vocab
+        self.max_model_len = max_model_len
+        self.all: dict[str, Request] = {}
+        self.updates = defaultdict(list)
+        self.num_preemptions = 0
+        self._scheduled_running = None
+
+    # -- requests ------------------------------------------------------------------
+
+    def add(self, request_id, prompt, max_tokens=8, eos=frozenset({EOS}), **params) -> Request:
+        r = Request(request_id, list(prompt),
+                    SamplingParams(max_tokens=max_tokens, temperature=0, **params),
+                    eos_token_ids=frozenset(eos))
+        self.core.add_request(r)
+        self.all[request_id] = r
+        self.check_invariants()
+        return r
+
+    def abort(self, request_id, mid_step=False):
+        r = self.sched.requests.get(request_id)
+        free_before = self.bm.num_free_blocks
+        held = list(r.block_ids) if r is not None else []
+        self.core.abort([request_id])
+        if r is not None:
+            assert r.status is RequestStatus.FINISHED and r.finish_reason == "abort"
+            assert r.block_ids == []
+            # Freed at once, not at the next step.
+            assert self.bm.num_free_blocks == free_before + len(held)
+            assert set(held) <= set(self.bm._free)
+        else:
+            assert self.bm.num_free_blocks == free_before
+        assert request_id not in self.sched.requests
+        assert all(x.request_id != request_id for x in self.sched.running)
+        assert all(x.request_id != request_id for x in self.sched.waiting)
+        self.check_invariants(mid_step=mid_step)
+
+    def reference(self, request_id):
+        r = self.all[request_id]
+        p = r.sampling_params
+        return reference_output(r.prompt_token_ids, p.max_tokens, self.max_model_len, self.vocab,
+                                r.eos_token_ids, p.ignore_eos, p.stop_token_ids,
+                                self.executor.script.get(request_id))
+
+    # -- steps ---------------------------------------------------------------------
+
+    def _during_step(self, out):
+        # After schedule, before execute: the scheduled requests are exactly the running ones.
+        sched = self.sched
+        assert len(sched.running) <= sched.max_num_seqs
+        assert [s.request.request_id for s in out.scheduled] == [r.request_id for r in sched.running]
+        assert out.num_tokens <= sched.max_num_batched_tokens
+        self.check_invariants(mid_step=True)
+
+    def step(self, abort_during=()):
+        """One engine step (EngineCore.step, or its three parts when aborting mid-step)."""
+        sched = self.sched
+        running_before = [r.request_id for r in sched.running]
+        waiting_before = [r.request_id for r in sched.waiting]
+        outputs_before = {rid: list(r.output_token_ids) for rid, r in self.all.items()}
+        n = len(self.executor.steps)
+        if abort_during:
+            out = sched.schedule()
+            sampled = self.executor.execute(out)
+            for rid in abort_during:
+                self.abort(rid, mid_step=True)
+            updates = sched.update(out, sampled)
+        else:
+            updates = self.core.step()
+        assert len(self.executor.steps) == n + 1
+        rec = self.executor.steps[-1]
+        out = self.executor.outs[-1]
+        cfg_budget = sched.max_num_batched_tokens
+
+        # Budget.
+        assert sum(i.num_new for i in rec.items) <= cfg_budget
+
+        # Preemption takes the newest running requests, newest first, and puts them
+        # back at the front of the waiting queue in their original order.
+        k = len(rec.preempted)
+        assert rec.preempted == list(reversed(running_before))[:k]
+        self.num_preemptions += k
+        for rid in rec.preempted:
+            r = self.all[rid]
+            assert r.num_computed_tokens == 0 and r.block_ids == []
+            assert r.output_token_ids == outputs_before[rid], "preemption lost generated tokens"
+        if k:
+            assert [r.request_id for r in sched.waiting][:k] == list(reversed(rec.preempted))
+
+        # Every running request that was not preempted is scheduled (decodes are never
+        # starved), in order, before any waiting request is admitted (FCFS).
+        survivors = running_before[:len(running_before) - k]
+        assert rec.ids[:len(survivors)] == survivors
+        admitted = rec.ids[len(survivors):]
+        assert admitted == waiting_before[:len(admitted)]
+        if k:
+            assert admitted == [], "admitted a waiting request in a step that preempted"
+        for item in rec.items:
+            if item.request_id in admitted:
+                assert item.start == 0  # waiting requests start from scratch
+
+        # Tokens are sampled only where the sequence end is reached, one update each.
+        samplers = {i.request_id for i in rec.items if i.samples}
+        assert set(rec.sampled) == samplers
+        upd_ids = [u.request_id for u in updates]
+        assert len(upd_ids) == len(set(upd_ids))
+        assert set(upd_ids) == samplers - set(abort_during)
+        for u in updates:
+            r = self.all[u.request_id]
+            assert u.new_token_ids == [rec.sampled[u.request_id]]
+            assert u.num_prompt_tokens == r.num_prompt_tokens
+            assert u.finish_reason == r.finish_reason
+            if u.finish_reason is not None:
+                assert r.status is RequestStatus.FINISHED
+                assert r.block_ids == []  # freed at once
+                item = rec.item(u.request_id)
+                assert set(item.block_ids) <= set(self.bm._free)
+            self.updates[u.request_id].append(u)
+        for rid, r in self.all.items():
+            grown = len(r.output_token_ids) - len(outputs_before[rid])
+            assert grown == (1 if rid in upd_ids else 0)
+        self.check_invariants()
+        return rec, updates
+
+    def run(self, max_steps=10_000):
+        steps = 0
+        while self.core.has_unfinished:
+            self.step()
+            steps += 1
+            assert steps < max_steps, "engine did not finish: livelock?"
+        return steps
+
+    # -- invariants ----------------------------------------------------------------
+
+    def check_invariants(self, mid_step=False):
+        sched, bm = self.sched, self.bm
+        running, waiting = list(sched.running), list(sched.waiting)
+        live = list(sched.requests.values())
+        assert len(running) <= sched.max_num_seqs
+        assert len({id(r) for r in running + waiting}) == len(running) + len(waiting)
+        assert {id(r) for r in running + waiting} == {id(r) for r in live}
+        assert all(sched.requests[rid].request_id == rid for rid in sched.requests)
+        for r in running:
+            assert r.status is RequestStatus.RUNNING
+            if not mid_step:
+                assert len(r.block_ids) == blocks_needed(r.num_computed_tokens, bm.block_size)
+                assert r.num_computed_tokens < r.num_tokens
+        for r in waiting:
+            assert r.status is RequestStatus.WAITING
+            assert r.num_computed_tokens == 0 and r.block_ids == []
+        for r in live:
+            assert r.num_output_tokens < r.sampling_params.max_tokens
+            assert r.finish_reason is None
+        for rid, r in self.all.items():
+            if rid not in sched.requests:
+                assert r.status is RequestStatus.FINISHED
+                assert r.finish_reason in ("stop", "length", "abort")
+                assert r.block_ids == []
+        # Every block id is free or owned by exactly one live request.
+        owned = [b for r in live for b in r.block_ids]
+        free = list(bm._free)
+        assert len(owned) == len(set(owned)), "a block is owned by two requests"
+        assert len(free) == len(set(free)), "a block is free twice"
+        assert not set(owned) & set(free)
+        assert sorted(owned + free) == list(range(bm.num_total_blocks))
+
+    def check_all_done(self):
+        sched, bm = self.sched, self.bm
+        assert not self.core.has_unfinished
+        assert bm.num_free_blocks == bm.num_total_blocks
+        assert sched.requests == {}
+        assert list(sched.running) == [] and list(sched.waiting) == []
+        for rid, r in self.all.items():
+            assert r.is_finished and r.block_ids == []
+            if r.finish_reason != "abort":
+                # The streamed updates add up to the output, the reason on the last one only.
+                ups = self.updates[rid]
+                assert [t for u in ups for t in u.new_token_ids] == r.output_token_ids
+                assert [u.finish_reason for u in ups[:-1]] == [None] * (len(ups) - 1)
+                assert ups[-1].finish_reason == r.finish_reason
+        # One more step: nothing to compute, the last finished ids are reported.
+        rec, updates = self.step()
+        assert rec.items == [] and updates == []
+        rec, updates = self.step()
+        assert rec.items == [] and rec.finished == [] and updates == []
+        assert bm.num_free_blocks == bm.num_total_blocks
+
+    def check_matches_reference(self, request_id):
+        r = self.all[request_id]
+        expected, reason = self.reference(request_id)
+        assert r.output_token_ids == expected
+        assert r.finish_reason == reason
+        return expected
+
+
+def prompt(seed, length, vocab=VOCAB):
+    rng = random.Random(seed)
+    return [rng.randrange(vocab) for _ in range(length)]
+
+
+# -- budgets and chunked prefill ----------------------------------------------------
+
+
+def test_long_prompt_is_chunked_and_nothing_sampled_before_prefill_completes():
+    h = Harness(max_num_batched_tokens=16, max_num_seqs=4, num_blocks=64, block_size=4)
+    a = h.add("a", prompt(1, 50), max_tokens=3)
+    for expected_start, expected_new in [(0, 16), (16, 16), (32, 16)]:
+        rec, updates = h.step()
+        assert rec.items == [rec.item("a")]
+        item = rec.item("a")
+        assert (item.start, item.num_new, item.samples) == (expected_start, expected_new, False)
+        assert updates == [] and rec.sampled == {}
+        assert a.num_output_tokens == 0
+        assert a.num_computed_tokens == expected_start + expected_new
+        assert len(a.block_ids) == blocks_needed(a.num_computed_tokens, 4)
+    rec, updates = h.step()
+    item = rec.item("a")
+    assert (item.start, item.num_new, item.samples) == (48, 2, True)
+    assert [u.request_id for u in updates] == ["a"] and a.num_output_tokens == 1
+    for _ in range(2):  # then decode, one token a step
+        rec, updates = h.step()
+        assert rec.item("a").num_new == 1 and rec.item("a").samples
+    assert a.finish_reason == "length" and a.num_output_tokens == 3
+    h.check_matches_reference("a")
+    h.check_all_done()
+
+
+def test_chunked_output_equals_unchunked_output():
+    outputs = {}
+    for budget in (8, 13, 512):
+        h = Harness(max_num_batched_tokens=budget, max_num_seqs=4, num_blocks=128)
+        for i in range(4):
+            h.add(f"r{i}", prompt(10 + i, 30 + 11 * i), max_tokens=6)
+        h.run()
+        outputs[budget] = {rid: r.output_token_ids for rid, r in h.all.items()}
+        for rid in h.all:
+            h.check_matches_reference(rid)
+        h.check_all_done()
+    assert outputs[8] == outputs[13] == outputs[512]
+
+
+def test_budgets_respected_every_step():
+    h = Harness(max_num_batched_tokens=20, max_num_seqs=3, num_blocks=128, block_size=4)
+    rng = random.Random(7)
+    for i in range(12):
+        h.add(f"r{i}", prompt(i, rng.randint(1, 45)), max_tokens=rng.randint(1, 10))
+    max_running, full_steps, seqs_bound = 0, 0, False
+    while h.core.has_unfinished:
+        rec, _ = h.step()
+        assert sum(i.num_new for i in rec.items) <= 20
+        assert len(rec.items) <= 3
+        assert len(h.sched.running) <= 3
+        max_running = max(max_running, len(rec.items))
+        full_steps += sum(i.num_new for i in rec.items) == 20
+        seqs_bound |= len(rec.items) == 3 and len(h.sched.waiting) > 0
+    assert max_running == 3 and seqs_bound, "max_num_seqs never bound: the test is too easy"
+    assert full_steps > 0, "the token budget never bound: the test is too easy"
+    for rid in h.all:
+        h.check_matches_reference(rid)
+    h.check_all_done()
+
+
+def test_decodes_of_running_requests_are_scheduled_before_new_prefills():
+    h = Harness(max_num_batched_tokens=8, max_num_seqs=4, num_blocks=64, block_size=4)
+    a = h.add("a", prompt(1, 4), max_tokens=10)
+    rec, _ = h.step()
+    assert [(i.request_id, i.num_new, i.samples) for i in rec.items] == [("a", 4, True)]
+    h.add("b", prompt(2, 20), max_tokens=3)
+    plan = [[("a", 1, True), ("b", 7, False)],
+            [("a", 1, True), ("b", 7, False)],
+            [("a", 1, True), ("b", 6, True)],
+            [("a", 1, True), ("b", 1, True)]]
+    for expected in plan:
+        out_before = a.num_output_tokens
+        rec, _ = h.step()
+        assert [(i.request_id, i.num_new, i.samples) for i in rec.items] == expected
+        assert a.num_output_tokens == out_before + 1  # a never waits for b's prefill
+    h.run()
+    h.check_matches_reference("a")
+    h.check_matches_reference("b")
+    h.check_all_done()
+
+
+def test_decodes_not_starved_when_budget_equals_max_num_seqs():
+    h = Harness(max_num_batched_tokens=4, max_num_seqs=4, num_blocks=64, block_size=4)
+    for rid in "abc":
+        h.add(rid, prompt(ord(rid), 1), max_tokens=20)
+    rec, _ = h.step()
+    assert [(i.request_id, i.num_new) for i in rec.items] == [("a", 1), ("b", 1), ("c", 1)]
+    h.add("d", prompt(4, 10), max_tokens=2)
+    for step in range(10):
+        rec, _ = h.step()
+        assert [(i.request_id, i.num_new) for i in rec.items] == [
+            ("a", 1), ("b", 1), ("c", 1), ("d", 1)]
+        assert rec.item("d").samples == (step == 9)
+    h.run()
+    for rid in "abcd":
+        h.check_matches_reference(rid)
+    h.check_all_done()
+
+
+# -- continuous batching -------------------------------------------------------------
+
+
+def test_requests_join_running_batch_and_finished_ones_leave_at_once():
+    h = Harness(max_num_batched_tokens=64, max_num_seqs=8, num_blocks=64, block_size=4)
+    a = h.add("a", prompt(1, 5), max_tokens=6)
+    h.step()
+    h.step()
+    assert a.num_output_tokens == 2
+    b = h.add("b", prompt(2, 3), max_tokens=8)
+    rec, updates = h.step()
+    # b joins the running batch right away, next to a's decode, and samples at once.
+    assert [(i.request_id, i.num_new) for i in rec.items] == [("a", 1), ("b", 3)]
+    assert {u.request_id for u in updates} == {"a", "b"}
+    assert [r.request_id for r in h.sched.running] == ["a", "b"]
+    # Run until a finishes.
+    while not a.is_finished:
+        rec, updates = h.step()
+        assert "b" in rec.ids
+    a_blocks = rec.item("a").block_ids
+    assert a.finish_reason == "length" and a.num_output_tokens == 6
+    assert a.block_ids == [] and set(a_blocks) <= set(h.bm._free)
+    assert h.bm.num_free_blocks == h.bm.num_total_blocks - len(b.block_ids)
+    assert [r.request_id for r in h.sched.running] == ["b"] and "a" not in h.sched.requests
+    c = h.add("c", prompt(3, 9), max_tokens=4)
+    rec, _ = h.step()
+    assert rec.finished == ["a"]  # the runner is told to drop a's state
+    assert rec.ids == ["b", "c"]
+    n_steps = len(h.executor.steps)
+    h.run()
+    assert all("a" not in r.ids for r in h.executor.steps[n_steps - 1:])
+    for rid in "abc":
+        h.check_matches_reference(rid)
+    assert c.finish_reason == "length"
+    h.check_all_done()
+
+
+def test_batched_outputs_equal_solo_outputs():
+    prompts = {f"r{i}": prompt(100 + i, 3 + 7 * i) for i in range(6)}
+    batched = Harness(max_num_batched_tokens=32, max_num_seqs=6, num_blocks=128)
+    for rid, p in prompts.items():
+        batched.add(rid, p, max_tokens=9)
+    batched.run()
+    batched.check_all_done()
+    for rid, p in prompts.items():
+        solo = Harness(max_num_batched_tokens=32, max_num_seqs=6, num_blocks=128)
+        solo.add(rid, p, max_tokens=9)
+        solo.run()
+        assert solo.all[rid].output_token_ids == batched.all[rid].output_token_ids
+        solo.check_all_done()
+
+
+def test_duplicate_live_request_id_is_rejected():
+    h = Harness()
+    h.add("a", prompt(1, 4), max_tokens=2)
+    with pytest.raises(ValueError):
+        h.core.add_request(Request("a", [1, 2], SamplingParams(max_tokens=2, temperature=0)))
+    h.check_invariants()
+    h.run()
+    h.check_matches_reference("a")
+    h.check_all_done()
+
+
+# -- preemption ----------------------------------------------------------------------
+
+
+def _preemption_workload(h):
+    for i, rid in enumerate("abc"):
+        h.add(rid, prompt(20 + i, 6), max_tokens=10)
+    h.add("d", prompt(30, 5), max_tokens=5)
+
+
+def test_preemption_with_tiny_cache_resumes_with_same_output():
+    # 6 blocks of 4 tokens; a, b, c each end at 16 tokens (4 blocks): they cannot all fit.
+    h = Harness(num_blocks=6, block_size=4, max_num_seqs=3, max_num_batched_tokens=64)
+    _preemption_workload(h)
+    rec, _ = h.step()
+    assert rec.ids == ["a", "b", "c"] and [r.request_id for r in h.sched.waiting] == ["d"]
+    assert h.bm.num_free_blocks == 0
+    while not rec.preempted:
+        outputs_before = list(h.all["c"].output_token_ids)
+        running_before = [r.request_id for r in h.sched.running]
+        rec, _ = h.step()
+    c = h.all["c"]
+    assert running_before == ["a", "b", "c"]
+    assert rec.preempted == ["c"]  # the newest running request
+    assert rec.ids == ["a", "b"]
+    assert c.status is RequestStatus.WAITING and c.block_ids == [] and c.num_computed_tokens == 0
+    assert c.num_preemptions == 1
+    assert c.output_token_ids == outputs_before and len(outputs_before) > 0
+    assert [r.request_id for r in h.sched.waiting] == ["c", "d"]  # at the FRONT of waiting
+    assert h.bm.num_free_blocks + sum(len(h.all[x].block_ids) for x in "ab") == 6
+
+    # Resumed later: recomputed from scratch, prompt and generated tokens in one go.
+    num_tokens_at_preemption = c.num_tokens
+    while True:
+        rec, _ = h.step()
+        item = rec.item("c")
+        if item is not None:
+            break
+    assert item.start == 0 and item.num_new == num_tokens_at_preemption and item.samples
+    h.run()
+    assert h.num_preemptions >= 1
+    small = {rid: r.output_token_ids for rid, r in h.all.items()}
+    assert all(r.finish_reason == "length" for r in h.all.values())
+    h.check_all_done()
+
+    big = Harness(num_blocks=64, block_size=4, max_num_seqs=3, max_num_batched_tokens=64)
+    _preemption_workload(big)
+    big.run()
+    assert big.num_preemptions == 0
+    assert {rid: r.output_token_ids for rid, r in big.all.items()} == small
+    for rid in "abcd":
+        big.check_matches_reference(rid)
+        assert len(small[rid]) == big.all[rid].sampling_params.max_tokens
+    big.check_all_done()
+
+
+def test_preemption_of_several_requests_keeps_their_order():
+    # Four requests grow in lockstep and fill the cache (8 blocks of 2 tokens); when
+    # they all cross a block boundary together the two newest must make room.
+    h = Harness(num_blocks=8, block_size=2, max_num_seqs=4, max_num_batched_tokens=16)
+    for rid in "abcd":
+        h.add(rid, prompt(ord(rid), 3), max_tokens=10)
+    h.add("w", prompt(9, 3), max_tokens=3)
+    rec, _ = h.step()  # 3 prompt tokens each: 2 blocks each, the whole cache
+    assert rec.ids == ["a", "b", "c", "d"] and h.bm.num_free_blocks == 0
+    rec, _ = h.step()  # the 4th token still fits in 2 blocks
+    assert rec.ids == ["a", "b", "c", "d"] and rec.preempted == []
+    rec, _ = h.step()  # the 5th token needs a 3rd block for everyone
+    # a takes a block from d's two, b the other; c then finds nothing and is preempted
+    # itself. Newest first, and back in the waiting queue in their original order.
+    assert rec.preempted == ["d", "c"]
+    assert rec.ids == ["a", "b"]
+    assert [r.request_id for r in h.sched.waiting] == ["c", "d", "w"]
+    for rid in "cd":
+        r = h.all[rid]
+        assert r.num_computed_tokens == 0 and r.block_ids == [] and r.num_output_tokens == 2
+    h.run()
+    for rid in "abcdw":
+        h.check_matches_reference(rid)
+    h.check_all_done()
+
+
+# -- stop conditions -----------------------------------------------------------------
+
+
+def test_eos_ends_with_stop():
+    h = Harness(script={"a": {2: EOS}})
+    a = h.add("a", prompt(1, 5), max_tokens=10)
+    h.run()
+    assert a.finish_reason == "stop"
+    assert len(a.output_token_ids) == 3 and a.output_token_ids[-1] == EOS
+    assert [u.finish_reason for u in h.updates["a"]] == [None, None, "stop"]
+    h.check_matches_reference("a")
+    h.check_all_done()
+
+
+def test_eos_as_first_token_stops_at_prefill():
+    h = Harness(script={"a": {0: EOS}})
+    a = h.add("a", prompt(1, 5), max_tokens=10)
+    rec, updates = h.step()
+    assert a.finish_reason == "stop" and a.output_token_ids == [EOS]
+    assert [(u.new_token_ids, u.finish_reason) for u in updates] == [([EOS], "stop")]
+    h.check_all_done()
+
+
+def test_any_of_several_eos_ids_stops():
+    h = Harness(script={"a": {1: EOS + 1}})
+    a = h.add("a", prompt(1, 5), max_tokens=10, eos={EOS, EOS + 1})
+    h.run()
+    assert a.finish_reason == "stop" and a.output_token_ids[-1] == EOS + 1
+    assert a.num_output_tokens == 2
+    h.check_all_done()
+
+
+def test_ignore_eos_keeps_going_until_max_tokens():
+    h = Harness(script={"a": {2: EOS}})
+    a = h.add("a", prompt(1, 5), max_tokens=6, ignore_eos=True)
+    h.run()
+    assert a.finish_reason == "length"
+    assert a.num_output_tokens == 6 and a.output_token_ids[2] == EOS
+    h.check_matches_reference("a")
+    h.check_all_done()
+
+
+def test_stop_token_ids_end_with_stop():
+    h = Harness(script={"a": {1: 42}, "b": {3: 42}, "c": {1: 42}})
+    a = h.add("a", prompt(1, 5), max_tokens=10, stop_token_ids=[7, 42])
+    # stop_token_ids are not EOS: ignore_eos does not disable them.
+    b = h.add("b", prompt(2, 5), max_tokens=10, stop_token_ids=[42], ignore_eos=True)
+    # 42 without being a stop id is an ordinary token.
+    c = h.add("c", prompt(3, 5), max_tokens=4)
+    h.run()
+    assert a.finish_reason == "stop" and a.num_output_tokens == 2 and a.output_token_ids[-1] == 42
+    assert b.finish_reason == "stop" and b.num_output_tokens == 4 and b.output_token_ids[-1] == 42
+    assert c.finish_reason == "length" and c.num_output_tokens == 4 and c.output_token_ids[1] == 42
+    for rid in "abc":
+        h.check_matches_reference(rid)
+    h.check_all_done()
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 7])
+def test_max_tokens_ends_with_length(max_tokens):
+    h = Harness()
+    a = h.add("a", prompt(1, 5), max_tokens=max_tokens)
+    steps = h.run()
+    assert steps == max_tokens  # one prefill step, then one decode step per token
+    assert a.finish_reason == "length" and a.num_output_tokens == max_tokens
+    assert [u.finish_reason for u in h.updates["a"]] == [None] * (max_tokens - 1) + ["length"]
+    h.check_matches_reference("a")
+    h.check_all_done()
+
+
+def test_max_model_len_ends_with_length():
+    h = Harness(max_model_len=12)
+    a = h.add("a", prompt(1, 8), max_tokens=100)
+    h.run()
+    assert a.finish_reason == "length"
+    assert a.num_tokens == 12 and a.num_output_tokens == 4
+    h.check_matches_reference("a")
+    h.check_all_done()
+
+
+# -- abort ---------------------------------------------------------------------------
+
+
+def test_abort_waiting_request():
+    h = Harness(max_num_seqs=1, max_num_batched_tokens=16)
+    a = h.add("a", prompt(1, 5), max_tokens=4)
+    b = h.add("b", prompt(2, 5), max_tokens=4)
+    h.step()
+    assert b.status is RequestStatus.WAITING
+    free = h.bm.num_free_blocks
+    h.abort("b")  # checks blocks, queues and status
+    assert h.bm.num_free_blocks == free
+    rec, _ = h.step()
+    assert rec.finished == ["b"] and "b" not in rec.ids
+    h.run()
+    assert all("b" not in r.ids for r in h.executor.steps)
+    assert b.finish_reason == "abort" and b.output_token_ids == []
+    h.check_matches_reference("a")
+    h.check_all_done()
+
+
+def test_abort_running_request_frees_blocks_immediately():
+    h = Harness(max_num_batched_tokens=64, num_blocks=32)
+    a = h.add("a", prompt(1, 9), max_tokens=20)
+    b = h.add("b", prompt(2, 6), max_tokens=8)
+    h.step()
+    h.step()
+    n_steps = len(h.executor.steps)
+    assert a.status is RequestStatus.RUNNING and len(a.block_ids) == 3
+    free = h.bm.num_free_blocks
+    outputs = list(a.output_token_ids)
+    h.abort("a")
+    assert h.bm.num_free_blocks == free + 3
+    rec, _ = h.step()
+    assert rec.finished == ["a"] and rec.ids == ["b"]
+    h.run()
+    assert all("a" not in r.ids for r in h.executor.steps[n_steps:])
+    assert a.output_token_ids == outputs and a.finish_reason == "abort"
+    h.check_matches_reference("b")
+    h.check_all_done()
+
+
+def test_abort_during_chunked_prefill():
+    h = Harness(max_num_batched_tokens=8, num_blocks=32)
+    a = h.add("a", prompt(1, 30), max_tokens=3)
+    h.step()
+    assert 0 < a.num_computed_tokens < a.num_tokens and a.block_ids
+    h.abort("a")
+    h.step()
+    h.check_all_done()
+    assert a.output_token_ids == []
+
+
+def test_abort_while_step_runs_drops_its_result():
+    h = Harness(max_num_batched_tokens=64, num_blocks=32)
+    a = h.add("a", prompt(1, 9), max_tokens=20)
+    b = h.add("b", prompt(2, 6), max_tokens=5)
+    h.step()
+    n_steps = len(h.executor.steps)
+    outputs = list(a.output_token_ids)
+    rec, updates = h.step(abort_during=["a"])  # a was scheduled and sampled, then aborted
+    assert "a" in rec.sampled
+    assert [u.request_id for u in updates] == ["b"]
+    assert a.output_token_ids == outputs and a.block_ids == []
+    h.run()
+    assert all("a" not in r.ids for r in h.executor.steps[n_steps + 1:])
+    h.check_matches_reference("b")
+    h.check_all_done()
+
+
+def test_abort_of_preempted_request():
+    h = Harness(num_blocks=6, block_size=4, max_num_seqs=3, max_num_batched_tokens=64)
+    _preemption_workload(h)
+    while True:
+        rec, _ = h.step()
+        if rec.preempted:
+            break
+    n_steps = len(h.executor.steps)
+    h.abort("c")
+    h.run()
+    assert all("c" not in r.ids for r in h.executor.steps[n_steps:])
+    for rid in "abd":
+        h.check_matches_reference(rid)
+    h.check_all_done()
+
+
+def test_abort_unknown_or_finished_request_is_noop():
+    h = Harness()
+    a = h.add("a", prompt(1, 3), max_tokens=2)
+    assert h.sched.finish_request("nope", "abort") is None
+    h.run()
+    assert h.sched.finish_request("a", "abort") is None
+    assert a.finish_reason == "length"
+    h.check_all_done()
+
+
+# -- scheduler without EngineCore ----------------------------------------------------
+
+
+def test_scheduler_direct_api():
+    from gristmill.engine.kv_blocks import BlockManager
+    bm = BlockManager(8, 4)
+    sched = Scheduler(bm, max_num_seqs=2, max_num_batched_tokens=8, max_model_len=64)
+    r = Request("x", [5, 6, 7], SamplingParams(max_tokens=2, temperature=0),
+                eos_token_ids=frozenset({EOS}))
+    sched.add_request(r)
+    assert list(sched.waiting) == [r] and sched.requests == {"x": r}
+    out = sched.schedule()
+    assert out.num_tokens == 3 and len(out.scheduled) == 1
+    assert out.scheduled[0].samples and out.scheduled[0].num_new_tokens == 3
+    assert sched.running == [r] and not sched.waiting
+    assert sched.update(out, {"x": SampledToken(11)})[0].finish_reason is None
+    out = sched.schedule()
+    assert out.num_tokens == 1
+    (update,) = sched.update(out, {"x": SampledToken(12)})
+    assert update.new_token_ids == [12] and update.finish_reason == "length"
+    assert r.output_token_ids == [11, 12]
+    assert bm.num_free_blocks == 8 and sched.requests == {} and not sched.running
+    out = sched.schedule()
+    assert out.scheduled == [] and out.finished_request_ids == ["x"]
+
+
+# -- randomized stress ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cfg", [
+    dict(block_size=4, num_blocks=24, max_num_seqs=8, max_num_batched_tokens=32),
+    dict(block_size=2, num_blocks=40, max_num_seqs=6, max_num_batched_tokens=6),
+    dict(block_size=8, num_blocks=12, max_num_seqs=16, max_num_batched_tokens=64),
+], ids=["bs4", "bs2-tight-budget", "bs8-many-seqs"])
+def test_randomized_stress(cfg):
+    seed = 20240611 + cfg["block_size"]
+    rng = random.Random(seed)
+    vocab = 50  # small, so EOS and stop ids are actually hit
+    h = Harness(max_model_len=256, vocab=vocab, **cfg)
+    num_requests = 300
+    next_id = 0
+    steps = 0
+    aborted = set()
+    while next_id < num_requests or h.core.has_unfinished:
+        # Arrivals between steps.
+        for _ in range(rng.choice([0, 0, 1, 1, 2, 3])):
+            if next_id >= num_requests:
+                break
+            params = {}
+            eos = {vocab + 1}
+            if rng.random() < 0.3:
+                eos = {rng.randrange(vocab)}
+                params["ignore_eos"] = rng.random() < 0.3
+            if rng.random() < 0.25:
+                params["stop_token_ids"] = rng.sample(range(vocab), rng.randint(1, 2))
+            rid = f"r{next_id}"
+            next_id += 1
+            total_cap = cfg["num_blocks"] * cfg["block_size"]
+            p_len = rng.randint(1, 40)
+            max_tokens = rng.randint(1, 30)
+            assert p_len + max_tokens <= total_cap  # what InputProcessor guarantees
+            h.add(rid, prompt(rng.random(), p_len, vocab), max_tokens=max_tokens, eos=eos, **params)
+        # Random aborts, between steps or while a step runs.
+        live = sorted(h.sched.requests)
+        abort_during = []
+        if live and rng.random() < 0.05:
+            rid = rng.choice(live)
+            h.abort(rid)
+            aborted.add(rid)
+            live.remove(rid)
+        if live and rng.random() < 0.03:
+            abort_during = [rng.choice(live)]
+            aborted.update(abort_during)
+        if rng.random() < 0.01:
+            h.abort("never-added")
+        h.step(abort_during=abort_during)
+        steps += 1
+        assert steps < 50_000, "did not finish: livelock?"
+
+    reasons = defaultdict(int)
+    for rid, r in h.all.items():
+        expected, reason = h.reference(rid)
+        reasons[r.finish_reason] += 1
+        if rid in aborted:
+            assert r.finish_reason == "abort"
+            # Aborted while unfinished: what it produced is a strict prefix of its output.
+            assert r.output_token_ids == expected[:len(r.output_token_ids)]
+            assert len(r.output_token_ids) < len(expected)
+        else:
+            assert r.output_token_ids == expected, rid
+            assert r.finish_reason == reason, rid
+            if reason == "length":
+                assert r.num_output_tokens == r.sampling_params.max_tokens
+            else:
+                last = r.output_token_ids[-1]
+                stops = set(r.sampling_params.stop_token_ids)
+                if not r.sampling_params.ignore_eos:
+                    stops |= r.eos_token_ids
+                assert last in stops
+                assert not stops & set(r.output_token_ids[:-1])
+                assert r.num_output_tokens <= r.sampling_params.max_tokens
+    assert len(h.all) == num_requests
+    # The scenario exercised what it is meant to.
+    assert h.num_preemptions > 0
+    assert reasons["abort"] > 0 and reasons["stop"] > 0 and reasons["length"] > 0
+    assert any(not i.samples for rec in h.executor.steps for i in rec.items), "no chunked prefill"
+    h.check_all_done()

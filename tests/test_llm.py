@@ -1,0 +1,143 @@
+"""LLM.generate / LLM.chat end to end on the real bundled Gemma 3 270M."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gristmill import LLM, PromptTooLongError, RequestError, SamplingParams
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at",
+           "Here is a short poem about the sea:\n"]
+
+
+@pytest.fixture(scope="module")
+def hf_model(default_llm):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(str(default_llm.runner.model_dir),
+                                                dtype=torch.float32).eval()
+
+
+def greedy(max_tokens=32, **kw):
+    return SamplingParams(max_tokens=max_tokens, temperature=0, **kw)
+
+
+def test_greedy_matches_transformers_token_for_token(default_llm, hf_model):
+    outs = default_llm.generate(PROMPTS, greedy(32, ignore_eos=True), use_tqdm=False)
+    for out in outs:
+        ids = torch.tensor([out.prompt_token_ids])
+        with torch.inference_mode():
+            ref = hf_model.generate(ids, max_new_tokens=32, do_sample=False, eos_token_id=None)
+        assert out.token_ids == ref[0, ids.shape[1]:].tolist(), out.prompt
+        assert out.finish_reason == "length"
+        assert out.text == default_llm.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+
+
+def test_single_prompt_and_token_id_prompt(default_llm):
+    [by_text] = default_llm.generate("The capital of France is", greedy(8), use_tqdm=False)
+    [by_ids] = default_llm.generate(by_text.prompt_token_ids, greedy(8), use_tqdm=False)
+    assert by_text.prompt_token_ids[0] == default_llm.tokenizer.bos_token_id
+    assert by_ids.token_ids == by_text.token_ids and len(by_ids.token_ids) == 8
+    assert by_ids.prompt is None and by_text.prompt == "The capital of France is"
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(default_llm):
+    seeded = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, top_k=50, seed=1234)
+    [alone] = default_llm.generate("Once upon a time", seeded, use_tqdm=False)
+    others = [SamplingParams(max_tokens=n, temperature=1.0) for n in (5, 30, 12)]
+    mixed = default_llm.generate(["Hello", "Once upon a time", "A list of fruits:", "Why is the sky"],
+                                 [others[0], seeded, others[1], others[2]], use_tqdm=False)
+    assert mixed[1].token_ids == alone.token_ids
+    assert len(alone.token_ids) == 24
+    other_seeds = default_llm.generate(["Once upon a time"] * 3,
+                                       [seeded.clone(seed=s) for s in (1, 2, 3)], use_tqdm=False)
+    assert any(o.token_ids != alone.token_ids for o in other_seeds)
+
+
+def test_stop_string_ends_generation_and_is_not_returned(default_llm):
+    [full] = default_llm.generate("The capital of France is", greedy(32, ignore_eos=True), use_tqdm=False)
+    text = full.text
+    stop = text[12:17]
+    expected = text[:text.find(stop)]
+    [out] = default_llm.generate("The capital of France is", greedy(32, stop=[stop, "zzzz-never"]),
+                                 use_tqdm=False)
+    assert out.finish_reason == "stop"
+    assert out.text == expected
+    assert stop not in out.text
+    assert len(out.token_ids) < 32
+
+
+def test_stop_token_ids(default_llm):
+    [full] = default_llm.generate("def fibonacci(n):", greedy(32, ignore_eos=True), use_tqdm=False)
+    stop_token = full.token_ids[6]
+    cut = full.token_ids.index(stop_token)
+    [out] = default_llm.generate("def fibonacci(n):", greedy(32, stop_token_ids=[stop_token]), use_tqdm=False)
+    assert out.finish_reason == "stop"
+    assert out.token_ids == full.token_ids[:cut + 1]
+
+
+def test_eos_stops_unless_ignored(default_llm):
+    eos = default_llm.tokenizer.convert_tokens_to_ids("<end_of_turn>")
+    assert eos in default_llm.inputs.eos_token_ids
+    [chat] = default_llm.chat([{"role": "user", "content": "Say hi."}], greedy(200), use_tqdm=False)
+    assert chat.prompt_token_ids[-3:] == default_llm.tokenizer.encode(
+        "<start_of_turn>model\n", add_special_tokens=False)[-3:]
+    if chat.finish_reason == "stop":
+        assert chat.token_ids[-1] in default_llm.inputs.eos_token_ids
+        [ignored] = default_llm.chat([{"role": "user", "content": "Say hi."}],
+                                     greedy(len(chat.token_ids) + 3, ignore_eos=True), use_tqdm=False)
+        assert ignored.finish_reason == "length"
+        assert ignored.token_ids[:len(chat.token_ids)] == chat.token_ids
+    else:
+        assert chat.finish_reason == "length" and len(chat.token_ids) == 200
+
+
+def test_invalid_prompts_become_error_outputs_and_others_are_unaffected(default_llm):
+    limit = default_llm.max_model_len
+    too_long = [2] + [236743] * 40
+    outs = default_llm.generate(["The capital of France is", "", too_long, [10**9]],
+                                [greedy(8), greedy(8), greedy(limit - 20), greedy(8)], use_tqdm=False)
+    [reference] = default_llm.generate("The capital of France is", greedy(8), use_tqdm=False)
+    assert outs[0].error is None and outs[0].token_ids == reference.token_ids
+    assert outs[1].finish_reason == "error"
+    assert outs[1].error.startswith("RequestError: prompt is empty")
+    assert outs[2].finish_reason == "error"
+    assert outs[2].error.startswith("PromptTooLongError:")
+    assert f"max_model_len ({limit})" in outs[2].error and "41 tokens" in outs[2].error
+    assert outs[3].error.startswith("RequestError:") and "vocabulary" in outs[3].error
+
+
+def test_invalid_sampling_params_name_the_field():
+    for kwargs, param in [({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"),
+                          ({"max_tokens": 0}, "max_tokens"), ({"n": 0}, "n"),
+                          ({"logprobs": 99}, "logprobs"), ({"stop": [""]}, "stop")]:
+        with pytest.raises(RequestError) as info:
+            SamplingParams(**kwargs)
+        assert info.value.param == param
+        assert param in str(info.value)
+
+
+def test_prompt_too_long_is_a_request_error():
+    assert issubclass(PromptTooLongError, RequestError) and issubclass(RequestError, ValueError)
+
+
+def test_n_completions_and_logprobs(default_llm):
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=7, n=3, logprobs=3)
+    [out] = default_llm.generate("My favourite animal is", params, use_tqdm=False)
+    assert len(out.outputs) == 3
+    assert len({tuple(o.token_ids) for o in out.outputs}) > 1
+    for completion in out.outputs:
+        assert len(completion.logprobs) == len(completion.token_ids) == 8
+        for token, entry in zip(completion.token_ids, completion.logprobs):
+            assert token in entry and 3 <= len(entry) <= 4
+            assert all(v <= 0 for v in entry.values())
+    [top] = default_llm.generate("My favourite animal is", greedy(6, logprobs=2), use_tqdm=False)
+    for token, entry in zip(top.token_ids, top.logprobs):
+        assert entry[token] == pytest.approx(max(entry.values()))
+
+
+def test_every_block_is_returned(default_llm):
+    stats = default_llm.core.stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    assert stats["num_running"] == stats["num_waiting"] == 0
+    assert default_llm.outputs.num_live == 0
