@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gristmill.model.context import get_context
+from gristmill.model.kernels import paged_decode_attention
 
 
 class RMSNorm(nn.Module):
@@ -135,6 +136,14 @@ class PagedAttention(nn.Module):
         return cache[block_tables].view(batch, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
 
     def _decode(self, q: torch.Tensor, ctx) -> torch.Tensor:
+        kernel = paged_decode_attention() if q.device.type == "cpu" and q.dtype == torch.float32 else None
+        if kernel is not None:
+            return kernel(q, self.k_cache, self.v_cache, ctx.decode_block_tables,
+                          ctx.decode_context_lens, self.scale, self.sliding_window or 0)
+        return self.decode_reference(q, ctx)
+
+    def decode_reference(self, q: torch.Tensor, ctx) -> torch.Tensor:
+        """Pure-torch decode: gather each sequence's keys and values, then SDPA."""
         keys = self._gather(self.k_cache, ctx.decode_block_tables)
         values = self._gather(self.v_cache, ctx.decode_block_tables)
         mask = ctx.decode_mask(self.sliding_window)

@@ -1,0 +1,94 @@
+// Decode attention straight from the paged KV cache on CPU: one query token per
+// sequence attends to its cached keys and values through its block table, without
+// gathering them into a padded copy first.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
+  return acc;
+}
+
+}  // namespace
+
+// q: (batch, num_heads, head_dim) float32, contiguous.
+// k_cache, v_cache: (num_blocks, block_size, num_kv_heads, head_dim) float32, contiguous.
+// block_tables: (batch, max_blocks) int64; context_lens: (batch,) int64.
+// window: keys older than the last `window` positions are masked (0 = no window).
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_tables, torch::Tensor context_lens,
+                                     double scale, int64_t window) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat,
+              "paged_decode_attention takes float32 tensors");
+  q = q.contiguous();
+  block_tables = block_tables.contiguous();
+  context_lens = context_lens.contiguous();
+  const int64_t batch = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads, max_blocks = block_tables.size(1);
+  auto out = torch::empty_like(q);
+
+  const float* q_ptr = q.data_ptr<float>();
+  const float* k_ptr = k_cache.data_ptr<float>();
+  const float* v_ptr = v_cache.data_ptr<float>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  float* out_ptr = out.data_ptr<float>();
+  const float fscale = static_cast<float>(scale);
+
+  // One work item = one sequence and one KV head, with all query heads of its group,
+  // so each cached key and value is read once.
+  at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    std::vector<float> acc(head_dim);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / num_kv_heads, kv_head = item % num_kv_heads;
+      const int64_t len = lens[b];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t span = len - first;
+      scores.resize(group * span);
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t head = kv_head * group + g;
+        const float* qh = q_ptr + (b * num_heads + head) * head_dim;
+        float* s = scores.data() + g * span;
+        float max_score = -std::numeric_limits<float>::infinity();
+        for (int64_t t = first; t < len; ++t) {
+          const int64_t slot = tables[b * max_blocks + t / block_size] * block_size + t % block_size;
+          const float value = dot(qh, k_ptr + (slot * num_kv_heads + kv_head) * head_dim, head_dim) * fscale;
+          s[t - first] = value;
+          max_score = std::max(max_score, value);
+        }
+        float total = 0.f;
+        for (int64_t i = 0; i < span; ++i) {
+          s[i] = std::exp(s[i] - max_score);
+          total += s[i];
+        }
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t t = first; t < len; ++t) {
+          const int64_t slot = tables[b * max_blocks + t / block_size] * block_size + t % block_size;
+          const float* vh = v_ptr + (slot * num_kv_heads + kv_head) * head_dim;
+          const float p = s[t - first];
+#pragma omp simd
+          for (int64_t d = 0; d < head_dim; ++d) acc[d] += p * vh[d];
+        }
+        float* o = out_ptr + (b * num_heads + head) * head_dim;
+        const float inv = 1.f / total;
+        for (int64_t d = 0; d < head_dim; ++d) o[d] = acc[d] * inv;
+      }
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "decode attention over a paged KV cache (CPU, float32)");
+}
