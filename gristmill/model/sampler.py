@@ -28,9 +28,12 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplerRow]):
         """logits: (num_rows, vocab). Returns (token ids list, logprobs list of dict|None)."""
         logits = logits.float()
-        tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
         greedy = [i for i, row in enumerate(rows) if row.params.greedy]
         random = [i for i, row in enumerate(rows) if not row.params.greedy]
+        if not random:  # all greedy: no copy of the (rows, vocab) logits
+            tokens = logits.argmax(dim=-1).tolist()
+            return tokens, self._logprobs(logits, rows, tokens)
+        tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
         if greedy:
             index = torch.tensor(greedy, device=logits.device)
             tokens[index] = logits[index].argmax(dim=-1)

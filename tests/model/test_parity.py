@@ -245,8 +245,7 @@ def test_gemma3_sliding_window_matters(family):
 
 
 def test_large_vocab_many_rows(tmp_path):
-    """A vocabulary over 32k and 9 rows sampled per step: the CPU LM head's sliced
-    matmul path must give the same logits as one plain projection."""
+    """A larger vocabulary and 9 rows sampled per step still match the reference."""
     config = transformers.LlamaConfig(**{**_COMMON, "vocab_size": 40_000, "num_hidden_layers": 2},
                                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     torch.manual_seed(0)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gristmill.model.layers import GatedMLP, LMHead, PagedAttention, RMSNorm, shared_rotary
+from gristmill.model.layers import GatedMLP, PagedAttention, RMSNorm, shared_rotary
 
 
 class Gemma3Attention(nn.Module):
@@ -76,7 +76,7 @@ class Gemma3ForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = Gemma3TextModel(config, max_positions)
-        self.lm_head = LMHead(config.hidden_size, config.vocab_size)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.softcap = config.final_logit_softcapping

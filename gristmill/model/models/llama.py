@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gristmill.model.layers import GatedMLP, LMHead, PagedAttention, RMSNorm, shared_rotary
+from gristmill.model.layers import GatedMLP, PagedAttention, RMSNorm, shared_rotary
 
 
 class LlamaAttention(nn.Module):
@@ -75,7 +75,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, max_positions, self.qkv_bias, self.qk_norm)
-        self.lm_head = LMHead(config.hidden_size, config.vocab_size)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
