@@ -6,7 +6,7 @@ from gristmill.errors import (EngineDeadError, EngineOverloadedError, Generation
 from gristmill.outputs import CompletionOutput, RequestOutput
 from gristmill.sampling import SamplingParams
 
-__all__ = ["LLM", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput",
+__all__ = ["LLM", "AsyncEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput",
            "GristmillError", "RequestError", "PromptTooLongError", "GenerationError",
            "EngineOverloadedError", "EngineDeadError", "is_fatal"]
 
@@ -16,4 +16,7 @@ def __getattr__(name):
     if name == "LLM":
         from gristmill.llm import LLM
         return LLM
+    if name == "AsyncEngine":
+        from gristmill.engine.async_engine import AsyncEngine
+        return AsyncEngine
     raise AttributeError(f"module 'gristmill' has no attribute {name!r}")

@@ -36,6 +36,11 @@ class EngineConfig:
     #: Most requests waiting to be scheduled; past it new requests get
     #: EngineOverloadedError. None = unbounded.
     max_waiting_requests: int | None = None
+    #: A step of the engine-core process that runs longer than this is a hang: the
+    #: core is killed and every request fails with EngineDeadError.
+    step_timeout_s: float = 60.0
+    #: Longest wait for the engine-core process to load the model and report ready.
+    start_timeout_s: float = 600.0
 
     def __post_init__(self):
         def check(ok: bool, name: str, message: str):
@@ -63,6 +68,10 @@ class EngineConfig:
               f"must be 'auto', 'float32', 'bfloat16' or 'float16', got {self.dtype!r}")
         check(self.max_waiting_requests is None or _positive_int(self.max_waiting_requests),
               "max_waiting_requests", f"must be a positive integer or None, got {self.max_waiting_requests!r}")
+        for name in ("step_timeout_s", "start_timeout_s"):
+            value = getattr(self, name)
+            check(isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0, name,
+                  f"must be a number of seconds > 0, got {value!r}")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":

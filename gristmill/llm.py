@@ -125,8 +125,9 @@ class LLM:
         try:
             if early_error is not None:
                 raise early_error
-            result.prompt_token_ids = self._tokenize(prompt, add_special_tokens)
-            requests = self.inputs.make_requests(request_id, result.prompt_token_ids, params)
+            result.prompt_token_ids = self.inputs.tokenize(prompt, add_special_tokens)
+            requests = self.inputs.make_requests(request_id, result.prompt_token_ids, params,
+                                                 result.prompt)
             self.outputs.add(result, [r.request_id for r in requests], params)
         except (RequestError, GenerationError) as exc:
             for output in result.outputs:
@@ -135,17 +136,6 @@ class LLM:
         for request in requests:
             self.core.add_request(request)
         return result
-
-    def _tokenize(self, prompt, add_special_tokens: bool) -> list[int]:
-        if isinstance(prompt, str) and prompt and not add_special_tokens:
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
-        try:
-            return self.inputs.tokenize(prompt)
-        except RequestError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - a tokenizer failure ends only this prompt
-            raise GenerationError(f"tokenizing the prompt failed: {exc}") from exc
-
 
 def _params_per_prompt(sampling_params, count: int) -> list[SamplingParams]:
     if sampling_params is None:

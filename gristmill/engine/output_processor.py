@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gristmill.engine import faults
 from gristmill.engine.detokenizer import IncrementalDetokenizer
 from gristmill.engine.scheduler import RequestUpdate
 from gristmill.errors import GenerationError, error_string
@@ -35,6 +36,7 @@ class OutputProcessor:
             if params.logprobs is not None:
                 output.logprobs = []
             try:
+                faults.check("detokenize_init", prompt=parent.prompt)
                 detok = IncrementalDetokenizer(self.tokenizer, parent.prompt_token_ids, params.stop,
                                                params.skip_special_tokens)
             except Exception as exc:  # noqa: BLE001 - per-request isolation
@@ -47,7 +49,20 @@ class OutputProcessor:
 
     def process(self, updates: list[RequestUpdate]) -> tuple[list[RequestOutput], list[str]]:
         """Apply updates. Returns the outputs that changed and the child ids the core must
-        end now (stop string reached, or detokenizing failed)."""
+        end now (stop string reached, or processing failed).
+
+        If the batch as a whole fails, every request still live in it ends with
+        GenerationError; the engine itself stays healthy."""
+        try:
+            faults.check("output_batch")
+            return self._process(updates)
+        except Exception as exc:  # noqa: BLE001 - isolate the batch, not the engine
+            error = GenerationError(f"processing a batch of engine outputs failed: {exc}")
+            failed = [u.request_id for u in updates if u.request_id in self._live]
+            parents = [self.fail(request_id, error) for request_id in failed]
+            return list({id(p): p for p in parents}.values()), failed
+
+    def _process(self, updates: list[RequestUpdate]) -> tuple[list[RequestOutput], list[str]]:
         changed: dict[int, RequestOutput] = {}
         to_finish: list[str] = []
         for update in updates:
@@ -59,6 +74,7 @@ class OutputProcessor:
             if update.new_logprobs is not None and output.logprobs is not None:
                 output.logprobs.extend(update.new_logprobs)
             try:
+                faults.check("detokenize", prompt=live.parent.prompt)
                 stopped = live.detokenizer.add_tokens(update.new_token_ids)
             except Exception as exc:  # noqa: BLE001 - per-request isolation
                 self.fail(update.request_id, GenerationError(f"detokenizing failed: {exc}"))

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from gristmill.engine import faults
 from gristmill.engine.kv_blocks import blocks_needed
 from gristmill.engine.request import Request
-from gristmill.errors import PromptTooLongError, RequestError
+from gristmill.errors import GenerationError, PromptTooLongError, RequestError
 from gristmill.sampling import SamplingParams
 
 
@@ -18,11 +19,17 @@ class InputProcessor:
         self.block_size = block_size
         self.num_total_blocks = num_total_blocks
 
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
+    def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a prompt. Invalid input raises RequestError; a tokenizer failure
+        raises GenerationError."""
         if isinstance(prompt, str):
             if not prompt:
                 raise RequestError("prompt is empty; send at least one token of text", param="prompt")
-            return self.tokenizer.encode(prompt)
+            try:
+                faults.check("tokenize", prompt=prompt)
+                return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+            except Exception as exc:  # noqa: BLE001 - a tokenizer failure ends only this request
+                raise GenerationError(f"tokenizing the prompt failed: {exc}") from exc
         if not isinstance(prompt, (list, tuple)) or not all(
                 isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             raise RequestError(f"prompt must be a string or a list of token ids, got "
@@ -35,16 +42,16 @@ class InputProcessor:
                                f"[0, {self.vocab_size})", param="prompt")
         return list(prompt)
 
-    def make_requests(self, request_id: str, prompt_token_ids: list[int],
-                      params: SamplingParams) -> list[Request]:
+    def make_requests(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                      prompt: str | None = None) -> list[Request]:
         """One Request per completion (`params.n`); raises RequestError when invalid."""
         params.validate()
         self.check_fits(prompt_token_ids, params)
         if params.n == 1:
-            return [Request(request_id, prompt_token_ids, params, self.eos_token_ids)]
+            return [Request(request_id, prompt_token_ids, params, self.eos_token_ids, prompt)]
         return [Request(child_request_id(request_id, i), prompt_token_ids,
                         params.clone(n=1, seed=None if params.seed is None else params.seed + i),
-                        self.eos_token_ids)
+                        self.eos_token_ids, prompt)
                 for i in range(params.n)]
 
     def check_fits(self, prompt_token_ids: list[int], params: SamplingParams) -> None:

@@ -27,6 +27,8 @@ class Request:
     sampling_params: SamplingParams
     #: Token ids that end the request unless `ignore_eos` (the model's EOS ids).
     eos_token_ids: frozenset[int] = frozenset()
+    #: The prompt text, when there is one (fault-injection triggers match on it).
+    prompt: str | None = None
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)

@@ -10,8 +10,9 @@ import numpy as np
 import torch
 
 from gristmill.config import EngineConfig
+from gristmill.engine import faults
 from gristmill.engine.scheduler import SampledToken, SchedulerOutput
-from gristmill.model import layers
+from gristmill.model import kernels, layers
 from gristmill.model.context import AttentionMetadata, PrefillChunk, set_context
 from gristmill.model.loader import load_config, load_weights, resolve_model
 from gristmill.model.models import model_class
@@ -61,8 +62,11 @@ class ModelRunner:
         self.block_size = config.block_size
         self.num_blocks = self._num_kv_blocks()
         self._allocate_kv_cache()
+        if self.device.type == "cpu" and self.dtype == torch.float32:
+            kernels.paged_decode_attention()  # build it now, not inside the first step
         self.sampler = Sampler(config.seed, self.device)
         self.generators: dict[str, torch.Generator] = {}
+        self.num_steps = 0
 
     def _build_model(self) -> torch.nn.Module:
         layers.clear_rotary_cache()
@@ -119,6 +123,10 @@ class ModelRunner:
         ScheduledRequests). The KV cache is updated for every scheduled token."""
         if not out.scheduled:
             return None, []
+        self.num_steps += 1
+        if faults.ACTIVE:
+            for item in out.scheduled:
+                faults.check("forward", prompt=item.request.prompt, step=self.num_steps)
         inputs = self.prepare_inputs(out)
         set_context(inputs.metadata)
         try:
