@@ -100,7 +100,7 @@ class LLM:
         try:
             while self.core.has_unfinished:
                 updates = self._step()
-                changed, to_finish = self.outputs.process(updates)
+                changed, to_finish = self.outputs.process(updates, self.core.num_steps)
                 self.core.abort(to_finish, "stop")
                 finished_now = sum(r.finished for r in changed)
                 if finished_now:

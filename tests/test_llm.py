@@ -141,3 +141,36 @@ def test_every_block_is_returned(default_llm):
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
     assert stats["num_running"] == stats["num_waiting"] == 0
     assert default_llm.outputs.num_live == 0
+
+
+def test_per_request_failure_is_an_error_output_and_the_rest_complete(default_llm, monkeypatch):
+    from gristmill.engine import faults
+    [reference] = default_llm.generate("Water boils at", greedy(8), use_tqdm=False)
+    monkeypatch.setenv("GRISTMILL_FAULTS", "detokenize@prompt~DTKFAIL")
+    faults.load()
+    try:
+        outs = default_llm.generate(["Water boils at", "DTKFAIL here"], greedy(8), use_tqdm=False)
+    finally:
+        monkeypatch.delenv("GRISTMILL_FAULTS")
+        faults.load()
+    assert outs[0].token_ids == reference.token_ids and outs[0].error is None
+    assert outs[1].finish_reason == "error"
+    assert outs[1].error.startswith("GenerationError: detokenizing failed: injected fault")
+    stats = default_llm.core.stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_a_failed_forward_pass_raises_engine_dead_error(monkeypatch):
+    from gristmill import EngineDeadError
+    from gristmill.engine import faults
+    llm = LLM(device="cpu", num_kv_blocks=64)
+    monkeypatch.setenv("GRISTMILL_FAULTS", "forward@step=3")
+    faults.load()
+    try:
+        with pytest.raises(EngineDeadError, match="injected fault at 'forward'"):
+            llm.generate(["one", "two"], greedy(8), use_tqdm=False)
+    finally:
+        monkeypatch.delenv("GRISTMILL_FAULTS")
+        faults.load()
+    with pytest.raises(EngineDeadError, match="create a new LLM"):
+        llm.generate("later", greedy(4), use_tqdm=False)

@@ -234,16 +234,16 @@ class AsyncEngine:
 
     def _on_core_message(self, message) -> None:
         if isinstance(message, StepOutputs):
-            self._on_step_outputs(message.updates)
+            self._on_step_outputs(message.updates, message.step)
         elif isinstance(message, StatsReply):
             waiter = self._stats_waiters.get(message.token)
             if waiter is not None:
                 loop, future = waiter
                 loop.call_soon_threadsafe(_resolve, future, message.stats)
 
-    def _on_step_outputs(self, updates) -> None:
+    def _on_step_outputs(self, updates, step: int) -> None:
         with self._lock:
-            changed, to_finish = self.outputs.process(updates)
+            changed, to_finish = self.outputs.process(updates, step)
             for output in changed:
                 stream = self._streams.get(output.request_id)
                 if stream is None:
@@ -264,12 +264,13 @@ class AsyncEngine:
                 pass
 
     def _on_core_death(self, error: EngineDeadError) -> None:
-        self._fail_all(error)
+        # Owners hear first, so that by the time a request fails its owner already knows.
         for callback in list(self._failure_callbacks):
             try:
                 callback(error)
             except Exception:  # noqa: BLE001
                 logger.exception("an engine failure callback raised")
+        self._fail_all(error)
 
     def _fail_all(self, error: EngineDeadError) -> None:
         with self._lock:

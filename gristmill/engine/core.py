@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from gristmill.config import EngineConfig
+from gristmill.engine import faults
 from gristmill.engine.kv_blocks import BlockManager
 from gristmill.engine.request import Request
 from gristmill.engine.scheduler import RequestUpdate, SampledToken, Scheduler, SchedulerOutput
@@ -26,9 +27,14 @@ class EngineCore:
         self.block_manager = BlockManager(executor.num_blocks, config.block_size)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, executor.max_model_len)
+        self.num_steps = 0
 
     def step(self) -> list[RequestUpdate]:
+        self.num_steps += 1
         out = self.scheduler.schedule()
+        if faults.ACTIVE:
+            for item in out.scheduled:
+                faults.check("forward", prompt=item.request.prompt, step=self.num_steps)
         sampled = self.executor.execute(out)
         return self.scheduler.update(out, sampled)
 

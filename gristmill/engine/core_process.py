@@ -57,6 +57,7 @@ class Ready:
 
 @dataclass(slots=True)
 class StepOutputs:
+    step: int
     updates: list[RequestUpdate]
 
 
@@ -88,7 +89,6 @@ def run_engine_core(config: EngineConfig, inbox, outbox, heartbeat, parent_pid: 
 
 
 def _busy_loop(core, inbox, outbox, heartbeat, parent_pid: int) -> None:
-    step = 0
     while True:
         timeout = 0.0 if core.has_unfinished else 0.2
         try:
@@ -102,7 +102,7 @@ def _busy_loop(core, inbox, outbox, heartbeat, parent_pid: int) -> None:
             return
         if not core.has_unfinished:
             continue
-        step += 1
+        step = core.num_steps + 1
         if faults.ACTIVE:
             _injected_process_faults(step, heartbeat)
         heartbeat.value = time.monotonic()
@@ -112,7 +112,7 @@ def _busy_loop(core, inbox, outbox, heartbeat, parent_pid: int) -> None:
             _report_and_exit(outbox, f"engine step {step} failed: {error_string(exc)}")
         heartbeat.value = 0.0
         if updates:
-            outbox.send(StepOutputs(updates))
+            outbox.send(StepOutputs(step, updates))
 
 
 def _handle(core, message, outbox) -> bool:

@@ -47,14 +47,15 @@ class OutputProcessor:
     def num_live(self) -> int:
         return len(self._live)
 
-    def process(self, updates: list[RequestUpdate]) -> tuple[list[RequestOutput], list[str]]:
+    def process(self, updates: list[RequestUpdate], step: int | None = None
+                ) -> tuple[list[RequestOutput], list[str]]:
         """Apply updates. Returns the outputs that changed and the child ids the core must
         end now (stop string reached, or processing failed).
 
         If the batch as a whole fails, every request still live in it ends with
         GenerationError; the engine itself stays healthy."""
         try:
-            faults.check("output_batch")
+            faults.check("output_batch", step=step)
             return self._process(updates)
         except Exception as exc:  # noqa: BLE001 - isolate the batch, not the engine
             error = GenerationError(f"processing a batch of engine outputs failed: {exc}")

@@ -10,7 +10,6 @@ import numpy as np
 import torch
 
 from gristmill.config import EngineConfig
-from gristmill.engine import faults
 from gristmill.engine.scheduler import SampledToken, SchedulerOutput
 from gristmill.model import kernels, layers
 from gristmill.model.context import AttentionMetadata, PrefillChunk, set_context
@@ -66,7 +65,6 @@ class ModelRunner:
             kernels.paged_decode_attention()  # build it now, not inside the first step
         self.sampler = Sampler(config.seed, self.device)
         self.generators: dict[str, torch.Generator] = {}
-        self.num_steps = 0
 
     def _build_model(self) -> torch.nn.Module:
         layers.clear_rotary_cache()
@@ -123,10 +121,6 @@ class ModelRunner:
         ScheduledRequests). The KV cache is updated for every scheduled token."""
         if not out.scheduled:
             return None, []
-        self.num_steps += 1
-        if faults.ACTIVE:
-            for item in out.scheduled:
-                faults.check("forward", prompt=item.request.prompt, step=self.num_steps)
         inputs = self.prepare_inputs(out)
         set_context(inputs.metadata)
         try:

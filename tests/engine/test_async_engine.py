@@ -1,0 +1,310 @@
+"""AsyncEngine's failure contract against a real engine-core process on the bundled
+Gemma 3 270M, with failures made to happen for real (GRISTMILL_FAULTS, SIGKILL)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from gristmill import (AsyncEngine, EngineConfig, EngineDeadError, EngineOverloadedError,
+                       GenerationError, PromptTooLongError, RequestError, SamplingParams)
+from gristmill.engine import faults
+
+CONCURRENCY = 16
+PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+LONG = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+
+
+def prompts(marked: dict[int, str] | None = None) -> list[str]:
+    marked = marked or {}
+    return [f"Story {i}{marked.get(i, '')}: once upon a time" for i in range(CONCURRENCY)]
+
+
+def start_engine(monkeypatch, spec: str | None = None, **options) -> AsyncEngine:
+    """An engine whose core and client both run with `spec` (the client keeps it until
+    `reset_faults` runs after the test)."""
+    if spec:
+        monkeypatch.setenv("GRISTMILL_FAULTS", spec)
+    else:
+        monkeypatch.delenv("GRISTMILL_FAULTS", raising=False)
+    try:
+        return AsyncEngine(EngineConfig(device="cpu", **options))
+    finally:
+        monkeypatch.delenv("GRISTMILL_FAULTS", raising=False)
+
+
+@pytest.fixture(autouse=True)
+def reset_faults():
+    yield
+    os.environ.pop("GRISTMILL_FAULTS", None)
+    faults.load()
+
+
+def process_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is gone too, only not yet reaped
+        return f.read().split()[2] == "Z"
+
+
+async def run_one(engine, prompt, params=PARAMS):
+    """(text, None) or (None, exception); also the time it ended."""
+    try:
+        text = ""
+        async for out in engine.generate(prompt, params):
+            text += out.delta_text
+        assert text == out.text and out.finished
+        return out.text, None, time.monotonic()
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        return None, exc, time.monotonic()
+
+
+def error_of(engine, prompt, params=PARAMS):
+    [(_, error, _)] = asyncio.run(run_all(engine, [prompt], params))
+    return error
+
+
+async def run_all(engine, texts, params=PARAMS, timeout=120):
+    return await asyncio.wait_for(asyncio.gather(*(run_one(engine, p, params) for p in texts)), timeout)
+
+
+@pytest.fixture(scope="module")
+def baseline():
+    """Texts of the unmarked prompts from a run without faults."""
+    mp = pytest.MonkeyPatch()
+    engine = start_engine(mp)
+    try:
+        results = asyncio.run(run_all(engine, prompts()))
+        assert all(error is None for _, error, _ in results)
+        yield engine, [text for text, _, _ in results]
+    finally:
+        engine.shutdown()
+        mp.undo()
+
+
+def test_concurrent_requests_stream_and_leave_nothing_behind(baseline):
+    engine, texts = baseline
+    assert all(texts) and len(set(texts)) > 1
+    stats = asyncio.run(engine.stats())
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    assert stats["num_live_requests"] == stats["num_running"] == stats["num_waiting"] == 0
+
+
+def test_per_request_faults_end_only_their_request(monkeypatch, baseline):
+    _, texts = baseline
+    marks = {1: " TKZFAIL", 5: " INITFAIL", 9: " DTKFAIL", 13: " DTKFAIL"}
+    engine = start_engine(monkeypatch, "tokenize@prompt~TKZFAIL,detokenize_init@prompt~INITFAIL,"
+                                       "detokenize@prompt~DTKFAIL")
+    try:
+        results = asyncio.run(run_all(engine, prompts(marks)))
+        for i, (text, error, _) in enumerate(results):
+            if i in marks:
+                assert isinstance(error, GenerationError), (i, error)
+                assert "injected fault" in str(error)
+                expected = {1: "tokenizing", 5: "detokenizer", 9: "detokenizing", 13: "detokenizing"}[i]
+                assert expected in str(error)
+            else:
+                assert error is None and text == texts[i]
+        stats = asyncio.run(engine.stats())
+        assert stats["num_free_blocks"] == stats["num_total_blocks"]
+        assert stats["num_live_requests"] == 0 and stats["num_errors"] == 4
+        assert not engine.errored
+    finally:
+        engine.shutdown()
+
+
+def test_500_failed_requests_leave_stats_at_baseline(monkeypatch):
+    engine = start_engine(monkeypatch, "detokenize@prompt~DTKFAIL")
+    try:
+        before = asyncio.run(engine.stats())
+
+        async def flood():
+            results = []
+            for start in range(0, 500, 100):
+                results += await run_all(engine, [f"{i} DTKFAIL" for i in range(start, start + 100)],
+                                         SamplingParams(max_tokens=4, temperature=0))
+            return results
+
+        results = asyncio.run(flood())
+        assert all(isinstance(error, GenerationError) for _, error, _ in results)
+        after = asyncio.run(engine.stats())
+        assert after["num_free_blocks"] == before["num_free_blocks"] == after["num_total_blocks"]
+        assert after["num_live_requests"] == before["num_live_requests"] == 0
+        assert after["num_errors"] == 500
+        [(text, error, _)] = asyncio.run(run_all(engine, ["Story 0: once upon a time"]))
+        assert error is None and text
+    finally:
+        engine.shutdown()
+
+
+def test_failed_output_batch_ends_its_requests_and_the_engine_goes_on(monkeypatch, baseline):
+    _, texts = baseline
+    engine = start_engine(monkeypatch, "output_batch@step=3")
+    try:
+        results = asyncio.run(run_all(engine, prompts()))
+        failed = [error for _, error, _ in results if error is not None]
+        assert failed and all(isinstance(e, GenerationError) for e in failed)
+        assert all("processing a batch of engine outputs failed" in str(e) for e in failed)
+        assert not engine.errored
+        later = asyncio.run(run_all(engine, prompts()))
+        assert [text for text, _, _ in later] == texts
+        stats = asyncio.run(engine.stats())
+        assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    finally:
+        engine.shutdown()
+
+
+async def fail_in_flight(engine, kill=None):
+    """Start CONCURRENCY long requests, optionally kill the core once they run; return
+    results, the kill time and the time the engine was declared dead."""
+    died_at = []
+    engine.add_failure_callback(lambda error: died_at.append(time.monotonic()))
+    tasks = [asyncio.create_task(run_one(engine, p, LONG)) for p in prompts()]
+    killed_at = None
+    if kill is not None:
+        await asyncio.sleep(1.5)
+        killed_at = time.monotonic()
+        kill()
+    results = await asyncio.wait_for(asyncio.gather(*tasks), 60)
+    return results, killed_at, died_at
+
+
+@pytest.mark.parametrize("spec,says", [
+    ("forward@step=4", "injected fault at 'forward'"),
+    ("core_exit@step=4", "exited with code 17"),
+    ("core_hang@step=4", "hung"),
+])
+def test_fatal_faults_fail_every_request_fast(monkeypatch, spec, says):
+    # Only the hang test shortens the step timeout: elsewhere a slow machine's long step
+    # must not pass for a hang.
+    engine = start_engine(monkeypatch, spec, **({"step_timeout_s": 1.0} if "hang" in spec else {}))
+    pid = engine.core_pid
+    try:
+        results, _, died_at = asyncio.run(fail_in_flight(engine))
+        assert_all_dead(engine, results, died_at[0], says)
+        assert process_gone(pid)
+    finally:
+        engine.shutdown()
+
+
+def test_sigkill_of_the_core_fails_every_request_within_a_second(monkeypatch):
+    engine = start_engine(monkeypatch)
+    try:
+        results, killed_at, _ = asyncio.run(fail_in_flight(engine, lambda: os.kill(engine.core_pid, signal.SIGKILL)))
+        assert_all_dead(engine, results, killed_at, "killed by signal SIGKILL")
+    finally:
+        engine.shutdown()
+
+
+def assert_all_dead(engine, results, dead_since, says):
+    for _, error, _ in results:
+        assert isinstance(error, EngineDeadError), error
+        assert says in str(error)
+    assert max(ended for _, _, ended in results) - dead_since < 1.0
+    assert engine.errored
+    with pytest.raises(EngineDeadError):
+        asyncio.run(engine.check_health())
+    later = error_of(engine, "after death")
+    assert isinstance(later, EngineDeadError) and says in str(later)
+    with pytest.raises(EngineDeadError):
+        asyncio.run(engine.stats())
+
+
+def test_cancel_and_abort_free_the_request(baseline):
+    engine, _ = baseline
+
+    async def scenario():
+        stream = engine.generate("Tell me a long story.", LONG, request_id="to-cancel")
+        consumer = asyncio.create_task(anext(stream))
+        await consumer
+        await stream.aclose()  # what a cancelled consumer's `async for` does
+        outputs = []
+
+        async def consume():
+            async for out in engine.generate("Another long story.", LONG, request_id="to-abort"):
+                outputs.append(out)
+
+        task = asyncio.create_task(consume())
+        while not outputs:
+            await asyncio.sleep(0.01)
+        await engine.abort("to-abort")
+        await asyncio.wait_for(task, 10)
+        assert outputs[-1].finish_reason == "abort" and len(outputs[-1].token_ids) < 400
+
+        task = asyncio.create_task(run_one(engine, "A third long story.", LONG))
+        await asyncio.sleep(0.5)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(100):
+            stats = await engine.stats()
+            if stats["num_free_blocks"] == stats["num_total_blocks"]:
+                break
+            await asyncio.sleep(0.05)
+        return stats
+
+    stats = asyncio.run(scenario())
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    assert stats["num_running"] == stats["num_waiting"] == stats["num_live_requests"] == 0
+
+
+def test_admission_limits(monkeypatch):
+    engine = start_engine(monkeypatch, num_kv_blocks=8, block_size=16, max_num_seqs=1,
+                          max_num_batched_tokens=64, max_waiting_requests=1)
+    try:
+        too_big = error_of(engine, "hi", SamplingParams(max_tokens=200))
+        assert isinstance(too_big, PromptTooLongError)
+        assert "more KV cache than the engine has (128 tokens in 8 blocks)" in str(too_big)
+        results = asyncio.run(run_all(engine, ["a", "b", "c"], SamplingParams(max_tokens=20)))
+        errors = [error for _, error, _ in results]
+        assert sum(isinstance(e, EngineOverloadedError) for e in errors) == 1
+        assert sum(e is None for e in errors) == 2
+        with pytest.raises(RequestError, match="already in use"):
+            async def duplicate():
+                first = engine.generate("x", PARAMS, request_id="same")
+                await anext(first)
+                try:
+                    await anext(engine.generate("y", PARAMS, request_id="same"))
+                finally:
+                    await first.aclose()
+            asyncio.run(duplicate())
+    finally:
+        engine.shutdown()
+
+
+def test_shutdown_and_client_death_leave_no_engine_process(monkeypatch, tmp_path):
+    engine = start_engine(monkeypatch)
+    pid = engine.core_pid
+    engine.shutdown()
+    assert process_gone(pid)
+
+    script = tmp_path / "client.py"
+    script.write_text(textwrap.dedent("""
+        import os, signal, sys
+        from gristmill import AsyncEngine, EngineConfig
+        if __name__ == "__main__":
+            engine = AsyncEngine(EngineConfig(device="cpu"))
+            print(engine.core_pid, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+    """))
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    core_pid = int(result.stdout.split()[0])
+    deadline = time.monotonic() + 10
+    while not process_gone(core_pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert process_gone(core_pid)
+
+
+def test_malformed_fault_spec_fails_before_any_process_starts(monkeypatch):
+    monkeypatch.setenv("GRISTMILL_FAULTS", "forward@sometimes")
+    with pytest.raises(ValueError, match="bad trigger"):
+        AsyncEngine(EngineConfig(device="cpu"))
