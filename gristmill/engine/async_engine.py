@@ -106,22 +106,19 @@ class AsyncEngine:
         """Stream a request's outputs; the last has `finished` set. Raises RequestError,
         PromptTooLongError, GenerationError, EngineOverloadedError or EngineDeadError.
         Cancelling the consuming task (or leaving the loop early) aborts the request."""
-        stream = self._open(prompt, sampling_params or SamplingParams(), request_id, add_special_tokens)
-        finished = False
+        stream = self.add_request(prompt, sampling_params, request_id, add_special_tokens=add_special_tokens)
         try:
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
+            async for output in stream:
+                yield output
         finally:
-            if not finished:
-                self._abort_stream(stream)
-            self._close(stream)
+            await stream.aclose()
+
+    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
+                    request_id: str | None = None, *, add_special_tokens: bool = True) -> "RequestStream":
+        """Validate and submit a request now (errors raise here, before any output), and
+        return its stream. The caller must `aclose()` it (that aborts it if unfinished)."""
+        return RequestStream(self, self._open(prompt, sampling_params or SamplingParams(), request_id,
+                                              add_special_tokens))
 
     async def abort(self, request_id: str) -> None:
         with self._lock:
@@ -280,6 +277,45 @@ class AsyncEngine:
             stream.push(EngineDeadError(error.message))
         for loop, future in waiters:
             loop.call_soon_threadsafe(_fail, future, EngineDeadError(error.message))
+
+
+class RequestStream:
+    """Async iterator over one request's outputs (see AsyncEngine.add_request)."""
+
+    def __init__(self, engine: AsyncEngine, stream: _Stream):
+        self._engine = engine
+        self._stream = stream
+        self._done = False
+        self._closed = False
+
+    @property
+    def request_id(self) -> str:
+        return self._stream.output.request_id
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self._stream.output.prompt_token_ids
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        item = await self._stream.queue.get()
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        self._done = item.finished
+        return item
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if not self._done:
+            self._engine._abort_stream(self._stream)
+        self._engine._close(self._stream)
 
 
 def _snapshot(output: RequestOutput) -> RequestOutput:
