@@ -94,6 +94,42 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    import logging
+
+    import uvicorn
+
+    from gristmill.engine.async_engine import AsyncEngine
+    from gristmill.errors import EngineDeadError, RequestError
+    from gristmill.model.loader import DEFAULT_MODEL_NAME
+    from gristmill.server.app import build_app
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        engine = AsyncEngine(**_engine_options(args), step_timeout_s=args.step_timeout_s)
+    except (RequestError, EngineDeadError) as exc:
+        raise SystemExit(f"error: {exc}")
+    name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
+    app = build_app(engine, name, api_key=args.api_key)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
+                                           timeout_graceful_shutdown=5))
+    exit_code = 0
+
+    def on_engine_death(error):
+        nonlocal exit_code
+        if args.exit_on_engine_death:
+            logging.getLogger("gristmill.serve").error("engine died, exiting: %s", error)
+            exit_code = 1
+            server.should_exit = True
+
+    engine.add_failure_callback(on_engine_death)
+    try:
+        server.run()
+    finally:
+        engine.shutdown()
+    return exit_code
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gristmill", description="LLM batch inference and serving.")
     commands = parser.add_subparsers(dest="command", metavar="command")
@@ -107,6 +143,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(generate)
     _add_sampling_args(generate)
     generate.set_defaults(func=cmd_generate)
+
+    serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server",
+                                description="Serve /v1/completions, /v1/chat/completions, /v1/models, "
+                                            "/health and /metrics over one engine.")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", default=None, help="model name clients send (default: --model)")
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
+    serve.add_argument("--exit-on-engine-death", action="store_true",
+                       help="exit (code 1) when the engine dies, for orchestrators that restart it")
+    serve.add_argument("--step-timeout-s", type=float, default=60.0,
+                       help="an engine step longer than this is a hang")
+    _add_engine_args(serve)
+    serve.set_defaults(func=cmd_serve)
     return parser
 
 

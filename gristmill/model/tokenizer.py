@@ -40,6 +40,37 @@ def load_tokenizer(model_dir: Path, model_type: str):
     return tokenizer
 
 
+def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    """A conversation rendered with the tokenizer's chat template; RequestError when the
+    messages are malformed or the template rejects them."""
+    from gristmill.errors import RequestError
+
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+        raise RequestError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts",
+                           param="messages")
+    flat = [{"role": m["role"], "content": _text_content(m["content"])} for m in messages]
+    try:
+        return tokenizer.apply_chat_template(flat, tokenize=False, add_generation_prompt=add_generation_prompt)
+    except Exception as exc:  # the template raises on e.g. roles out of order
+        raise RequestError(f"the chat template rejected these messages: {exc}", param="messages") from exc
+
+
+def _text_content(content) -> str:
+    """Message content as text: a string, or the text parts of a list of content parts."""
+    from gristmill.errors import RequestError
+
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
+        if any(p.get("type") != "text" for p in content):
+            raise RequestError("only text content parts are supported", param="messages")
+        return "".join(str(p.get("text", "")) for p in content)
+    raise RequestError("message content must be a string or a list of text parts", param="messages")
+
+
 def eos_token_ids(tokenizer, model_dir: Path, config) -> frozenset[int]:
     """Every id that ends generation: the config's, generation_config's, the tokenizer's,
     and the family's end-of-turn token."""

@@ -1,0 +1,103 @@
+"""The FastAPI app: routes, auth, health, metrics and the error handlers."""
+
+from __future__ import annotations
+
+import hmac
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from gristmill.engine.async_engine import AsyncEngine
+from gristmill.errors import EngineDeadError, GristmillError
+from gristmill.server.errors import error_response, exception_response, validation_param
+from gristmill.server.metrics import ServerMetrics
+from gristmill.server.openai_serving import OpenAIServing
+from gristmill.server.protocol import ChatCompletionRequest, CompletionRequest
+
+
+def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) -> FastAPI:
+    app = FastAPI(title="gristmill", summary="OpenAI-compatible LLM server")
+    metrics = ServerMetrics()
+    serving = OpenAIServing(engine, model_name, metrics)
+    created = int(time.time())
+    app.state.engine, app.state.metrics = engine, metrics
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next):
+        if api_key and request.url.path.startswith("/v1"):
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                return error_response(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                                      "invalid_request_error", code="invalid_api_key")
+        return await call_next(request)
+
+    def check_model(name: str | None):
+        if name is not None and name != model_name:
+            return error_response(404, f"the model {name!r} does not exist; this server serves "
+                                       f"{model_name!r}", "invalid_request_error", "model", "model_not_found")
+        if engine.errored:
+            return exception_response(EngineDeadError(engine.dead_error.message))
+        return None
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return check_model(body.model) or await serving.completions(body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return check_model(body.model) or await serving.chat(body, request)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                            "owned_by": "gristmill", "max_model_len": engine.max_model_len}]}
+
+    @app.get("/health")
+    async def health():
+        if engine.errored:
+            return JSONResponse({"status": "dead", "reason": engine.dead_error.message}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        metrics.engine_dead.set(1 if engine.errored else 0)
+        if not engine.errored:
+            try:
+                stats = await engine.stats()
+            except EngineDeadError:
+                metrics.engine_dead.set(1)
+            else:
+                metrics.running.set(stats["num_running"])
+                metrics.waiting.set(stats["num_waiting"])
+                metrics.free_blocks.set(stats["num_free_blocks"])
+                metrics.total_blocks.set(stats["num_total_blocks"])
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, exc: RequestValidationError):
+        errors = exc.errors()
+        if any(e.get("type") == "json_invalid" for e in errors):
+            return error_response(400, "the request body is not valid JSON; send a JSON object",
+                                  "invalid_request_error")
+        first = errors[0] if errors else {}
+        message = "; ".join(f"{validation_param(e.get('loc', ())) or 'body'}: {e.get('msg')}" for e in errors)
+        return error_response(400, f"invalid request: {message or 'the body is not valid JSON'}",
+                              "invalid_request_error", validation_param(first.get("loc", ())))
+
+    @app.exception_handler(GristmillError)
+    async def gristmill_error(request: Request, exc: GristmillError):
+        return exception_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        kind = "invalid_request_error" if exc.status_code < 500 else "internal_error"
+        return error_response(exc.status_code, str(exc.detail), kind, code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception):
+        return exception_response(exc)
+
+    return app

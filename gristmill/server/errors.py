@@ -1,0 +1,47 @@
+"""Every error the server sends, in OpenAI's envelope, mapped in one place."""
+
+from __future__ import annotations
+
+import json
+
+from fastapi.responses import JSONResponse
+
+from gristmill.errors import EngineOverloadedError, GristmillError
+
+RETRY_AFTER_S = 1
+
+
+def envelope(message: str, type_: str, param: str | None = None, code: str | int | None = None) -> dict:
+    return {"error": {"message": message or type_, "type": type_, "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, type_: str, param: str | None = None,
+                   code: str | int | None = None, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(envelope(message, type_, param, code), status_code=status, headers=headers)
+
+
+def exception_status_and_body(exc: BaseException) -> tuple[int, dict, dict | None]:
+    """(HTTP status, envelope, headers) for any exception."""
+    if isinstance(exc, GristmillError):
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if isinstance(exc, EngineOverloadedError) else None
+        body = envelope(exc.message, exc.error_type, getattr(exc, "param", None), exc.http_status)
+        return exc.http_status, body, headers
+    message = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    return 500, envelope(f"internal error: {message}", "internal_error", None, 500), None
+
+
+def exception_response(exc: BaseException) -> JSONResponse:
+    status, body, headers = exception_status_and_body(exc)
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def error_event(exc: BaseException) -> str:
+    """The one SSE event a stream that fails after it started sends (then `[DONE]`)."""
+    _, body, _ = exception_status_and_body(exc)
+    return f"data: {json.dumps(body)}\n\n"
+
+
+def validation_param(loc: tuple) -> str | None:
+    """The request field a pydantic error location points at ('body', 'messages', 0, ...)."""
+    parts = [str(p) for p in loc if p != "body"]
+    return ".".join(parts) if parts else None

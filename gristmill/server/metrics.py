@@ -1,0 +1,77 @@
+"""Prometheus metrics of one server. Latency histograms leave out requests that ended
+in error, so failures do not pass for fast answers."""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class ServerMetrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("gristmill_requests", "Requests by finish reason", ["finish_reason"], registry=r)
+        self.errors = Counter("gristmill_request_errors", "Requests that ended in error, by error type",
+                              ["error_type"], registry=r)
+        self.running = Gauge("gristmill_num_requests_running", "Requests running in the engine", registry=r)
+        self.waiting = Gauge("gristmill_num_requests_waiting", "Requests waiting in the engine", registry=r)
+        self.free_blocks = Gauge("gristmill_kv_free_blocks", "Free KV cache blocks", registry=r)
+        self.total_blocks = Gauge("gristmill_kv_total_blocks", "KV cache blocks in all", registry=r)
+        self.engine_dead = Gauge("gristmill_engine_dead", "1 once the engine is dead", registry=r)
+        self.prompt_tokens = Counter("gristmill_prompt_tokens", "Prompt tokens processed", registry=r)
+        self.generation_tokens = Counter("gristmill_generation_tokens", "Tokens generated", registry=r)
+        self.ttft = Histogram("gristmill_time_to_first_token_seconds", "Time to first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("gristmill_inter_token_latency_seconds", "Time between tokens",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("gristmill_e2e_request_latency_seconds", "Request latency, end to end",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """Collects one request's timings; they reach the histograms only if it succeeds."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self.metrics = metrics
+        self.start = time.monotonic()
+        self.first: float | None = None
+        self.last: float | None = None
+        self.gaps: list[float] = []
+        self.num_prompt_tokens = 0
+        self.num_tokens = 0
+
+    def tokens(self, count: int) -> None:
+        """`count` more tokens arrived now."""
+        if count <= 0:
+            return
+        now = time.monotonic()
+        if self.first is None:
+            self.first = now
+        elif self.last is not None:
+            self.gaps.append((now - self.last) / count)
+        self.last = now
+        self.num_tokens += count
+
+    def finished(self, finish_reason: str) -> None:
+        m = self.metrics
+        m.requests.labels(finish_reason).inc()
+        m.prompt_tokens.inc(self.num_prompt_tokens)
+        m.generation_tokens.inc(self.num_tokens)
+        if self.first is not None:
+            m.ttft.observe(self.first - self.start)
+        for gap in self.gaps:
+            m.itl.observe(gap)
+        m.e2e.observe(time.monotonic() - self.start)
+
+    def failed(self, exc: BaseException) -> None:
+        self.metrics.requests.labels("error").inc()
+        self.metrics.errors.labels(type(exc).__name__).inc()
+        self.metrics.prompt_tokens.inc(self.num_prompt_tokens)
+        self.metrics.generation_tokens.inc(self.num_tokens)

@@ -1,0 +1,246 @@
+"""/v1/completions and /v1/chat/completions over the AsyncEngine.
+
+Every prompt of a request is validated and submitted before any byte is sent, so
+validation errors come back as plain HTTP errors; once a stream started, a failure is
+one SSE error event followed by `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from gristmill.engine.async_engine import AsyncEngine, RequestStream
+from gristmill.errors import RequestError
+from gristmill.model.tokenizer import render_chat
+from gristmill.outputs import RequestOutput
+from gristmill.sampling import SamplingParams
+from gristmill.server.errors import error_event, exception_response
+from gristmill.server.metrics import RequestTimer, ServerMetrics
+from gristmill.server.protocol import ChatCompletionRequest, CompletionRequest
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+@dataclass
+class _Job:
+    """One HTTP request: its engine streams (one per prompt) and how to format it."""
+    chat: bool
+    request_id: str
+    created: int
+    n: int
+    want_logprobs: bool
+    include_usage: bool
+    num_top_logprobs: int = 0
+    streams: list[RequestStream] = field(default_factory=list)
+    prompt_tokens: int = 0
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncEngine, model_name: str, metrics: ServerMetrics):
+        self.engine = engine
+        self.model_name = model_name
+        self.metrics = metrics
+
+    # -- entry points ---------------------------------------------------------------
+
+    async def completions(self, body: CompletionRequest, request: Request):
+        prompts = body.prompt
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not prompts:
+            raise RequestError("prompt is empty; send a string, a list of strings or token ids",
+                               param="prompt")
+        params = self._params(body, body.max_tokens, body.logprobs)
+        job = _Job(False, f"cmpl-{uuid.uuid4().hex}", int(time.time()), body.n, body.logprobs is not None,
+                   bool(body.stream_options and body.stream_options.include_usage), body.logprobs or 0)
+        return await self._run(job, [(p, True) for p in prompts], params, body.stream, request)
+
+    async def chat(self, body: ChatCompletionRequest, request: Request):
+        messages = [m.model_dump() for m in body.messages]
+        text = render_chat(self.engine.tokenizer, messages, add_generation_prompt=True)
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        if max_tokens is None:  # as vLLM: whatever room the context leaves
+            num_prompt = len(self.engine.inputs.tokenize(text, add_special_tokens=False))
+            max_tokens = max(1, self.engine.max_model_len - num_prompt)
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        params = self._params(body, max_tokens, top)
+        job = _Job(True, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), body.n, body.logprobs,
+                   bool(body.stream_options and body.stream_options.include_usage), top or 0)
+        return await self._run(job, [(text, False)], params, body.stream, request)
+
+    def _params(self, body, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(body, name):
+                raise RequestError(f"{name} is not supported; leave it out or set it to 0", param=name)
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
+            min_p=body.min_p or 0.0, seed=body.seed, stop=stop, stop_token_ids=body.stop_token_ids or [],
+            ignore_eos=body.ignore_eos, logprobs=logprobs, n=body.n)
+
+    # -- running a job --------------------------------------------------------------
+
+    async def _run(self, job: _Job, prompts, params: SamplingParams, stream: bool, request: Request):
+        timer = RequestTimer(self.metrics)
+        try:
+            for i, (prompt, special) in enumerate(prompts):
+                handle = self.engine.add_request(prompt, params, f"{job.request_id}-{i}",
+                                                 add_special_tokens=special)
+                job.streams.append(handle)
+                job.prompt_tokens += len(handle.prompt_token_ids)
+        except Exception as exc:
+            await _close_all(job)
+            timer.failed(exc)
+            return exception_response(exc)
+        timer.num_prompt_tokens = job.prompt_tokens
+        if stream:
+            return StreamingResponse(self._stream(job, timer), media_type="text/event-stream")
+        try:
+            finals = await _until_disconnect(request, self._collect(job, timer))
+        except ClientDisconnected:
+            return JSONResponse({}, status_code=499)
+        except Exception as exc:
+            timer.failed(exc)
+            return exception_response(exc)
+        finally:
+            await _close_all(job)
+        timer.finished(_overall_reason(finals))
+        return JSONResponse(self._response(job, finals))
+
+    async def _collect(self, job: _Job, timer: RequestTimer) -> list[RequestOutput]:
+        async def drain(handle: RequestStream) -> RequestOutput:
+            seen = 0
+            async for out in handle:
+                count = sum(len(c.token_ids) for c in out.outputs)
+                timer.tokens(count - seen)
+                seen = count
+            return out
+
+        return await asyncio.gather(*(drain(h) for h in job.streams))
+
+    async def _stream(self, job: _Job, timer: RequestTimer):
+        finals: list[RequestOutput] = []
+        try:
+            if job.chat:
+                for i in range(job.n):
+                    yield _sse(self._chunk(job, i, {"role": "assistant", "content": ""}, None, None))
+            for prompt_index, handle in enumerate(job.streams):
+                seen = [0] * job.n
+                async for out in handle:
+                    for c in out.outputs:
+                        new_ids = c.token_ids[seen[c.index]:]
+                        seen[c.index] = len(c.token_ids)
+                        timer.tokens(len(new_ids))
+                        if c.delta_text or c.finish_reason or (new_ids and job.want_logprobs):
+                            index = prompt_index * job.n + c.index
+                            logprobs = self._logprobs(job, c, len(c.token_ids) - len(new_ids))
+                            content = {"content": c.delta_text} if job.chat else c.delta_text
+                            yield _sse(self._chunk(job, index, content, c.finish_reason, logprobs))
+                finals.append(out)
+            if job.include_usage:
+                yield _sse({**self._envelope(job, chunk=True), "choices": [], "usage": _usage(job, finals)})
+            timer.finished(_overall_reason(finals))
+        except Exception as exc:  # noqa: BLE001 - the stream started: one error event, then [DONE]
+            timer.failed(exc)
+            yield error_event(exc)
+        finally:
+            await _close_all(job)
+        yield "data: [DONE]\n\n"
+
+    # -- formatting -----------------------------------------------------------------
+
+    def _envelope(self, job: _Job, chunk: bool) -> dict:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if job.chat else "text_completion"
+        return {"id": job.request_id, "object": kind, "created": job.created, "model": self.model_name}
+
+    def _chunk(self, job: _Job, index: int, content, finish_reason, logprobs) -> dict:
+        choice = {"index": index, "logprobs": logprobs, "finish_reason": finish_reason}
+        choice["delta" if job.chat else "text"] = content
+        return {**self._envelope(job, chunk=True), "choices": [choice]}
+
+    def _response(self, job: _Job, finals: list[RequestOutput]) -> dict:
+        choices = []
+        for prompt_index, out in enumerate(finals):
+            for c in out.outputs:
+                choice = {"index": prompt_index * job.n + c.index, "finish_reason": c.finish_reason,
+                          "logprobs": self._logprobs(job, c, 0)}
+                if job.chat:
+                    choice["message"] = {"role": "assistant", "content": c.text}
+                else:
+                    choice["text"] = c.text
+                choices.append(choice)
+        return {**self._envelope(job, chunk=False), "choices": choices, "usage": _usage(job, finals)}
+
+    def _logprobs(self, job: _Job, completion, start: int):
+        if not job.want_logprobs or completion.logprobs is None:
+            return None
+        decode = self._token_text
+        ids, entries = completion.token_ids[start:], completion.logprobs[start:]
+        if job.chat:
+            return {"content": [
+                {"token": decode(t), "logprob": e[t], "bytes": list(decode(t).encode()),
+                 "top_logprobs": [{"token": decode(k), "logprob": v, "bytes": list(decode(k).encode())}
+                                  for k, v in _top(e, job.num_top_logprobs)]}
+                for t, e in zip(ids, entries)]}
+        return {"tokens": [decode(t) for t in ids], "token_logprobs": [e[t] for t, e in zip(ids, entries)],
+                "top_logprobs": [{decode(k): v for k, v in _top(e, job.num_top_logprobs)} for t, e in zip(ids, entries)],
+                "text_offset": []}
+
+    def _token_text(self, token_id: int) -> str:
+        return self.engine.tokenizer.decode([token_id])
+
+
+def _top(entry: dict[int, float], k: int):
+    """The k most likely tokens of a logprobs entry (which also holds the sampled token)."""
+    return sorted(entry.items(), key=lambda kv: -kv[1])[:k]
+
+
+def _usage(job: _Job, finals: list[RequestOutput]) -> dict:
+    completion = sum(len(c.token_ids) for out in finals for c in out.outputs)
+    return {"prompt_tokens": job.prompt_tokens, "completion_tokens": completion,
+            "total_tokens": job.prompt_tokens + completion}
+
+
+def _overall_reason(finals: list[RequestOutput]) -> str:
+    reasons = {c.finish_reason for out in finals for c in out.outputs}
+    return "length" if "length" in reasons else "stop"
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+async def _close_all(job: _Job) -> None:
+    for handle in job.streams:
+        await handle.aclose()
+
+
+async def _until_disconnect(request: Request, coro):
+    """Run `coro`; if the client goes away first, cancel it and raise ClientDisconnected."""
+    work = asyncio.ensure_future(coro)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if work in done:
+            return work.result()
+        work.cancel()
+        raise ClientDisconnected()
+    finally:
+        watcher.cancel()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
