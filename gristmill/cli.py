@@ -106,7 +106,8 @@ def cmd_serve(args) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        engine = AsyncEngine(**_engine_options(args), step_timeout_s=args.step_timeout_s)
+        engine = AsyncEngine(**_engine_options(args), step_timeout_s=args.step_timeout_s,
+                             max_waiting_requests=args.max_waiting_requests)
     except (RequestError, EngineDeadError) as exc:
         raise SystemExit(f"error: {exc}")
     name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
@@ -155,6 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="exit (code 1) when the engine dies, for orchestrators that restart it")
     serve.add_argument("--step-timeout-s", type=float, default=60.0,
                        help="an engine step longer than this is a hang")
+    serve.add_argument("--max-waiting-requests", type=int, default=None,
+                       help="past this many waiting requests, answer 503 with Retry-After")
     _add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
     return parser
