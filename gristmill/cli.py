@@ -96,6 +96,7 @@ def cmd_generate(args) -> int:
 
 def cmd_serve(args) -> int:
     import logging
+    import signal
 
     import uvicorn
 
@@ -124,6 +125,10 @@ def cmd_serve(args) -> int:
             server.should_exit = True
 
     engine.add_failure_callback(on_engine_death)
+    # uvicorn handles SIGINT/SIGTERM while it runs (graceful shutdown), then re-raises the
+    # signal to the handlers it found; these make that a clean exit through `finally`.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
     try:
         server.run()
     finally:

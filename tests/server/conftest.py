@@ -46,8 +46,15 @@ class Server:
 
     @property
     def core_pid(self) -> int:
-        with open(f"/proc/{self.process.pid}/task/{self.process.pid}/children") as f:
-            return int(f.read().split()[0])
+        """The engine-core child (not multiprocessing's resource tracker)."""
+        pid = self.process.pid
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            children = [int(c) for c in f.read().split()]
+        for child in children:
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                if b"spawn_main" in f.read():
+                    return child
+        raise RuntimeError(f"no engine-core child among {children}")
 
     def stop(self) -> int:
         if self.process.poll() is None:

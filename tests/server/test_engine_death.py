@@ -1,0 +1,94 @@
+"""Engine death on the wire: in-flight requests fail within a second, /health says so,
+the server stays up (or exits with --exit-on-engine-death); shutdown leaves nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import httpx
+
+from tests.server.conftest import Server, pid_gone
+
+LONG = {"prompt": "Tell me a very long story.", "max_tokens": 3000, "ignore_eos": True}
+
+
+async def in_flight_then_kill(srv: Server):
+    """Two streaming and two plain requests in flight, then SIGKILL of the engine core.
+    Returns (kill time, [(kind, status, body, time it ended)])."""
+    url = f"{srv.url}/v1/completions"
+
+    async def streamed(client):
+        async with client.stream("POST", url, json={**LONG, "stream": True}) as r:
+            body = (await r.aread()).decode()
+        return "stream", r.status_code, body, time.monotonic()
+
+    async def plain(client):
+        r = await client.post(url, json=LONG)
+        return "plain", r.status_code, r.text, time.monotonic()
+
+    async with httpx.AsyncClient(timeout=60) as client:
+        tasks = [asyncio.create_task(f(client)) for f in (streamed, streamed, plain, plain)]
+        await asyncio.sleep(2.0)
+        killed_at = time.monotonic()
+        os.kill(srv.core_pid, signal.SIGKILL)
+        health = None
+        while time.monotonic() - killed_at < 1.0:
+            health = await client.get(f"{srv.url}/health")
+            if health.status_code == 503:
+                break
+            await asyncio.sleep(0.02)
+        health_at = time.monotonic()
+        return killed_at, health, health_at, await asyncio.gather(*tasks)
+
+
+def test_sigkill_of_the_core_on_the_wire():
+    srv = Server()
+    try:
+        killed_at, health, health_at, results = asyncio.run(in_flight_then_kill(srv))
+        assert health.status_code == 503 and health_at - killed_at < 1.0
+        assert health.json()["status"] == "dead" and "SIGKILL" in health.json()["reason"]
+        for kind, status, body, ended in results:
+            assert ended - killed_at < 1.0, kind
+            if kind == "plain":
+                assert status == 503
+                assert json.loads(body)["error"]["type"] == "engine_dead_error"
+            else:
+                assert status == 200
+                events = [e for e in body.split("\n\n") if e]
+                assert events[-1] == "data: [DONE]"
+                error = json.loads(events[-2][len("data: "):])["error"]
+                assert error["type"] == "engine_dead_error" and "SIGKILL" in error["message"]
+        start = time.monotonic()
+        later = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert later.status_code == 503 and time.monotonic() - start < 1.0
+        assert "SIGKILL" in later.json()["error"]["message"]
+        assert httpx.get(f"{srv.url}/v1/models").status_code == 200  # the server stays up
+        assert srv.process.poll() is None
+    finally:
+        assert srv.stop() == 0
+
+
+def test_exit_on_engine_death():
+    srv = Server("--exit-on-engine-death", faults="core_exit@step=3")
+    try:
+        response = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "hi", "max_tokens": 20}, timeout=30)
+        assert response.status_code == 503
+        assert "exited with code 17" in response.json()["error"]["message"]
+        assert srv.process.wait(15) == 1
+    finally:
+        srv.stop()
+
+
+def test_sigterm_shuts_down_cleanly():
+    srv = Server()
+    core = srv.core_pid
+    srv.process.send_signal(signal.SIGTERM)
+    assert srv.process.wait(30) == 0
+    deadline = time.monotonic() + 5
+    while not pid_gone(core) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert pid_gone(core)
