@@ -61,8 +61,8 @@ class SamplingParams:
               f"top_k must be an integer >= 0 (0 or -1 = all tokens), got {self.top_k!r}")
         check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p",
               f"min_p must be in [0, 1], got {self.min_p!r}")
-        check(self.seed is None or _is_int(self.seed), "seed",
-              f"seed must be an integer or None, got {self.seed!r}")
+        check(self.seed is None or (_is_int(self.seed) and -2**63 <= self.seed < 2**64), "seed",
+              f"seed must be an integer in [-2**63, 2**64) or None, got {self.seed!r}")
         check(all(isinstance(s, str) and s for s in self.stop), "stop",
               f"stop must be a list of non-empty strings, got {self.stop!r}")
         check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",

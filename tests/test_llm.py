@@ -110,7 +110,8 @@ def test_invalid_prompts_become_error_outputs_and_others_are_unaffected(default_
 def test_invalid_sampling_params_name_the_field():
     for kwargs, param in [({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"),
                           ({"max_tokens": 0}, "max_tokens"), ({"n": 0}, "n"),
-                          ({"logprobs": 99}, "logprobs"), ({"stop": [""]}, "stop")]:
+                          ({"logprobs": 99}, "logprobs"), ({"stop": [""]}, "stop"),
+                          ({"seed": 2**64}, "seed"), ({"top_k": -2}, "top_k"), ({"min_p": 1.5}, "min_p")]:
         with pytest.raises(RequestError) as info:
             SamplingParams(**kwargs)
         assert info.value.param == param
