@@ -49,7 +49,7 @@ def _read_rows(args) -> list[dict]:
                     row = json.loads(line)
                 except json.JSONDecodeError as exc:
                     raise SystemExit(f"{args.input}:{number}: not valid JSON ({exc}); "
-                                     f"each line must be an object with 'prompt' or 'messages'")
+                                     f"each line must be an object with 'prompt' or 'messages'") from None
                 if not isinstance(row, dict) or ("prompt" not in row and "messages" not in row):
                     raise SystemExit(f"{args.input}:{number}: each line must be a JSON object with a "
                                      f"'prompt' string or a 'messages' list")
@@ -70,7 +70,7 @@ def cmd_generate(args) -> int:
                                 stop=args.stop, ignore_eos=args.ignore_eos)
         llm = LLM(**_engine_options(args))
     except RequestError as exc:
-        raise SystemExit(f"error: {exc}")
+        raise SystemExit(f"error: {exc}") from None
     plain = [i for i, row in enumerate(rows) if "messages" not in row]
     chats = [i for i, row in enumerate(rows) if "messages" in row]
     results = [None] * len(rows)
@@ -110,7 +110,7 @@ def cmd_serve(args) -> int:
         engine = AsyncEngine(**_engine_options(args), step_timeout_s=args.step_timeout_s,
                              max_waiting_requests=args.max_waiting_requests)
     except (RequestError, EngineDeadError) as exc:
-        raise SystemExit(f"error: {exc}")
+        raise SystemExit(f"error: {exc}") from None
     name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
     app = build_app(engine, name, api_key=args.api_key)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",

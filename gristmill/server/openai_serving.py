@@ -186,15 +186,21 @@ class OpenAIServing:
             return None
         decode = self._token_text
         ids, entries = completion.token_ids[start:], completion.logprobs[start:]
+        k = job.num_top_logprobs
         if job.chat:
-            return {"content": [
-                {"token": decode(t), "logprob": e[t], "bytes": list(decode(t).encode()),
-                 "top_logprobs": [{"token": decode(k), "logprob": v, "bytes": list(decode(k).encode())}
-                                  for k, v in _top(e, job.num_top_logprobs)]}
-                for t, e in zip(ids, entries)]}
-        return {"tokens": [decode(t) for t in ids], "token_logprobs": [e[t] for t, e in zip(ids, entries)],
-                "top_logprobs": [{decode(k): v for k, v in _top(e, job.num_top_logprobs)} for t, e in zip(ids, entries)],
-                "text_offset": []}
+            def item(token_id, logprob):
+                text = decode(token_id)
+                return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+            return {"content": [{**item(t, e[t]), "top_logprobs": [item(i, v) for i, v in _top(e, k)]}
+                                for t, e in zip(ids, entries)]}
+        texts = [decode(t) for t in ids]
+        offsets, at = [], len(completion.text) - len(completion.delta_text) if start else 0
+        for text in texts:
+            offsets.append(at)
+            at += len(text)
+        return {"tokens": texts, "token_logprobs": [e[t] for t, e in zip(ids, entries)],
+                "top_logprobs": [{decode(i): v for i, v in _top(e, k)} for e in entries],
+                "text_offset": offsets}
 
     def _token_text(self, token_id: int) -> str:
         return self.engine.tokenizer.decode([token_id])
