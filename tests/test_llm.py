@@ -175,3 +175,9 @@ def test_a_failed_forward_pass_raises_engine_dead_error(monkeypatch):
         faults.load()
     with pytest.raises(EngineDeadError, match="create a new LLM"):
         llm.generate("later", greedy(4), use_tqdm=False)
+
+
+def test_n_completions_with_the_largest_seed(default_llm):
+    params = SamplingParams(max_tokens=3, temperature=1.0, seed=2**64 - 1, n=2)
+    [out] = default_llm.generate("Hello", params, use_tqdm=False)
+    assert out.error is None and [len(o.token_ids) for o in out.outputs] == [3, 3]

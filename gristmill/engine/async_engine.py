@@ -37,7 +37,10 @@ class _Stream:
     child_ids: list[str] = field(default_factory=list)
 
     def push(self, item) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # its event loop is closed: nobody is listening any more
+            pass
 
 
 class AsyncEngine:
@@ -143,7 +146,10 @@ class AsyncEngine:
     def shutdown(self) -> None:
         """Stop the engine-core process (no child is left behind) and end open streams."""
         self._client.shutdown()
-        self._fail_all(EngineDeadError("the engine was shut down; create a new engine"))
+        error = EngineDeadError("the engine was shut down; create a new engine")
+        if self._client.dead_error is None:
+            self._client.dead_error = error
+        self._fail_all(error)
 
     def __enter__(self):
         return self
@@ -172,7 +178,7 @@ class AsyncEngine:
         output = RequestOutput(request_id, prompt_text, token_ids, [CompletionOutput(i) for i in range(params.n)])
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), output, [r.request_id for r in requests])
         with self._lock:
-            if request_id in self._streams:
+            if request_id in self._streams or any(c in self._by_child for c in stream.child_ids):
                 raise RequestError(f"request id {request_id!r} is already in use; use a unique id",
                                    param="request_id")
             self._check_capacity(len(requests))
@@ -241,6 +247,13 @@ class AsyncEngine:
     def _on_step_outputs(self, updates, step: int) -> None:
         with self._lock:
             changed, to_finish = self.outputs.process(updates, step)
+            if to_finish:
+                # Queued before any final output is pushed, so a caller that reuses an id
+                # after seeing it finish can never overtake this abort.
+                try:
+                    self._client.send(Abort(to_finish))
+                except EngineDeadError:
+                    pass
             for output in changed:
                 stream = self._streams.get(output.request_id)
                 if stream is None:
@@ -254,11 +267,6 @@ class AsyncEngine:
                     stream.push(GenerationError(errors[0].split(": ", 1)[-1]))
                 else:
                     stream.push(snapshot)
-        if to_finish:
-            try:
-                self._client.send(Abort(to_finish))
-            except EngineDeadError:
-                pass
 
     def _on_core_death(self, error: EngineDeadError) -> None:
         # Owners hear first, so that by the time a request fails its owner already knows.
@@ -276,7 +284,10 @@ class AsyncEngine:
         for stream in streams:
             stream.push(EngineDeadError(error.message))
         for loop, future in waiters:
-            loop.call_soon_threadsafe(_fail, future, EngineDeadError(error.message))
+            try:
+                loop.call_soon_threadsafe(_fail, future, EngineDeadError(error.message))
+            except RuntimeError:  # that event loop is closed
+                pass
 
 
 class RequestStream:

@@ -39,6 +39,8 @@ class EngineCore:
         return self.scheduler.update(out, sampled)
 
     def add_request(self, request: Request) -> None:
+        # Ids are unique among live requests: clients check, and queue the abort of an
+        # ended request before anything that could reuse its id.
         self.scheduler.add_request(request)
 
     def abort(self, request_ids, reason: str = "abort") -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import queue
 import signal
 import threading
 import time
@@ -39,7 +40,12 @@ class CoreClient:
         self.process.start()
         inbox_reader.close()
         outbox_writer.close()
-        self._send_lock = threading.Lock()
+        # Every message to the core goes through one writer thread, in order, so that no
+        # caller (least of all the monitor, the only reader of the core's output) ever
+        # blocks on a full pipe.
+        self._outgoing: queue.SimpleQueue = queue.SimpleQueue()
+        self._writer = threading.Thread(target=self._write, name="gristmill-core-writer", daemon=True)
+        self._writer.start()
         self._stopping = False
         self._failure_message: str | None = None
         self.dead_error: EngineDeadError | None = None
@@ -74,13 +80,20 @@ class CoreClient:
         self._monitor.start()
 
     def send(self, message) -> None:
+        """Queue a message for the core (never blocks); raises EngineDeadError once dead."""
         if self.dead_error is not None:
             raise EngineDeadError(self.dead_error.message)
-        try:
-            with self._send_lock:
+        self._outgoing.put(message)
+
+    def _write(self) -> None:
+        while True:
+            message = self._outgoing.get()
+            if message is None:
+                return
+            try:
                 self._inbox.send(message)
-        except (OSError, ValueError) as exc:
-            raise EngineDeadError(f"the engine core cannot be reached ({exc}); it has died") from exc
+            except (OSError, ValueError):
+                return  # the core is gone; the monitor reports it
 
     # -- the monitor thread -------------------------------------------------------------
 
@@ -156,13 +169,11 @@ class CoreClient:
     def shutdown(self, timeout: float = 5.0) -> None:
         self._stopping = True
         if self.process.is_alive():
-            try:
-                with self._send_lock:
-                    self._inbox.send(Shutdown())
-            except (OSError, ValueError):
-                pass
+            self._outgoing.put(Shutdown())
             self.process.join(timeout=timeout)
         self.kill()
+        self._outgoing.put(None)
+        self._writer.join(timeout=1.0)
         if self._monitor is not None and self._monitor is not threading.current_thread():
             self._monitor.join(timeout=1.0)
         for conn in (self._inbox, self._outbox):

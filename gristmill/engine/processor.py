@@ -50,7 +50,7 @@ class InputProcessor:
         if params.n == 1:
             return [Request(request_id, prompt_token_ids, params, self.eos_token_ids, prompt)]
         return [Request(child_request_id(request_id, i), prompt_token_ids,
-                        params.clone(n=1, seed=None if params.seed is None else params.seed + i),
+                        params.clone(n=1, seed=_child_seed(params.seed, i)),
                         self.eos_token_ids, prompt)
                 for i in range(params.n)]
 
@@ -73,6 +73,13 @@ class InputProcessor:
                 f"{self.num_total_blocks} blocks); shorten the request or give the engine a larger "
                 f"KV cache (kv_cache_memory_gb / num_kv_blocks)",
                 param="max_tokens", num_prompt_tokens=num_prompt, max_model_len=self.max_model_len)
+
+
+def _child_seed(seed: int | None, index: int) -> int | None:
+    # Completion i of a seeded request uses seed + i, wrapped to stay a valid seed.
+    if seed is None:
+        return None
+    return seed + index if seed + index < 2**64 else (seed + index) % 2**64
 
 
 def child_request_id(request_id: str, index: int) -> str:

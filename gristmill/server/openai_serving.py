@@ -59,7 +59,7 @@ class OpenAIServing:
         if not prompts:
             raise RequestError("prompt is empty; send a string, a list of strings or token ids",
                                param="prompt")
-        params = self._params(body, body.max_tokens, body.logprobs)
+        params = self._params(body, body.max_tokens or 16, body.logprobs)
         job = _Job(False, f"cmpl-{uuid.uuid4().hex}", int(time.time()), body.n, body.logprobs is not None,
                    bool(body.stream_options and body.stream_options.include_usage), body.logprobs or 0)
         return await self._run(job, [(p, True) for p in prompts], params, body.stream, request)
@@ -69,8 +69,10 @@ class OpenAIServing:
         text = render_chat(self.engine.tokenizer, messages, add_generation_prompt=True)
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens is None:  # as vLLM: whatever room the context leaves
-            num_prompt = len(self.engine.inputs.tokenize(text, add_special_tokens=False))
-            max_tokens = max(1, self.engine.max_model_len - num_prompt)
+            inputs = self.engine.inputs
+            num_prompt = len(inputs.tokenize(text, add_special_tokens=False))
+            room = min(self.engine.max_model_len, inputs.num_total_blocks * inputs.block_size)
+            max_tokens = max(1, room - num_prompt)
         top = (body.top_logprobs or 0) if body.logprobs else None
         params = self._params(body, max_tokens, top)
         job = _Job(True, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), body.n, body.logprobs,
@@ -104,7 +106,7 @@ class OpenAIServing:
             return exception_response(exc)
         timer.num_prompt_tokens = job.prompt_tokens
         if stream:
-            return StreamingResponse(self._stream(job, timer), media_type="text/event-stream")
+            return _JobStreamingResponse(job, self._stream(job, timer), media_type="text/event-stream")
         try:
             finals = await _until_disconnect(request, self._collect(job, timer))
         except ClientDisconnected:
@@ -135,9 +137,12 @@ class OpenAIServing:
                 for i in range(job.n):
                     yield _sse(self._chunk(job, i, {"role": "assistant", "content": ""}, None, None))
             for prompt_index, handle in enumerate(job.streams):
-                seen = [0] * job.n
+                seen, done = [0] * job.n, [False] * job.n
                 async for out in handle:
                     for c in out.outputs:
+                        if done[c.index]:
+                            continue  # its finish chunk went out already
+                        done[c.index] = c.finish_reason is not None
                         new_ids = c.token_ids[seen[c.index]:]
                         seen[c.index] = len(c.token_ids)
                         timer.tokens(len(new_ids))
@@ -224,6 +229,21 @@ def _overall_reason(finals: list[RequestOutput]) -> str:
 
 def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
+
+
+class _JobStreamingResponse(StreamingResponse):
+    """Closes the job's engine streams even if the body never started (the client left
+    before the first byte), when the generator's own `finally` would never run."""
+
+    def __init__(self, job: _Job, content, **kwargs):
+        super().__init__(content, **kwargs)
+        self.job = job
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await _close_all(self.job)
 
 
 async def _close_all(job: _Job) -> None:

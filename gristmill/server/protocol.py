@@ -35,7 +35,7 @@ class _SamplingFields(BaseModel):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1)  # None: 16, as OpenAI
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
 

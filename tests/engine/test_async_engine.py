@@ -268,15 +268,17 @@ def test_admission_limits(monkeypatch):
         errors = [error for _, error, _ in results]
         assert sum(isinstance(e, EngineOverloadedError) for e in errors) == 1
         assert sum(e is None for e in errors) == 2
-        with pytest.raises(RequestError, match="already in use"):
+        for first_id, second_id, n in (("same", "same", 1), ("x", "x#0", 2)):
             async def duplicate():
-                first = engine.generate("x", PARAMS, request_id="same")
+                first = engine.generate("x", PARAMS.clone(n=n), request_id=first_id)
                 await anext(first)
                 try:
-                    await anext(engine.generate("y", PARAMS, request_id="same"))
+                    await anext(engine.generate("y", PARAMS, request_id=second_id))
                 finally:
                     await first.aclose()
-            asyncio.run(duplicate())
+            with pytest.raises(RequestError, match="already in use"):
+                asyncio.run(duplicate())
+        assert not engine.errored
     finally:
         engine.shutdown()
 
@@ -286,6 +288,9 @@ def test_shutdown_and_client_death_leave_no_engine_process(monkeypatch, tmp_path
     pid = engine.core_pid
     engine.shutdown()
     assert process_gone(pid)
+    assert engine.errored
+    with pytest.raises(EngineDeadError, match="shut down"):
+        asyncio.run(engine.check_health())
 
     script = tmp_path / "client.py"
     script.write_text(textwrap.dedent("""

@@ -104,6 +104,23 @@ def test_sampling_options_n_seed_stop_and_logprobs(client):
     assert len(content) == 3 and all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
 
 
+def test_streamed_n_sends_one_finish_per_choice(client):
+    chunks = list(client.completions.create(model=MODEL, prompt="Hello", max_tokens=6, temperature=1.0,
+                                            seed=3, n=3, stream=True))
+    finishes = [c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert sorted(finishes) == [0, 1, 2]
+    texts = {i: "".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i)
+             for i in range(3)}
+    plain = client.completions.create(model=MODEL, prompt="Hello", max_tokens=6, temperature=1.0, seed=3, n=3)
+    assert {c.index: c.text for c in plain.choices} == texts
+
+
+def test_max_tokens_null_means_the_default(server, auth):
+    response = httpx.post(f"{server.url}/v1/completions", headers=auth,
+                          json={"prompt": "Hello", "max_tokens": None, "ignore_eos": True})
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 16
+
+
 def test_raw_sse_bytes(server, auth):
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 4, "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=auth, timeout=60) as r:
