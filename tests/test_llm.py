@@ -157,6 +157,15 @@ def test_per_request_failure_is_an_error_output_and_the_rest_complete(default_ll
     assert outs[0].token_ids == reference.token_ids and outs[0].error is None
     assert outs[1].finish_reason == "error"
     assert outs[1].error.startswith("GenerationError: detokenizing failed: injected fault")
+    monkeypatch.setenv("GRISTMILL_FAULTS", "detokenize_init@prompt~INITFAIL")
+    faults.load()
+    try:
+        [many] = default_llm.generate("INITFAIL", SamplingParams(max_tokens=4, n=3), use_tqdm=False)
+    finally:
+        monkeypatch.delenv("GRISTMILL_FAULTS")
+        faults.load()
+    assert [o.finish_reason for o in many.outputs] == ["error"] * 3
+    assert default_llm.outputs.num_live == 0
     stats = default_llm.core.stats()
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
 

@@ -31,6 +31,8 @@ class OutputProcessor:
         self._live: dict[str, _Completion] = {}
 
     def add(self, parent: RequestOutput, child_ids: list[str], params: SamplingParams) -> None:
+        """Track every completion of `parent`, or none of them (GenerationError)."""
+        completions = {}
         for index, child_id in enumerate(child_ids):
             output = parent.outputs[index]
             if params.logprobs is not None:
@@ -41,7 +43,8 @@ class OutputProcessor:
                                                params.skip_special_tokens)
             except Exception as exc:  # noqa: BLE001 - per-request isolation
                 raise GenerationError(f"setting up the detokenizer failed: {exc}") from exc
-            self._live[child_id] = _Completion(parent, output, detok)
+            completions[child_id] = _Completion(parent, output, detok)
+        self._live.update(completions)
 
     @property
     def num_live(self) -> int:
