@@ -688,7 +688,7 @@ def test_max_model_len_ends_with_length():
 
 def test_abort_waiting_request():
     h = Harness(max_num_seqs=1, max_num_batched_tokens=16)
-    a = h.add("a", prompt(1, 5), max_tokens=4)
+    h.add("a", prompt(1, 5), max_tokens=4)
     b = h.add("b", prompt(2, 5), max_tokens=4)
     h.step()
     assert b.status is RequestStatus.WAITING
@@ -707,7 +707,7 @@ def test_abort_waiting_request():
 def test_abort_running_request_frees_blocks_immediately():
     h = Harness(max_num_batched_tokens=64, num_blocks=32)
     a = h.add("a", prompt(1, 9), max_tokens=20)
-    b = h.add("b", prompt(2, 6), max_tokens=8)
+    h.add("b", prompt(2, 6), max_tokens=8)
     h.step()
     h.step()
     n_steps = len(h.executor.steps)
@@ -739,7 +739,7 @@ def test_abort_during_chunked_prefill():
 def test_abort_while_step_runs_drops_its_result():
     h = Harness(max_num_batched_tokens=64, num_blocks=32)
     a = h.add("a", prompt(1, 9), max_tokens=20)
-    b = h.add("b", prompt(2, 6), max_tokens=5)
+    h.add("b", prompt(2, 6), max_tokens=5)
     h.step()
     n_steps = len(h.executor.steps)
     outputs = list(a.output_token_ids)
