@@ -6,7 +6,7 @@ import itertools
 from collections.abc import Sequence
 
 from gristmill.config import EngineConfig
-from gristmill.engine.core import EngineCore
+from gristmill.engine import builder
 from gristmill.engine.output_processor import OutputProcessor
 from gristmill.engine.processor import InputProcessor
 from gristmill.errors import EngineDeadError, GenerationError, RequestError, error_string
@@ -28,32 +28,27 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **engine_options):
-        from gristmill.model.runner import ModelRunner
-        from gristmill.model.tokenizer import eos_token_ids, load_tokenizer
-
         self.config = EngineConfig.from_kwargs(model=model, **engine_options)
-        self.runner = ModelRunner(self.config)
-        hf_config = self.runner.hf_config
-        self.tokenizer = load_tokenizer(self.runner.model_dir, hf_config.model_type)
-        self.core = EngineCore(self.config, self.runner)
-        self.inputs = InputProcessor(
-            self.tokenizer, eos_token_ids(self.tokenizer, self.runner.model_dir, hf_config),
-            hf_config.vocab_size, self.runner.max_model_len, self.config.block_size,
-            self.runner.num_blocks)
+        model_dir = builder.resolve_model_dir(self.config)
+        self.core = builder.build_core(self.config, model_dir)
+        self.tokenizer, eos_token_ids = builder.load_tokenizer(model_dir)
+        self.capacity = self.core.capacity
+        self.inputs = InputProcessor(self.tokenizer, eos_token_ids, self.capacity)
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self.dead_error: EngineDeadError | None = None
 
     @property
     def max_model_len(self) -> int:
-        return self.runner.max_model_len
+        return self.capacity.max_model_len
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for one prompt or a list (strings or token-id lists); one output each,
-        in order. `sampling_params` is one for all prompts or one per prompt."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        in order. `sampling_params` is one for all prompts or one per prompt. A list of
+        ints is one prompt of token ids."""
+        if isinstance(prompts, str) or _is_token_ids(prompts):
             prompts = [prompts]
         return self._run([(p, None) for p in prompts], sampling_params, use_tqdm)
 
@@ -74,8 +69,12 @@ class LLM:
         return self._run(items, sampling_params, use_tqdm, add_special_tokens=False)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        from gristmill.model.tokenizer import render_chat
+        from gristmill.tokenizer import render_chat
         return render_chat(self.tokenizer, messages, add_generation_prompt)
+
+    def max_new_tokens(self, prompt_token_ids: list[int]) -> int:
+        """Most tokens a request with this prompt can generate (context length and KV cache)."""
+        return self.inputs.max_new_tokens(len(prompt_token_ids))
 
     # -- the loop --------------------------------------------------------------
 
@@ -87,8 +86,7 @@ class LLM:
         for (prompt, early_error), params in zip(items, params_list):
             results.append(self._add(prompt, params, early_error, add_special_tokens))
         bar = _progress_bar(len(results), use_tqdm)
-        done = sum(r.finished for r in results)
-        bar.update(done)
+        bar.update(sum(r.finished for r in results))
         try:
             while self.core.has_unfinished:
                 updates = self._step()
@@ -126,8 +124,16 @@ class LLM:
                 output.finish_reason, output.error = "error", error_string(exc)
             return result
         for request in requests:
-            self.core.add_request(request)
+            refused = self.core.add_request(request)
+            if refused is not None:
+                self.outputs.fail(request.request_id, GenerationError(f"the engine core refused the request: {refused}"))
         return result
+
+
+def _is_token_ids(prompt) -> bool:
+    return isinstance(prompt, (list, tuple)) and bool(prompt) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+
 
 def _params_per_prompt(sampling_params, count: int) -> list[SamplingParams]:
     if sampling_params is None:

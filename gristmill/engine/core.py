@@ -7,8 +7,11 @@ from typing import Protocol
 from gristmill.config import EngineConfig
 from gristmill.engine import faults
 from gristmill.engine.kv_blocks import BlockManager
+from gristmill.engine.messages import AddRequest, Capacity, RequestUpdate, SampledToken, SchedulerOutput
+from gristmill.engine.processor import check_add_request
 from gristmill.engine.request import Request
-from gristmill.engine.scheduler import RequestUpdate, SampledToken, Scheduler, SchedulerOutput
+from gristmill.engine.scheduler import Scheduler
+from gristmill.errors import RequestError, error_string
 
 
 class Executor(Protocol):
@@ -16,6 +19,7 @@ class Executor(Protocol):
 
     num_blocks: int
     max_model_len: int
+    vocab_size: int
 
     def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]: ...
 
@@ -27,6 +31,8 @@ class EngineCore:
         self.block_manager = BlockManager(executor.num_blocks, config.block_size)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, executor.max_model_len)
+        self.capacity = Capacity(executor.max_model_len, executor.num_blocks, config.block_size,
+                                 executor.vocab_size)
         self.num_steps = 0
 
     def step(self) -> list[RequestUpdate]:
@@ -38,10 +44,25 @@ class EngineCore:
         sampled = self.executor.execute(out)
         return self.scheduler.update(out, sampled)
 
-    def add_request(self, request: Request) -> None:
-        # Ids are unique among live requests: clients check, and queue the abort of an
-        # ended request before anything that could reuse its id.
-        self.scheduler.add_request(request)
+    def add_request(self, message: AddRequest) -> str | None:
+        """Build and queue a Request from a wire message. Returns None, or the error
+        ("<ErrorType>: <message>") that refused it; the core goes on either way.
+
+        A message whose id is already in the engine ends that request too: the client
+        and the core disagree about it, so neither can be trusted to finish."""
+        try:
+            check_add_request(message, self.capacity)
+        except RequestError as exc:
+            return error_string(exc)
+        request_id = message.request_id
+        if request_id in self.scheduler.requests:
+            self.scheduler.finish_request(request_id, "error")
+            return error_string(RequestError(
+                f"request id {request_id!r} was sent while a request with that id was in the engine; "
+                f"both were ended, send each request under its own id", param="request_id"))
+        self.scheduler.add_request(Request(request_id, list(message.prompt_token_ids), message.sampling_params,
+                                           frozenset(message.eos_token_ids), message.fault_tag))
+        return None
 
     def abort(self, request_ids, reason: str = "abort") -> None:
         for request_id in request_ids:

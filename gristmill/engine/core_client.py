@@ -1,29 +1,47 @@
-"""CoreClient: starts the engine-core process and watches it.
+"""CoreClient: starts the engine-core process, talks to it and watches it.
 
-One monitor thread waits on the core's output pipe and its process sentinel together,
-so a core that exits for any reason (crash, os._exit, SIGKILL, the OOM killer) is seen
-at once, and polls the step heartbeat so a hung step is seen within step_timeout_s.
+The core is started as its own module (`python -c "...core_process.main..."`), never
+through the user's script. Three threads, one job each:
+
+- the writer sends queued messages to the core, in order, so no caller (least of all an
+  event loop) ever blocks on a full pipe;
+- the reader receives the core's messages and hands them to `on_message`;
+- the monitor waits on the process itself (a pidfd where the OS has one) and reads the
+  step heartbeat: a core that exits for any reason (crash, os._exit, SIGKILL, the OOM
+  killer) or hangs in a step past `step_timeout_s` is reported to `on_death` at once.
+
+Every wait is a blocking wait with a timeout; nothing polls in a busy loop.
 """
 
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 import os
 import queue
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
-from multiprocessing.connection import wait
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
 
+import gristmill
 from gristmill.config import EngineConfig
-from gristmill.engine.core_process import CoreFailed, Ready, Shutdown, run_engine_core
+from gristmill.engine.heartbeat import Heartbeat
+from gristmill.engine.messages import CoreFailed, Ready, Shutdown, Start
 from gristmill.errors import EngineDeadError
 
 logger = logging.getLogger(__name__)
 
-_POLL_S = 0.05
+# How often the monitor reads the heartbeat while the core is alive.
+_WATCH_INTERVAL_S = 0.05
+# The child's whole program: import the core module by name and run it. The package
+# root is appended to sys.path so a core can start wherever its client could import us.
+_CORE_PROGRAM = ("import sys; sys.path.append({root!r}); "
+                 "from gristmill.engine.core_process import main; main(sys.argv[1:])")
+CORE_MODULE = "gristmill.engine.core_process"
 
 
 class CoreClient:
@@ -31,53 +49,65 @@ class CoreClient:
         self.config = config
         self._on_message = on_message
         self._on_death = on_death
-        ctx = mp.get_context("spawn")
-        inbox_reader, self._inbox = ctx.Pipe(duplex=False)
-        self._outbox, outbox_writer = ctx.Pipe(duplex=False)
-        self.heartbeat = ctx.RawValue("d", 0.0)
-        self.process = ctx.Process(target=run_engine_core, name="gristmill-engine-core", daemon=True,
-                                   args=(config, inbox_reader, outbox_writer, self.heartbeat, os.getpid()))
-        self.process.start()
-        inbox_reader.close()
-        outbox_writer.close()
-        # Every message to the core goes through one writer thread, in order, so that no
-        # caller (least of all the monitor, the only reader of the core's output) ever
-        # blocks on a full pipe.
-        self._outgoing: queue.SimpleQueue = queue.SimpleQueue()
-        self._writer = threading.Thread(target=self._write, name="gristmill-core-writer", daemon=True)
-        self._writer.start()
         self._stopping = False
         self._failure_message: str | None = None
         self.dead_error: EngineDeadError | None = None
+        self.heartbeat = Heartbeat.create()
+        inbox_read, inbox_write = os.pipe()
+        outbox_read, outbox_write = os.pipe()
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-c", _CORE_PROGRAM.format(root=str(Path(gristmill.__file__).parent.parent)),
+                 str(inbox_read), str(outbox_write), str(self.heartbeat.fd), str(os.getpid())],
+                pass_fds=(inbox_read, outbox_write, self.heartbeat.fd), stdin=subprocess.DEVNULL,
+                stdout=_stderr_fd())
+        finally:
+            os.close(inbox_read)
+            os.close(outbox_write)
+        self._inbox = Connection(inbox_write, readable=False)
+        self._outbox = Connection(outbox_read, writable=False)
+        self._exit_fd = _pidfd(self.process.pid)
+        self._outgoing: queue.SimpleQueue = queue.SimpleQueue()
+        self._outgoing.put(Start(config))
+        self._writer = _thread(self._write, "gristmill-core-writer")
+        self._reader: threading.Thread | None = None
         self._monitor: threading.Thread | None = None
 
     @property
     def pid(self) -> int:
         return self.process.pid
 
+    # -- starting ---------------------------------------------------------------------
+
     def wait_ready(self) -> Ready:
+        """Block until the core is ready. Raises EngineDeadError at once if it exits first
+        (with its exit code or signal and its own error), or after start_timeout_s."""
         deadline = time.monotonic() + self.config.start_timeout_s
-        while time.monotonic() < deadline:
-            ready = wait([self._outbox, self.process.sentinel], timeout=_POLL_S)
+        while (remaining := deadline - time.monotonic()) > 0:
+            if self._exit_fd is not None:
+                ready = wait([self._outbox, self._exit_fd], timeout=remaining)
+            else:
+                ready = wait([self._outbox], timeout=min(remaining, 0.5))
             if self._outbox in ready:
-                try:
-                    message = self._outbox.recv()
-                except EOFError:
-                    continue
+                message = self._recv()
                 if isinstance(message, Ready):
                     return message
-                if isinstance(message, CoreFailed):
-                    self._failure_message = message.message
-            elif self.process.sentinel in ready:
-                self.process.join()
-                raise EngineDeadError(self._death_reason())
+                if message is not None:
+                    continue  # CoreFailed was recorded: the exit follows
+            elif not ready and self.process.poll() is None:
+                continue
+            self._reap()  # the pipe closed or the process exited
+            raise EngineDeadError(self._death_reason())
         self.kill()
         raise EngineDeadError(f"the engine core did not become ready within start_timeout_s="
                               f"{self.config.start_timeout_s}s; raise start_timeout_s for large models")
 
-    def start_monitor(self) -> None:
-        self._monitor = threading.Thread(target=self._watch, name="gristmill-core-monitor", daemon=True)
-        self._monitor.start()
+    def start(self) -> None:
+        """Start delivering the core's messages and watching it (after wait_ready)."""
+        self._reader = _thread(self._read, "gristmill-core-reader")
+        self._monitor = _thread(self._watch, "gristmill-core-monitor")
+
+    # -- the writer thread ------------------------------------------------------------
 
     def send(self, message) -> None:
         """Queue a message for the core (never blocks); raises EngineDeadError once dead."""
@@ -86,61 +116,72 @@ class CoreClient:
         self._outgoing.put(message)
 
     def _write(self) -> None:
-        while True:
-            message = self._outgoing.get()
-            if message is None:
-                return
+        while (message := self._outgoing.get()) is not None:
             try:
                 self._inbox.send(message)
             except (OSError, ValueError):
                 return  # the core is gone; the monitor reports it
 
-    # -- the monitor thread -------------------------------------------------------------
+    # -- the reader thread ------------------------------------------------------------
+
+    def _read(self) -> None:
+        while True:
+            message = self._recv()
+            if message is None:
+                return
+            if isinstance(message, CoreFailed):
+                continue
+            try:
+                self._on_message(message)
+            except Exception:  # noqa: BLE001 - the reader must survive a handler bug
+                logger.exception("handling an engine-core message failed")
+
+    def _recv(self):
+        """The core's next message (recording a CoreFailed), or None once the pipe closed."""
+        try:
+            message = self._outbox.recv()
+        except (EOFError, OSError):
+            return None
+        if isinstance(message, CoreFailed):
+            self._failure_message = message.message
+        return message
+
+    # -- the monitor thread -----------------------------------------------------------
 
     def _watch(self) -> None:
-        sentinel = self.process.sentinel
         while not self._stopping:
-            ready = wait([self._outbox, sentinel], timeout=_POLL_S)
-            if self._outbox in ready:
-                if not self._receive():
-                    ready = [sentinel]  # the pipe closed: the process is going
-            if sentinel in ready or not self.process.is_alive():
-                self._drain()
-                self.process.join(timeout=1.0)
+            if self._exited(_WATCH_INTERVAL_S):
+                # Let the reader deliver what the core sent before it went (its last
+                # outputs, its own error message) before anyone hears of the death.
+                self._reader.join(timeout=1.0)
+                self._reap()
                 if not self._stopping:
                     self._die(self._death_reason())
                 return
-            started = self.heartbeat.value
+            started = self.heartbeat.step_started
             if started and time.monotonic() - started > self.config.step_timeout_s:
                 self.kill()
                 self._die(f"the engine core hung: a step ran longer than step_timeout_s="
                           f"{self.config.step_timeout_s}s; it was killed (pid {self.process.pid})")
                 return
 
-    def _receive(self) -> bool:
+    def _exited(self, timeout: float) -> bool:
+        if self._exit_fd is not None:
+            return bool(wait([self._exit_fd], timeout=timeout))
         try:
-            message = self._outbox.recv()
-        except (EOFError, OSError):
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
             return False
-        if isinstance(message, CoreFailed):
-            self._failure_message = message.message
-        else:
-            try:
-                self._on_message(message)
-            except Exception:  # noqa: BLE001 - the monitor must survive a handler bug
-                logger.exception("handling an engine-core message failed")
         return True
 
-    def _drain(self) -> None:
+    def _reap(self) -> None:
         try:
-            while self._outbox.poll(0):
-                if not self._receive():
-                    break
-        except (EOFError, OSError):
-            pass
+            self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:  # it closed its pipe but lingers
+            self.kill()
 
     def _death_reason(self) -> str:
-        code = self.process.exitcode
+        code = self.process.returncode
         if code is None:
             how = "stopped responding"
         elif code < 0:
@@ -159,22 +200,55 @@ class CoreClient:
         logger.error("%s", reason)
         self._on_death(self.dead_error)
 
-    # -- ending ----------------------------------------------------------------------
+    # -- ending -----------------------------------------------------------------------
 
     def kill(self) -> None:
-        if self.process.is_alive():
+        if self.process.poll() is None:
             self.process.kill()
-        self.process.join(timeout=5)
+        self.process.wait()
 
     def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop the core (Shutdown, then SIGKILL after `timeout`) and every thread."""
         self._stopping = True
-        if self.process.is_alive():
+        if self.process.poll() is None:
             self._outgoing.put(Shutdown())
-            self.process.join(timeout=timeout)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
         self.kill()
         self._outgoing.put(None)
-        self._writer.join(timeout=1.0)
-        if self._monitor is not None and self._monitor is not threading.current_thread():
-            self._monitor.join(timeout=1.0)
+        current = threading.current_thread()
+        for thread in (self._writer, self._reader, self._monitor):
+            if thread is not None and thread is not current:
+                thread.join(timeout=1.0)
         for conn in (self._inbox, self._outbox):
             conn.close()
+        if self._monitor is None or not self._monitor.is_alive():
+            if self._exit_fd is not None:
+                os.close(self._exit_fd)
+                self._exit_fd = None
+            self.heartbeat.close()
+
+
+def _pidfd(pid: int) -> int | None:
+    """A descriptor that becomes readable when `pid` exits (Linux 5.3+), else None."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
+
+
+def _stderr_fd():
+    """The core writes its logs (and anything it prints) to our stderr, never our stdout,
+    which may carry a job's output."""
+    try:
+        return sys.__stderr__.fileno()
+    except (AttributeError, OSError, ValueError):
+        return subprocess.DEVNULL
+
+
+def _thread(target: Callable, name: str) -> threading.Thread:
+    thread = threading.Thread(target=target, name=name, daemon=True)
+    thread.start()
+    return thread

@@ -1,144 +1,138 @@
-"""The engine-core child process and the small typed messages it exchanges.
+"""The engine-core process: `python -m gristmill.engine.core_process`.
 
-The child runs the EngineCore busy loop. Between steps it drains its inbox; while a
-step runs, `heartbeat` holds the step's start (time.monotonic, shared across
-processes) so the client's monitor can tell a hang from a long step. The child exits
-by itself when its client goes away (its inbox reaches EOF or its parent pid changes).
+Started as its own module (never through the user's script), so a script without an
+`if __name__ == "__main__":` guard works. Its client passes three file descriptors on
+the command line: the inbox and outbox pipes (pickled `messages` structs, one per send)
+and a shared 8-byte heartbeat holding the start (time.monotonic) of the step running
+now, or 0 between steps, so the client's monitor can tell a hang from a long step.
+
+The first message in is `Start(config)`; the first out is `Ready` or `CoreFailed`. The
+process exits by itself when its client goes away (its inbox reaches EOF or its parent
+pid changes), and ignores SIGINT: a Ctrl-C reaches its client, which shuts it down.
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import sys
 import time
-from dataclasses import dataclass
+from multiprocessing.connection import Connection
 
-from gristmill.config import EngineConfig
 from gristmill.engine import faults
-from gristmill.engine.request import Request
-from gristmill.engine.scheduler import RequestUpdate
+from gristmill.engine.heartbeat import Heartbeat
+from gristmill.engine.messages import (Abort, AddRequest, CoreFailed, Ready, Rejected, Shutdown,
+                                       StatsQuery, StatsReply, StepOutputs)
 from gristmill.errors import error_string
 
-# Exit code of a child whose engine failed (start-up or a step raised).
+# Exit code of a core whose engine failed (start-up or a step raised).
 EXIT_ENGINE_ERROR = 3
 # Exit code of the core_exit fault.
 EXIT_INJECTED = 17
 
 
-# -- client -> core ----------------------------------------------------------------
-
-@dataclass(slots=True)
-class AddRequests:
-    requests: list[Request]
-
-
-@dataclass(slots=True)
-class Abort:
-    request_ids: list[str]
-
-
-@dataclass(slots=True)
-class StatsQuery:
-    token: int
-
-
-@dataclass(slots=True)
-class Shutdown:
-    pass
-
-
-# -- core -> client ----------------------------------------------------------------
-
-@dataclass(slots=True)
-class Ready:
-    max_model_len: int
-    num_total_blocks: int
-    vocab_size: int
-
-
-@dataclass(slots=True)
-class StepOutputs:
-    step: int
-    updates: list[RequestUpdate]
-
-
-@dataclass(slots=True)
-class StatsReply:
-    token: int
-    stats: dict
-
-
-@dataclass(slots=True)
-class CoreFailed:
-    """The core cannot go on; `message` is the original error."""
-    message: str
-
-
-def run_engine_core(config: EngineConfig, inbox, outbox, heartbeat, parent_pid: int) -> None:
-    """Entry point of the child process."""
+def main(argv: list[str]) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    inbox_fd, outbox_fd, heartbeat_fd, parent_pid = (int(a) for a in argv)
+    inbox = Connection(inbox_fd, writable=False)
+    outbox = Connection(outbox_fd, readable=False)
+    heartbeat = Heartbeat(heartbeat_fd)
     try:
+        start = inbox.recv()
         faults.load()
-        from gristmill.engine.core import EngineCore
-        from gristmill.model.runner import ModelRunner
-
-        runner = ModelRunner(config)
-        core = EngineCore(config, runner)
-        outbox.send(Ready(runner.max_model_len, runner.num_blocks, runner.hf_config.vocab_size))
+        from gristmill.engine.builder import build_core
+        core = build_core(start.config)
+        outbox.send(Ready(core.capacity))
     except BaseException as exc:  # noqa: BLE001 - report, then exit
         _report_and_exit(outbox, f"the engine failed to start: {error_string(exc)}")
-    _busy_loop(core, inbox, outbox, heartbeat, parent_pid)
+    CoreLoop(core, inbox, outbox, heartbeat, parent_pid).run()
 
 
-def _busy_loop(core, inbox, outbox, heartbeat, parent_pid: int) -> None:
-    while True:
-        timeout = 0.0 if core.has_unfinished else 0.2
-        try:
-            while inbox.poll(timeout):
-                if not _handle(core, inbox.recv(), outbox):
+class CoreLoop:
+    """The busy loop: drain the inbox, run a step while requests are unfinished."""
+
+    def __init__(self, core, inbox: Connection, outbox: Connection, heartbeat: Heartbeat, parent_pid: int):
+        self.core = core
+        self.inbox = inbox
+        self.outbox = outbox
+        self.heartbeat = heartbeat
+        self.parent_pid = parent_pid
+
+    def run(self) -> None:
+        core = self.core
+        while True:
+            try:
+                if not self._drain_inbox(0.0 if core.has_unfinished else 0.2):
                     return
-                timeout = 0.0
-        except (EOFError, OSError):
-            return  # the client is gone
-        if os.getppid() != parent_pid:
-            return
-        if not core.has_unfinished:
-            continue
-        step = core.num_steps + 1
+            except (EOFError, OSError):
+                return  # the client is gone
+            if os.getppid() != self.parent_pid:
+                return
+            if core.has_unfinished:
+                self._step()
+
+    def _drain_inbox(self, timeout: float) -> bool:
+        while self.inbox.poll(timeout):
+            try:
+                message = self.inbox.recv()
+            except (EOFError, OSError):
+                raise
+            except Exception as exc:  # noqa: BLE001 - an unreadable message is dropped, not fatal
+                print(f"gristmill engine core: dropped an unreadable message: {error_string(exc)}",
+                      file=sys.stderr)
+                continue
+            if not self._handle(message):
+                return False
+            timeout = 0.0
+        return True
+
+    def _handle(self, message) -> bool:
+        if isinstance(message, AddRequest):
+            error = self.core.add_request(message)
+            if error is not None:
+                self.outbox.send(Rejected(getattr(message, "request_id", ""), error))
+        elif isinstance(message, Abort):
+            self.core.abort(message.request_ids)
+        elif isinstance(message, StatsQuery):
+            self.outbox.send(StatsReply(message.token, self.core.stats()))
+        elif isinstance(message, Shutdown):
+            return False
+        else:
+            request_id = getattr(message, "request_id", None)
+            if isinstance(request_id, str):
+                self.outbox.send(Rejected(request_id, f"RequestError: the engine core got a message it does "
+                                                      f"not know ({type(message).__name__})"))
+        return True
+
+    def _step(self) -> None:
+        step = self.core.num_steps + 1
         if faults.ACTIVE:
-            _injected_process_faults(step, heartbeat)
-        heartbeat.value = time.monotonic()
+            _injected_process_faults(step, self.heartbeat)
+        self.heartbeat.beat()
         try:
-            updates = core.step()
+            updates = self.core.step()
         except Exception as exc:  # noqa: BLE001 - the engine state can no longer be trusted
-            _report_and_exit(outbox, f"engine step {step} failed: {error_string(exc)}")
-        heartbeat.value = 0.0
+            _report_and_exit(self.outbox, f"engine step {step} failed: {error_string(exc)}")
+        self.heartbeat.rest()
         if updates:
-            outbox.send(StepOutputs(step, updates))
+            self.outbox.send(StepOutputs(step, updates))
 
 
-def _handle(core, message, outbox) -> bool:
-    if isinstance(message, AddRequests):
-        for request in message.requests:
-            core.add_request(request)
-    elif isinstance(message, Abort):
-        core.abort(message.request_ids)
-    elif isinstance(message, StatsQuery):
-        outbox.send(StatsReply(message.token, core.stats()))
-    elif isinstance(message, Shutdown):
-        return False
-    return True
-
-
-def _injected_process_faults(step: int, heartbeat) -> None:
+def _injected_process_faults(step: int, heartbeat: Heartbeat) -> None:
     if faults.fires("core_exit", step=step):
         os._exit(EXIT_INJECTED)
     if faults.fires("core_hang", step=step):
-        heartbeat.value = time.monotonic()
+        heartbeat.beat()
         while True:
             time.sleep(3600)
 
 
-def _report_and_exit(outbox, message: str) -> None:
+def _report_and_exit(outbox: Connection, message: str) -> None:
     try:
         outbox.send(CoreFailed(message))
     finally:
         os._exit(EXIT_ENGINE_ERROR)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from gristmill.engine import faults
 from gristmill.engine.detokenizer import IncrementalDetokenizer
-from gristmill.engine.scheduler import RequestUpdate
+from gristmill.engine.messages import RequestUpdate
 from gristmill.errors import GenerationError, error_string
 from gristmill.outputs import CompletionOutput, RequestOutput
 from gristmill.sampling import SamplingParams
@@ -56,48 +56,50 @@ class OutputProcessor:
         end now (stop string reached, or processing failed).
 
         If the batch as a whole fails, every request still live in it ends with
-        GenerationError; the engine itself stays healthy."""
-        try:
-            faults.check("output_batch", step=step)
-            return self._process(updates)
-        except Exception as exc:  # noqa: BLE001 - isolate the batch, not the engine
-            error = GenerationError(f"processing a batch of engine outputs failed: {exc}")
-            failed = [u.request_id for u in updates if u.request_id in self._live]
-            parents = [self.fail(request_id, error) for request_id in failed]
-            return list({id(p): p for p in parents}.values()), failed
-
-    def _process(self, updates: list[RequestUpdate]) -> tuple[list[RequestOutput], list[str]]:
+        GenerationError, and the requests it already finished keep their final output;
+        the engine itself stays healthy."""
         changed: dict[int, RequestOutput] = {}
         to_finish: list[str] = []
+        try:
+            self._process(updates, step, changed, to_finish)
+        except Exception as exc:  # noqa: BLE001 - isolate the batch, not the engine
+            error = GenerationError(f"processing a batch of engine outputs failed: {exc}")
+            for update in updates:
+                parent = self.fail(update.request_id, error)
+                if parent is not None:
+                    changed[id(parent)] = parent
+                    to_finish.append(update.request_id)
+        return list(changed.values()), list(dict.fromkeys(to_finish))
+
+    def _process(self, updates: list[RequestUpdate], step: int | None,
+                 changed: dict[int, RequestOutput], to_finish: list[str]) -> None:
         for update in updates:
             live = self._live.get(update.request_id)
             if live is None:
                 continue
+            faults.check("output_batch", prompt=live.parent.prompt, step=step)
             output = live.output
             output.token_ids.extend(update.new_token_ids)
             if update.new_logprobs is not None and output.logprobs is not None:
                 output.logprobs.extend(update.new_logprobs)
+            changed[id(live.parent)] = live.parent
             try:
                 faults.check("detokenize", prompt=live.parent.prompt)
                 stopped = live.detokenizer.add_tokens(update.new_token_ids)
             except Exception as exc:  # noqa: BLE001 - per-request isolation
                 self.fail(update.request_id, GenerationError(f"detokenizing failed: {exc}"))
                 to_finish.append(update.request_id)
-                changed[id(live.parent)] = live.parent
                 continue
             finish_reason = update.finish_reason
             if stopped and finish_reason is None:
-                finish_reason = "stop"
                 to_finish.append(update.request_id)
-            elif stopped:
+            if stopped:
                 finish_reason = "stop"
             output.text = live.detokenizer.text
             output.delta_text = live.detokenizer.take_delta(finish_reason is not None)
             if finish_reason is not None:
                 output.finish_reason = finish_reason
                 del self._live[update.request_id]
-            changed[id(live.parent)] = live.parent
-        return list(changed.values()), to_finish
 
     def fail(self, request_id: str, exc: BaseException) -> RequestOutput | None:
         """End one completion with an error (finish reason "error")."""
@@ -110,6 +112,7 @@ class OutputProcessor:
         return live.parent
 
     def finish(self, request_id: str, reason: str) -> RequestOutput | None:
+        """End one completion early (abort) with the text it has."""
         live = self._live.pop(request_id, None)
         if live is None:
             return None

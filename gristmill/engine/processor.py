@@ -1,23 +1,24 @@
-"""Turns user prompts into validated engine Requests, before anything is scheduled."""
+"""Turns user prompts into validated engine requests, before anything is scheduled.
+
+The client checks everything here so that errors reach the caller before any output;
+the core checks each `AddRequest` it receives again (`check_add_request`), so a
+malformed message fails only its request, never the core.
+"""
 
 from __future__ import annotations
 
 from gristmill.engine import faults
 from gristmill.engine.kv_blocks import blocks_needed
-from gristmill.engine.request import Request
+from gristmill.engine.messages import AddRequest, Capacity
 from gristmill.errors import GenerationError, PromptTooLongError, RequestError
 from gristmill.sampling import SamplingParams
 
 
 class InputProcessor:
-    def __init__(self, tokenizer, eos_token_ids: frozenset[int], vocab_size: int,
-                 max_model_len: int, block_size: int, num_total_blocks: int):
+    def __init__(self, tokenizer, eos_token_ids: frozenset[int], capacity: Capacity):
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
-        self.vocab_size = vocab_size
-        self.max_model_len = max_model_len
-        self.block_size = block_size
-        self.num_total_blocks = num_total_blocks
+        self.capacity = capacity
 
     def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         """Token ids of a prompt. Invalid input raises RequestError; a tokenizer failure
@@ -30,49 +31,77 @@ class InputProcessor:
                 return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
             except Exception as exc:  # noqa: BLE001 - a tokenizer failure ends only this request
                 raise GenerationError(f"tokenizing the prompt failed: {exc}") from exc
-        if not isinstance(prompt, (list, tuple)) or not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise RequestError(f"prompt must be a string or a list of token ids, got "
-                               f"{type(prompt).__name__}", param="prompt")
-        if not prompt:
-            raise RequestError("prompt token list is empty; send at least one token", param="prompt")
-        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-        if bad:
-            raise RequestError(f"prompt token ids {bad[:5]} are outside the vocabulary "
-                               f"[0, {self.vocab_size})", param="prompt")
+        check_token_ids(prompt, self.capacity.vocab_size)
         return list(prompt)
 
     def make_requests(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      prompt: str | None = None) -> list[Request]:
-        """One Request per completion (`params.n`); raises RequestError when invalid."""
+                      prompt: str | None = None) -> list[AddRequest]:
+        """One AddRequest per completion (`params.n`); raises RequestError when invalid."""
         params.validate()
-        self.check_fits(prompt_token_ids, params)
+        check_fits(len(prompt_token_ids), params.max_tokens, self.capacity)
+        fault_tag = prompt if faults.ACTIVE else None
         if params.n == 1:
-            return [Request(request_id, prompt_token_ids, params, self.eos_token_ids, prompt)]
-        return [Request(child_request_id(request_id, i), prompt_token_ids,
-                        params.clone(n=1, seed=_child_seed(params.seed, i)),
-                        self.eos_token_ids, prompt)
+            return [AddRequest(request_id, prompt_token_ids, params, self.eos_token_ids, fault_tag)]
+        return [AddRequest(child_request_id(request_id, i), prompt_token_ids,
+                           params.clone(n=1, seed=_child_seed(params.seed, i)), self.eos_token_ids, fault_tag)
                 for i in range(params.n)]
 
-    def check_fits(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        num_prompt = len(prompt_token_ids)
-        total = num_prompt + params.max_tokens
-        if total > self.max_model_len:
-            raise PromptTooLongError(
-                f"prompt ({num_prompt} tokens) + max_tokens ({params.max_tokens}) = {total} tokens "
-                f"exceeds max_model_len ({self.max_model_len}); shorten the prompt or lower max_tokens "
-                f"to at most {max(self.max_model_len - num_prompt, 0)}",
-                param="max_tokens" if num_prompt < self.max_model_len else "prompt",
-                num_prompt_tokens=num_prompt, max_model_len=self.max_model_len)
-        needed = blocks_needed(total, self.block_size)
-        if needed > self.num_total_blocks:
-            capacity = self.num_total_blocks * self.block_size
-            raise PromptTooLongError(
-                f"prompt ({num_prompt} tokens) + max_tokens ({params.max_tokens}) = {total} tokens "
-                f"needs more KV cache than the engine has ({capacity} tokens in "
-                f"{self.num_total_blocks} blocks); shorten the request or give the engine a larger "
-                f"KV cache (kv_cache_memory_gb / num_kv_blocks)",
-                param="max_tokens", num_prompt_tokens=num_prompt, max_model_len=self.max_model_len)
+    def max_new_tokens(self, num_prompt_tokens: int) -> int:
+        """Most tokens a request with a prompt this long can generate."""
+        return max(0, self.capacity.max_tokens_per_request - num_prompt_tokens)
+
+
+def check_token_ids(token_ids, vocab_size: int) -> None:
+    if not isinstance(token_ids, (list, tuple)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
+        raise RequestError(f"prompt must be a string or a list of token ids, got "
+                           f"{type(token_ids).__name__}", param="prompt")
+    if not token_ids:
+        raise RequestError("prompt token list is empty; send at least one token", param="prompt")
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise RequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})",
+                           param="prompt")
+
+
+def check_fits(num_prompt: int, max_tokens: int, capacity: Capacity) -> None:
+    """Raise PromptTooLongError unless prompt + max_tokens fit the context and the KV cache."""
+    total = num_prompt + max_tokens
+    max_model_len = capacity.max_model_len
+    if total > max_model_len:
+        raise PromptTooLongError(
+            f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) = {total} tokens "
+            f"exceeds max_model_len ({max_model_len}); shorten the prompt or lower max_tokens "
+            f"to at most {max(max_model_len - num_prompt, 0)}",
+            param="max_tokens" if num_prompt < max_model_len else "prompt",
+            num_prompt_tokens=num_prompt, max_model_len=max_model_len)
+    if blocks_needed(total, capacity.block_size) > capacity.num_total_blocks:
+        tokens = capacity.num_total_blocks * capacity.block_size
+        raise PromptTooLongError(
+            f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) = {total} tokens "
+            f"needs more KV cache than the engine has ({tokens} tokens in "
+            f"{capacity.num_total_blocks} blocks); shorten the request or give the engine a larger "
+            f"KV cache (kv_cache_memory_gb / num_kv_blocks)",
+            param="max_tokens", num_prompt_tokens=num_prompt, max_model_len=max_model_len)
+
+
+def check_add_request(message: AddRequest, capacity: Capacity) -> None:
+    """Raise RequestError unless `message` is a well-formed request the engine can hold."""
+    if not isinstance(message.request_id, str) or not message.request_id:
+        raise RequestError(f"request_id must be a non-empty string, got {message.request_id!r}",
+                           param="request_id")
+    params = message.sampling_params
+    if not isinstance(params, SamplingParams):
+        raise RequestError(f"sampling_params must be SamplingParams, got {type(params).__name__}",
+                           param="sampling_params")
+    params.validate()
+    if params.n != 1:
+        raise RequestError(f"the engine core takes one completion per request, got n={params.n}", param="n")
+    check_token_ids(message.prompt_token_ids, capacity.vocab_size)
+    check_fits(len(message.prompt_token_ids), params.max_tokens, capacity)
+    if not isinstance(message.eos_token_ids, (set, frozenset)) or not all(
+            isinstance(t, int) for t in message.eos_token_ids):
+        raise RequestError("eos_token_ids must be a set of token ids", param="eos_token_ids")
 
 
 def _child_seed(seed: int | None, index: int) -> int | None:

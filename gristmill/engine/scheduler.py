@@ -10,55 +10,10 @@ are freed and it goes back to the front of the waiting queue to be recomputed.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 
 from gristmill.engine.kv_blocks import BlockManager
+from gristmill.engine.messages import RequestUpdate, SampledToken, ScheduledRequest, SchedulerOutput
 from gristmill.engine.request import Request, RequestStatus
-
-
-@dataclass(slots=True)
-class ScheduledRequest:
-    request: Request
-    #: Tokens to compute this step: token_ids[num_computed_tokens : +num_new_tokens].
-    num_new_tokens: int
-
-    @property
-    def samples(self) -> bool:
-        """True when this step reaches the end of the sequence, so a token is sampled."""
-        request = self.request
-        return request.num_computed_tokens + self.num_new_tokens == request.num_tokens
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    """What the model runner computes in one step."""
-
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    #: Requests that ended since the previous step; the runner drops their state.
-    finished_request_ids: list[str] = field(default_factory=list)
-    preempted_request_ids: list[str] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-
-@dataclass(slots=True)
-class SampledToken:
-    token_id: int
-    #: {token_id: logprob} for the sampled token and the top-k, or None.
-    logprobs: dict[int, float] | None = None
-
-
-@dataclass(slots=True)
-class RequestUpdate:
-    """What one step did for one request (the engine core's output per request)."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[dict[int, float]] | None
-    finish_reason: str | None
-    num_prompt_tokens: int
 
 
 class Scheduler:

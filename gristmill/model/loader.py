@@ -129,7 +129,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     config["tie_word_embeddings"] = "lm_head.weight" not in tensors
     save_file(tensors, str(out_dir / "model.safetensors"))
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
-    from gristmill.model.tokenizer import convert_gguf_tokenizer
+    from gristmill.tokenizer import convert_gguf_tokenizer
     convert_gguf_tokenizer(gguf_path, out_dir)
 
 

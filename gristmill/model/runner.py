@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from gristmill.config import EngineConfig
-from gristmill.engine.scheduler import SampledToken, SchedulerOutput
+from gristmill.engine.messages import SampledToken, SchedulerOutput
 from gristmill.model import kernels, layers
 from gristmill.model.context import AttentionMetadata, PrefillChunk, set_context
 from gristmill.model.loader import load_config, load_weights, resolve_model
@@ -57,6 +57,7 @@ class ModelRunner:
         self.model_dir = model_dir or resolve_model(config.model, config.cache_dir)
         self.hf_config = load_config(self.model_dir)
         self.max_model_len = config.max_model_len or self.hf_config.max_position_embeddings
+        self.vocab_size = self.hf_config.vocab_size
         self.model = self._build_model()
         self.block_size = config.block_size
         self.num_blocks = self._num_kv_blocks()

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from gristmill.engine.async_engine import AsyncEngine, RequestStream
 from gristmill.errors import RequestError
-from gristmill.model.tokenizer import render_chat
+from gristmill.tokenizer import render_chat
 from gristmill.outputs import RequestOutput
 from gristmill.sampling import SamplingParams
 from gristmill.server.errors import error_event, exception_response
@@ -69,10 +69,8 @@ class OpenAIServing:
         text = render_chat(self.engine.tokenizer, messages, add_generation_prompt=True)
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens is None:  # as vLLM: whatever room the context leaves
-            inputs = self.engine.inputs
-            num_prompt = len(inputs.tokenize(text, add_special_tokens=False))
-            room = min(self.engine.max_model_len, inputs.num_total_blocks * inputs.block_size)
-            max_tokens = max(1, room - num_prompt)
+            prompt_token_ids = self.engine.inputs.tokenize(text, add_special_tokens=False)
+            max_tokens = max(1, self.engine.max_new_tokens(prompt_token_ids))
         top = (body.top_logprobs or 0) if body.logprobs else None
         params = self._params(body, max_tokens, top)
         job = _Job(True, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), body.n, body.logprobs,

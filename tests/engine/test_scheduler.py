@@ -15,14 +15,17 @@ import subprocess
 import sys
 from collections import defaultdict
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
+import gristmill.engine
 from gristmill.config import EngineConfig
 from gristmill.engine.core import EngineCore
 from gristmill.engine.kv_blocks import blocks_needed
+from gristmill.engine.messages import AddRequest, SampledToken
 from gristmill.engine.request import Request, RequestStatus
-from gristmill.engine.scheduler import SampledToken, Scheduler
+from gristmill.engine.scheduler import Scheduler
 from gristmill.sampling import SamplingParams
 
 VOCAB = 1000
@@ -33,9 +36,11 @@ def test_engine_imports_no_torch():
     # The engine package is the CPU control plane: importing it (and these tests' other
     # imports) must not pull in torch. Checked in a fresh interpreter, since other test
     # modules in the same run may import torch.
-    code = ("import sys, gristmill.engine.core, gristmill.engine.scheduler, "
-            "gristmill.engine.kv_blocks, gristmill.engine.request, gristmill.config, "
-            "gristmill.sampling; assert 'torch' not in sys.modules, 'torch imported'")
+    modules = sorted(f"gristmill.engine.{p.stem}" for p in Path(gristmill.engine.__file__).parent.glob("*.py")
+                     if p.stem != "__init__")
+    assert "gristmill.engine.async_engine" in modules and "gristmill.engine.builder" in modules
+    code = (f"import sys, {', '.join(modules)}, gristmill.tokenizer, gristmill.config, gristmill.sampling; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -90,13 +95,13 @@ class StepRecord:
 
 
 class FakeExecutor:
-    """Stands in for ModelRunner: `num_blocks`, `max_model_len`, `execute(out)`."""
+    """Stands in for ModelRunner: `num_blocks`, `max_model_len`, `vocab_size`, `execute(out)`."""
 
     def __init__(self, num_blocks, block_size, max_model_len, vocab=VOCAB, script=None):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.max_model_len = max_model_len
-        self.vocab = vocab
+        self.vocab = self.vocab_size = vocab
         #: request_id -> {output index: token}: forced tokens (EOS, stop ids, ...).
         self.script = script or {}
         self.kv = [[None] * block_size for _ in range(num_blocks)]
@@ -169,10 +174,11 @@ class Harness:
     # -- requests ------------------------------------------------------------------
 
     def add(self, request_id, prompt, max_tokens=8, eos=frozenset({EOS}), **params) -> Request:
-        r = Request(request_id, list(prompt),
-                    SamplingParams(max_tokens=max_tokens, temperature=0, **params),
-                    eos_token_ids=frozenset(eos))
-        self.core.add_request(r)
+        refused = self.core.add_request(AddRequest(
+            request_id, list(prompt), SamplingParams(max_tokens=max_tokens, temperature=0, **params),
+            frozenset(eos)))
+        assert refused is None, refused
+        r = self.sched.requests[request_id]
         self.all[request_id] = r
         self.check_invariants()
         return r
@@ -314,7 +320,7 @@ class Harness:
         for rid, r in self.all.items():
             if rid not in sched.requests:
                 assert r.status is RequestStatus.FINISHED
-                assert r.finish_reason in ("stop", "length", "abort")
+                assert r.finish_reason in ("stop", "length", "abort", "error")
                 assert r.block_ids == []
         # Every block id is free or owned by exactly one live request.
         owned = [b for r in live for b in r.block_ids]
@@ -332,7 +338,7 @@ class Harness:
         assert list(sched.running) == [] and list(sched.waiting) == []
         for rid, r in self.all.items():
             assert r.is_finished and r.block_ids == []
-            if r.finish_reason != "abort":
+            if r.finish_reason not in ("abort", "error"):  # ended from outside, not by a step
                 # The streamed updates add up to the output, the reason on the last one only.
                 ups = self.updates[rid]
                 assert [t for u in ups for t in u.new_token_ids] == r.output_token_ids
@@ -511,14 +517,41 @@ def test_batched_outputs_equal_solo_outputs():
         solo.check_all_done()
 
 
-def test_duplicate_live_request_id_is_rejected():
+def test_duplicate_live_request_id_ends_both_and_the_core_goes_on():
     h = Harness()
-    h.add("a", prompt(1, 4), max_tokens=2)
-    with pytest.raises(ValueError):
-        h.core.add_request(Request("a", [1, 2], SamplingParams(max_tokens=2, temperature=0)))
+    first = h.add("a", prompt(1, 4), max_tokens=2)
+    h.add("b", prompt(2, 4), max_tokens=2)
+    h.step()
+    refused = h.core.add_request(AddRequest("a", [1, 2], SamplingParams(max_tokens=2, temperature=0),
+                                            frozenset()))
+    assert refused.startswith("RequestError: request id 'a' was sent while a request with that id")
+    assert first.is_finished and first.finish_reason == "error" and first.block_ids == []
+    assert "a" not in h.sched.requests
     h.check_invariants()
     h.run()
-    h.check_matches_reference("a")
+    h.check_matches_reference("b")
+    h.check_all_done()
+
+
+@pytest.mark.parametrize("message,says", [
+    (AddRequest("", [1], SamplingParams(max_tokens=2), frozenset()), "request_id must be a non-empty string"),
+    (AddRequest("x", [1, "2"], SamplingParams(max_tokens=2), frozenset()), "list of token ids"),
+    (AddRequest("x", [], SamplingParams(max_tokens=2), frozenset()), "token list is empty"),
+    (AddRequest("x", [VOCAB + 3], SamplingParams(max_tokens=2), frozenset()), "outside the vocabulary"),
+    (AddRequest("x", [1], {"max_tokens": 2}, frozenset()), "sampling_params must be SamplingParams"),
+    (AddRequest("x", [1], SamplingParams(max_tokens=2, n=2), frozenset()), "one completion per request"),
+    (AddRequest("x", [1] * 250, SamplingParams(max_tokens=20), frozenset()), "exceeds max_model_len"),
+    (AddRequest("x", [1], SamplingParams(max_tokens=2), [5]), "eos_token_ids must be a set"),
+])
+def test_malformed_add_request_is_refused_and_the_core_goes_on(message, says):
+    h = Harness()
+    h.add("ok", prompt(3, 5), max_tokens=3)
+    refused = h.core.add_request(message)
+    assert refused is not None and says in refused
+    assert set(h.sched.requests) == {"ok"}
+    h.check_invariants()
+    h.run()
+    h.check_matches_reference("ok")
     h.check_all_done()
 
 
@@ -674,8 +707,12 @@ def test_max_tokens_ends_with_length(max_tokens):
 
 
 def test_max_model_len_ends_with_length():
+    # The core refuses such a request (clients check it too), so the scheduler's own
+    # limit is reached only by a request added to it directly.
     h = Harness(max_model_len=12)
-    a = h.add("a", prompt(1, 8), max_tokens=100)
+    a = Request("a", prompt(1, 8), SamplingParams(max_tokens=100, temperature=0), frozenset({EOS}))
+    h.sched.add_request(a)
+    h.all["a"] = a
     h.run()
     assert a.finish_reason == "length"
     assert a.num_tokens == 12 and a.num_output_tokens == 4

@@ -18,7 +18,8 @@ transformers = pytest.importorskip("transformers")
 from gristmill.config import EngineConfig  # noqa: E402
 from gristmill.engine.kv_blocks import BlockManager  # noqa: E402
 from gristmill.engine.request import Request  # noqa: E402
-from gristmill.engine.scheduler import SampledToken, Scheduler  # noqa: E402
+from gristmill.engine.messages import SampledToken
+from gristmill.engine.scheduler import Scheduler  # noqa: E402
 from gristmill.model.runner import ModelRunner  # noqa: E402
 from gristmill.sampling import SamplingParams  # noqa: E402
 

@@ -52,7 +52,7 @@ class Server:
             children = [int(c) for c in f.read().split()]
         for child in children:
             with open(f"/proc/{child}/cmdline", "rb") as f:
-                if b"spawn_main" in f.read():
+                if b"gristmill.engine.core_process" in f.read():
                     return child
         raise RuntimeError(f"no engine-core child among {children}")
 

@@ -1,4 +1,8 @@
-"""Tokenizer and chat template loading (HF `tokenizers` via transformers)."""
+"""Tokenizers and chat templates (HF tokenizers through transformers, imported when used).
+
+Used by the client side of an engine (tokenizing, detokenizing, chat templates) and by
+the GGUF converter; imports no torch itself.
+"""
 
 from __future__ import annotations
 

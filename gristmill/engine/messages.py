@@ -1,0 +1,158 @@
+"""The types both sides of a boundary need, and nothing else.
+
+Two boundaries meet here:
+- the step contract between the scheduler and the model runner (`SchedulerOutput`
+  in, `SampledToken`s out) and what a step did per request (`RequestUpdate`);
+- the wire between an engine client and the engine-core process: small typed structs,
+  pickled over a pipe. The client sends `AddRequest` (never a scheduler `Request`: the
+  core builds its own), `Abort`, `StatsQuery` and `Shutdown`; the core answers with
+  `Ready` (or `CoreFailed`), `StepOutputs`, `Rejected` and `StatsReply`.
+
+This module imports neither side (no scheduler, no torch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from gristmill.config import EngineConfig
+from gristmill.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from gristmill.engine.request import Request
+
+
+# -- the step contract ------------------------------------------------------------
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: "Request"
+    #: Tokens to compute this step: token_ids[num_computed_tokens : +num_new_tokens].
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this step reaches the end of the sequence, so a token is sampled."""
+        request = self.request
+        return request.num_computed_tokens + self.num_new_tokens == request.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """What the model runner computes in one step."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    #: Requests that ended since the previous step; the runner drops their state.
+    finished_request_ids: list[str] = field(default_factory=list)
+    preempted_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+@dataclass(slots=True)
+class SampledToken:
+    token_id: int
+    #: {token_id: logprob} for the sampled token and the top-k, or None.
+    logprobs: dict[int, float] | None = None
+
+
+@dataclass(slots=True)
+class RequestUpdate:
+    """What one step did for one request (the engine core's output per request)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[dict[int, float]] | None
+    finish_reason: str | None
+    num_prompt_tokens: int
+
+
+# -- client -> core ----------------------------------------------------------------
+
+@dataclass(slots=True)
+class Start:
+    """The first message to a core: what to build."""
+
+    config: EngineConfig
+
+
+
+@dataclass(slots=True)
+class AddRequest:
+    """One sequence to generate. The core validates it and builds its own Request."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    #: Token ids that end the request unless `sampling_params.ignore_eos`.
+    eos_token_ids: frozenset[int]
+    #: The prompt text, sent only while fault injection is on (its triggers match it).
+    fault_tag: str | None = None
+
+
+@dataclass(slots=True)
+class Abort:
+    request_ids: list[str]
+
+
+@dataclass(slots=True)
+class StatsQuery:
+    token: int
+
+
+@dataclass(slots=True)
+class Shutdown:
+    pass
+
+
+# -- core -> client ----------------------------------------------------------------
+
+@dataclass(slots=True, frozen=True)
+class Capacity:
+    """What an engine can hold; the client validates requests against it."""
+
+    max_model_len: int
+    num_total_blocks: int
+    block_size: int
+    vocab_size: int
+
+    @property
+    def max_tokens_per_request(self) -> int:
+        """Most tokens (prompt + output) one request can ever have."""
+        return min(self.max_model_len, self.num_total_blocks * self.block_size)
+
+
+@dataclass(slots=True)
+class Ready:
+    capacity: Capacity
+
+
+@dataclass(slots=True)
+class CoreFailed:
+    """The core cannot go on; `message` is the original error."""
+
+    message: str
+
+
+@dataclass(slots=True)
+class StepOutputs:
+    step: int
+    updates: list[RequestUpdate]
+
+
+@dataclass(slots=True)
+class Rejected:
+    """The core refused an AddRequest (malformed, invalid or a duplicate id); only that
+    request ends, with `error` ("<ErrorType>: <message>")."""
+
+    request_id: str
+    error: str
+
+
+@dataclass(slots=True)
+class StatsReply:
+    token: int
+    stats: dict
