@@ -72,7 +72,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     llm = LLM(args.model, dtype="float32", device="cpu", max_num_seqs=args.max_num_seqs)
-    model_dir = str(llm.runner.model_dir)
+    model_dir = str(llm.model_dir)
     hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     hf_tokenizer = AutoTokenizer.from_pretrained(model_dir)
 

@@ -1,29 +1,73 @@
-"""Command line: `gristmill generate` (and more to come: serve, batch, bench)."""
+"""Command line: `gristmill generate` and `gristmill serve`."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
+import typing
 from pathlib import Path
+
+from gristmill.config import EngineConfig, field_doc
+from gristmill.errors import RequestError, error_string
+from gristmill.outputs import CompletionOutput, RequestOutput
+
+# `generate` has a sampling --seed already; the engine's seed needs a name of its own.
+_FLAG_NAMES = {"seed": "engine-seed"}
+_FLAG_NOTES = {"seed": "(this is EngineConfig.seed; generate's --seed is the sampling seed)"}
+
+
+def _engine_flag(name: str) -> str:
+    return "--" + _FLAG_NAMES.get(name, name.replace("_", "-"))
+
+
+def _engine_dest(name: str) -> str:
+    # Prefixed so no engine field can collide with a command's own flags (generate's args.seed).
+    return f"engine_{name}"
+
+
+def _flag_type(name: str, annotation) -> type:
+    """What a field's flag parses to: its annotation, with `X | None` read as X."""
+    types = [t for t in typing.get_args(annotation) or (annotation,) if t is not type(None)]
+    if len(types) != 1 or types[0] not in (int, float, str, bool):
+        raise TypeError(f"EngineConfig.{name}: a flag cannot parse {annotation}; annotate the field "
+                        f"int, float, str or bool (optionally | None)")
+    return types[0]
+
+
+def _flag_help(config_field: dataclasses.Field) -> str:
+    parts = [field_doc(config_field), f"(default: {config_field.default})", _FLAG_NOTES.get(config_field.name)]
+    # argparse %-formats help strings; a literal % in a doc would break --help.
+    return " ".join(p for p in parts if p).replace("%", "%%")
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("engine")
-    group.add_argument("--model", default=None,
-                       help="HF model directory or .gguf file (default: bundled Gemma 3 270M)")
-    group.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output, in tokens")
-    group.add_argument("--max-num-seqs", type=int, default=128, help="most requests running at once")
-    group.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
-    group.add_argument("--kv-cache-memory-gb", type=float, default=1.0, help="memory for the KV cache")
-    group.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
-    group.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    """One flag per EngineConfig field, typed and documented from the field itself."""
+    group = parser.add_argument_group("engine", "EngineConfig fields; a flag left out keeps the config's default")
+    annotations = typing.get_type_hints(EngineConfig)
+    for config_field in dataclasses.fields(EngineConfig):
+        name = config_field.name
+        kind = _flag_type(name, annotations[name])
+        parsing = (dict(action=argparse.BooleanOptionalAction) if kind is bool
+                   else dict(type=kind, metavar=name.upper()))
+        # SUPPRESS: a flag not given sets no attribute, so EngineConfig's own default applies.
+        group.add_argument(_engine_flag(name), dest=_engine_dest(name), default=argparse.SUPPRESS,
+                           help=_flag_help(config_field), **parsing)
 
 
-def _engine_options(args) -> dict:
-    return dict(model=args.model, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                kv_cache_memory_gb=args.kv_cache_memory_gb, device=args.device, dtype=args.dtype)
+def engine_options(args: argparse.Namespace) -> dict:
+    """The EngineConfig fields given as flags, by field name; fields not given are left out."""
+    return {f.name: getattr(args, _engine_dest(f.name)) for f in dataclasses.fields(EngineConfig)
+            if hasattr(args, _engine_dest(f.name))}
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig of the flags given; an invalid value exits with the config's message."""
+    try:
+        return EngineConfig.from_kwargs(**engine_options(args))
+    except RequestError as exc:
+        raise SystemExit(f"error: {exc} (flag: {_engine_flag(exc.param)})") from None
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -36,6 +80,17 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--seed", type=int, default=None)
     group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     group.add_argument("--ignore-eos", action="store_true")
+
+
+def _sampling_params(args):
+    from gristmill import SamplingParams
+
+    try:
+        return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                              top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed,
+                              stop=args.stop, ignore_eos=args.ignore_eos)
+    except RequestError as exc:
+        raise SystemExit(f"error: {exc}") from None
 
 
 def _read_rows(args) -> list[dict]:
@@ -59,26 +114,60 @@ def _read_rows(args) -> list[dict]:
     return rows
 
 
-def cmd_generate(args) -> int:
-    from gristmill import LLM, SamplingParams
-    from gristmill.errors import RequestError
+def _row_error(row: dict) -> RequestError | None:
+    """Why this row cannot be generated, or None. Checked before the rows go to
+    `LLM.generate`/`chat` together, where a wrong type could change how the whole list is read."""
+    if "messages" in row:
+        if isinstance(row["messages"], list):
+            return None
+        return RequestError(f"'messages' must be a list of {{'role': ..., 'content': ...}} objects, "
+                            f"got {_json_kind(row['messages'])}", param="messages")
+    prompt = row["prompt"]
+    if isinstance(prompt, str) or (isinstance(prompt, list) and all(_is_int(t) for t in prompt)):
+        return None
+    return RequestError(f"'prompt' must be a string or a list of token ids (integers), got "
+                        f"{_json_kind(prompt)}; write text as a JSON string", param="prompt")
 
-    rows = _read_rows(args)
-    try:
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                                top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed,
-                                stop=args.stop, ignore_eos=args.ignore_eos)
-        llm = LLM(**_engine_options(args))
-    except RequestError as exc:
-        raise SystemExit(f"error: {exc}") from None
-    plain = [i for i, row in enumerate(rows) if "messages" not in row]
-    chats = [i for i, row in enumerate(rows) if "messages" in row]
-    results = [None] * len(rows)
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _json_kind(value) -> str:
+    """A JSON value as the person who wrote the file sees it: `a number: 5`, `null`, ..."""
+    if value is None:
+        return "null"
+    text = json.dumps(value, ensure_ascii=False)
+    text = text if len(text) <= 40 else text[:37] + "..."
+    if isinstance(value, list):
+        return f"a list with items that are not integers: {text}"
+    kind = {bool: "a boolean", int: "a number", float: "a number", str: "a string", dict: "an object"}
+    return f"{kind.get(type(value), type(value).__name__)}: {text}"
+
+
+def _error_output(error: RequestError) -> RequestOutput:
+    return RequestOutput("", None, [], [CompletionOutput(0, finish_reason="error", error=error_string(error))])
+
+
+def generate_rows(llm, rows: list[dict], params) -> list[RequestOutput]:
+    """One output per row, in order; an invalid row gets an error output and is not sent."""
+    results: list[RequestOutput | None] = [None] * len(rows)
+    plain, chats = [], []
+    for i, row in enumerate(rows):
+        error = _row_error(row)
+        if error is not None:
+            results[i] = _error_output(error)
+        else:
+            (chats if "messages" in row else plain).append(i)
     for i, out in zip(plain, llm.generate([rows[i]["prompt"] for i in plain], params)):
         results[i] = out
     for i, out in zip(chats, llm.chat([rows[i]["messages"] for i in chats], params)):
         results[i] = out
-    sink = open(args.output, "w") if args.output else sys.stdout
+    return results
+
+
+def _write_rows(output: str | None, rows: list[dict], results: list[RequestOutput]) -> None:
+    sink = open(output, "w") if output else sys.stdout
     try:
         for row, out in zip(rows, results):
             record = dict(row, text=out.text, finish_reason=out.finish_reason, error=out.error or "",
@@ -86,8 +175,22 @@ def cmd_generate(args) -> int:
                           num_generated_tokens=len(out.token_ids))
             sink.write(json.dumps(record, ensure_ascii=False) + "\n")
     finally:
-        if args.output:
+        if output:
             sink.close()
+
+
+def cmd_generate(args) -> int:
+    from gristmill import LLM
+
+    config = engine_config(args)
+    rows = _read_rows(args)
+    params = _sampling_params(args)
+    try:
+        llm = LLM(**dataclasses.asdict(config))
+    except RequestError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    results = generate_rows(llm, rows, params)
+    _write_rows(args.output, rows, results)
     failed = sum(1 for out in results if out.error)
     print(f"{len(rows)} prompts, {len(rows) - failed} ok, {failed} failed"
           + (f"; wrote {Path(args.output)}" if args.output else ""), file=sys.stderr)
@@ -101,17 +204,17 @@ def cmd_serve(args) -> int:
     import uvicorn
 
     from gristmill.engine.async_engine import AsyncEngine
-    from gristmill.errors import EngineDeadError, RequestError
+    from gristmill.errors import EngineDeadError
     from gristmill.model.loader import DEFAULT_MODEL_NAME
     from gristmill.server.app import build_app
 
+    config = engine_config(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        engine = AsyncEngine(**_engine_options(args), step_timeout_s=args.step_timeout_s,
-                             max_waiting_requests=args.max_waiting_requests)
+        engine = AsyncEngine(config)
     except (RequestError, EngineDeadError) as exc:
         raise SystemExit(f"error: {exc}") from None
-    name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
+    name = args.served_model_name or config.model or DEFAULT_MODEL_NAME
     app = build_app(engine, name, api_key=args.api_key)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
                                            timeout_graceful_shutdown=5))
@@ -159,10 +262,6 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
     serve.add_argument("--exit-on-engine-death", action="store_true",
                        help="exit (code 1) when the engine dies, for orchestrators that restart it")
-    serve.add_argument("--step-timeout-s", type=float, default=60.0,
-                       help="an engine step longer than this is a hang")
-    serve.add_argument("--max-waiting-requests", type=int, default=None,
-                       help="past this many waiting requests, answer 503 with Retry-After")
     _add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
     return parser

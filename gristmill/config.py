@@ -2,45 +2,52 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import Field, dataclass, field, fields
 
 from gristmill.errors import RequestError
 
 
+def _field(default, doc: str):
+    """A field with its documentation in `metadata["help"]`, where code can read it: the
+    command line builds one documented flag per field from it."""
+    return field(default=default, metadata={"help": doc})
+
+
+def field_doc(config_field: Field) -> str:
+    """The documentation of an `EngineConfig` field, as `fields(EngineConfig)` gives it."""
+    return config_field.metadata["help"]
+
+
 @dataclass(slots=True)
 class EngineConfig:
-    """Configuration of one engine. Invalid values raise `RequestError` naming the field."""
+    """Configuration of one engine. Invalid values raise `RequestError` naming the field.
 
-    #: HF model directory or GGUF file; None = the bundled Gemma 3 270M.
-    model: str | None = None
-    #: Longest prompt + output, in tokens; None = the model's own limit.
-    max_model_len: int | None = None
-    #: Tokens per KV cache block.
-    block_size: int = 16
-    #: Memory given to the KV cache, in GiB; ignored when num_kv_blocks is set.
-    kv_cache_memory_gb: float = 1.0
-    #: Exact number of KV cache blocks (overrides kv_cache_memory_gb).
-    num_kv_blocks: int | None = None
-    #: Most tokens (prefill chunks + decodes) computed in one engine step.
-    max_num_batched_tokens: int = 2048
-    #: Most requests running at once.
-    max_num_seqs: int = 128
-    #: "auto" (CUDA when available, else CPU), "cpu" or "cuda[:N]".
-    device: str = "auto"
-    #: "auto" (bfloat16 on CUDA, float32 on CPU), "float32", "bfloat16" or "float16".
-    dtype: str = "auto"
-    #: Seed of the engine's random stream, used by requests without a seed of their own.
-    seed: int = 0
-    #: Where converted GGUF models are cached; None = ~/.cache/gristmill.
-    cache_dir: str | None = None
-    #: Most requests waiting to be scheduled; past it new requests get
-    #: EngineOverloadedError. None = unbounded.
-    max_waiting_requests: int | None = None
-    #: A step of the engine-core process that runs longer than this is a hang: the
-    #: core is killed and every request fails with EngineDeadError.
-    step_timeout_s: float = 60.0
-    #: Longest wait for the engine-core process to load the model and report ready.
-    start_timeout_s: float = 600.0
+    Each field's documentation is in its metadata (read it with `field_doc`).
+    """
+
+    model: str | None = _field(None, "HF model directory or GGUF file; None = the bundled Gemma 3 270M.")
+    max_model_len: int | None = _field(None, "Longest prompt + output, in tokens; None = the model's own limit.")
+    block_size: int = _field(16, "Tokens per KV cache block.")
+    kv_cache_memory_gb: float = _field(
+        1.0, "Memory given to the KV cache, in GiB; ignored when num_kv_blocks is set.")
+    num_kv_blocks: int | None = _field(None, "Exact number of KV cache blocks (overrides kv_cache_memory_gb).")
+    max_num_batched_tokens: int = _field(
+        2048, "Most tokens (prefill chunks + decodes) computed in one engine step.")
+    max_num_seqs: int = _field(128, "Most requests running at once.")
+    device: str = _field("auto", '"auto" (CUDA when available, else CPU), "cpu" or "cuda[:N]".')
+    dtype: str = _field(
+        "auto", '"auto" (bfloat16 on CUDA, float32 on CPU), "float32", "bfloat16" or "float16".')
+    seed: int = _field(
+        0, "Seed of the engine's random stream, used by requests without a seed of their own.")
+    cache_dir: str | None = _field(None, "Where converted GGUF models are cached; None = ~/.cache/gristmill.")
+    max_waiting_requests: int | None = _field(
+        None, "Most requests waiting to be scheduled; past it new requests get "
+              "EngineOverloadedError. None = unbounded.")
+    step_timeout_s: float = _field(
+        60.0, "A step of the engine-core process that runs longer than this is a hang: the "
+              "core is killed and every request fails with EngineDeadError.")
+    start_timeout_s: float = _field(
+        600.0, "Longest wait for the engine-core process to load the model and report ready.")
 
     def __post_init__(self):
         def check(ok: bool, name: str, message: str):

@@ -6,7 +6,7 @@ import itertools
 from collections.abc import Sequence
 
 from gristmill.config import EngineConfig
-from gristmill.engine import builder
+from gristmill.engine import builder, faults
 from gristmill.engine.output_processor import OutputProcessor
 from gristmill.engine.processor import InputProcessor
 from gristmill.errors import EngineDeadError, GenerationError, RequestError, error_string
@@ -29,9 +29,11 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_options):
         self.config = EngineConfig.from_kwargs(model=model, **engine_options)
-        model_dir = builder.resolve_model_dir(self.config)
-        self.core = builder.build_core(self.config, model_dir)
-        self.tokenizer, eos_token_ids = builder.load_tokenizer(model_dir)
+        faults.load()
+        #: The HF directory the model was loaded from (a GGUF file's converted copy).
+        self.model_dir = builder.resolve_model_dir(self.config)
+        self.core = builder.build_core(self.config, self.model_dir)
+        self.tokenizer, eos_token_ids = builder.load_tokenizer(self.model_dir)
         self.capacity = self.core.capacity
         self.inputs = InputProcessor(self.tokenizer, eos_token_ids, self.capacity)
         self.outputs = OutputProcessor(self.tokenizer)

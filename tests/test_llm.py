@@ -14,7 +14,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at",
 @pytest.fixture(scope="module")
 def hf_model(default_llm):
     from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(str(default_llm.runner.model_dir),
+    return AutoModelForCausalLM.from_pretrained(str(default_llm.model_dir),
                                                 dtype=torch.float32).eval()
 
 

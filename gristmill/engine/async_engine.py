@@ -14,7 +14,6 @@ import asyncio
 import dataclasses
 import itertools
 import logging
-import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
 
@@ -47,6 +46,9 @@ class AsyncEngine:
         faults.load()  # a malformed GRISTMILL_FAULTS fails here, before any process starts
         self.config = config = config or EngineConfig.from_kwargs(**options)
         model_dir = builder.resolve_model_dir(config)  # converts a GGUF once, here
+        # Before the core starts, not beside it: loading a tokenizer holds the GIL for a
+        # second or more (JSON parsing in C), which would hold up seeing the core die.
+        self.tokenizer, eos_token_ids = builder.load_tokenizer(model_dir)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, RequestStream] = {}
         self._by_child: dict[str, RequestStream] = {}
@@ -56,10 +58,8 @@ class AsyncEngine:
         self.num_errors = 0
         self._client = CoreClient(dataclasses.replace(config, model=str(model_dir)),
                                   self._on_core_message, self._on_core_death)
-        tokenizer = _InBackground(builder.load_tokenizer, model_dir)  # while the core loads
         try:
             ready = self._client.wait_ready()
-            self.tokenizer, eos_token_ids = tokenizer.result()
         except BaseException:
             self._client.shutdown()
             raise
@@ -313,27 +313,6 @@ class AsyncEngine:
             fn(*args)
         else:
             _call_threadsafe(loop, fn, *args)
-
-
-class _InBackground:
-    """Runs `fn(*args)` on a daemon thread; `result()` waits for it."""
-
-    def __init__(self, fn: Callable, *args):
-        self._result = self._error = None
-        self._thread = threading.Thread(target=self._run, args=(fn, *args), daemon=True)
-        self._thread.start()
-
-    def _run(self, fn, *args) -> None:
-        try:
-            self._result = fn(*args)
-        except BaseException as exc:  # noqa: BLE001 - re-raised by result()
-            self._error = exc
-
-    def result(self):
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._result
 
 
 def _snapshot(output: RequestOutput) -> RequestOutput:

@@ -16,6 +16,7 @@ import pytest
 from gristmill import (AsyncEngine, EngineConfig, EngineDeadError, EngineOverloadedError,
                        GenerationError, PromptTooLongError, RequestError, SamplingParams)
 from gristmill.engine import faults
+from gristmill.engine.messages import AddRequest
 
 CONCURRENCY = 16
 PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -161,6 +162,64 @@ def test_failed_output_batch_ends_its_requests_and_the_engine_goes_on(monkeypatc
         assert stats["num_free_blocks"] == stats["num_total_blocks"]
     finally:
         engine.shutdown()
+
+
+def test_a_failed_output_batch_keeps_the_outputs_of_requests_it_finished(monkeypatch, baseline):
+    # The batch fails at the update of the OBFAIL request, after it has processed the
+    # requests before it in the same step: those it finished (max_tokens=1) must still end
+    # normally; the one still running fails with the batch.
+    engine = start_engine(monkeypatch, "output_batch@prompt~OBFAIL")
+    try:
+        async def scenario():
+            long = asyncio.create_task(run_one(engine, "A long story.", SamplingParams(max_tokens=60, temperature=0)))
+            while (await engine.stats())["num_running"] == 0:
+                await asyncio.sleep(0.01)
+            # Submitted together while the core is busy: admitted in one step, in this order.
+            short = [asyncio.create_task(run_one(engine, f"Story {i}: once", SamplingParams(max_tokens=1, temperature=0)))
+                     for i in range(3)]
+            marked = asyncio.create_task(run_one(engine, "Story OBFAIL: once", PARAMS))
+            return await asyncio.wait_for(asyncio.gather(long, *short, marked), 60)
+
+        (_, long_error, _), *short, (_, marked_error, _) = asyncio.run(scenario())
+        for error in (long_error, marked_error):
+            assert isinstance(error, GenerationError)
+            assert "processing a batch of engine outputs failed" in str(error)
+        for text, error, _ in short:
+            assert error is None and text
+        stats = asyncio.run(engine.stats())
+        assert stats["num_free_blocks"] == stats["num_total_blocks"] and stats["num_live_requests"] == 0
+        assert not engine.errored
+    finally:
+        engine.shutdown()
+
+
+def test_a_malformed_or_duplicate_wire_message_fails_only_its_request(baseline):
+    engine, texts = baseline
+
+    async def scenario():
+        dup = engine.add_request("Story dup: once upon a time", LONG, request_id="dup")
+        tasks = [asyncio.create_task(run_one(engine, p)) for p in prompts()]
+        first = await anext(dup)
+        # What a client out of step with its core would send: a second request under a
+        # live id, then things the core does not know.
+        engine._client.send(AddRequest("dup", [2, 3], SamplingParams(max_tokens=4), frozenset()))
+        engine._client.send(AddRequest("bad", ["not a token"], SamplingParams(max_tokens=4), frozenset()))
+        engine._client.send({"request_id": "bad"})
+        try:
+            with pytest.raises(GenerationError, match="the engine core refused the request: RequestError: "
+                                                      "request id 'dup' was sent while a request with that id"):
+                async for _ in dup:
+                    pass
+        finally:
+            await dup.aclose()
+        return first, await asyncio.wait_for(asyncio.gather(*tasks), 120)
+
+    first, results = asyncio.run(scenario())
+    assert not first.finished
+    assert [text for text, _, _ in results] == texts
+    assert not engine.errored
+    stats = asyncio.run(engine.stats())
+    assert stats["num_free_blocks"] == stats["num_total_blocks"] and stats["num_live_requests"] == 0
 
 
 async def fail_in_flight(engine, kill=None):

@@ -44,44 +44,54 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   float* out_ptr = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
 
-  // One work item = one sequence and one KV head, with all query heads of its group,
-  // so each cached key and value is read once.
+  // One work item = one sequence and one KV head, with all query heads of its group:
+  // each cached key and value row is loaded once and used by every head of the group.
   at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    std::vector<float> acc(head_dim);
+    std::vector<float> scores;                 // (group, span)
+    std::vector<float> acc(group * head_dim);  // (group, head_dim)
+    std::vector<float> max_score(group), total(group);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / num_kv_heads, kv_head = item % num_kv_heads;
       const int64_t len = lens[b];
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       const int64_t span = len - first;
+      const float* qg = q_ptr + (b * num_heads + kv_head * group) * head_dim;  // (group, head_dim)
+      const int64_t* table = tables + b * max_blocks;
       scores.resize(group * span);
+      std::fill(max_score.begin(), max_score.end(), -std::numeric_limits<float>::infinity());
+      for (int64_t t = first; t < len; ++t) {
+        const int64_t slot = table[t / block_size] * block_size + t % block_size;
+        const float* kh = k_ptr + (slot * num_kv_heads + kv_head) * head_dim;
+        for (int64_t g = 0; g < group; ++g) {
+          const float value = dot(qg + g * head_dim, kh, head_dim) * fscale;
+          scores[g * span + (t - first)] = value;
+          max_score[g] = std::max(max_score[g], value);
+        }
+      }
       for (int64_t g = 0; g < group; ++g) {
-        const int64_t head = kv_head * group + g;
-        const float* qh = q_ptr + (b * num_heads + head) * head_dim;
         float* s = scores.data() + g * span;
-        float max_score = -std::numeric_limits<float>::infinity();
-        for (int64_t t = first; t < len; ++t) {
-          const int64_t slot = tables[b * max_blocks + t / block_size] * block_size + t % block_size;
-          const float value = dot(qh, k_ptr + (slot * num_kv_heads + kv_head) * head_dim, head_dim) * fscale;
-          s[t - first] = value;
-          max_score = std::max(max_score, value);
-        }
-        float total = 0.f;
+        float sum = 0.f;
         for (int64_t i = 0; i < span; ++i) {
-          s[i] = std::exp(s[i] - max_score);
-          total += s[i];
+          s[i] = std::exp(s[i] - max_score[g]);
+          sum += s[i];
         }
-        std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t t = first; t < len; ++t) {
-          const int64_t slot = tables[b * max_blocks + t / block_size] * block_size + t % block_size;
-          const float* vh = v_ptr + (slot * num_kv_heads + kv_head) * head_dim;
-          const float p = s[t - first];
+        total[g] = sum;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = first; t < len; ++t) {
+        const int64_t slot = table[t / block_size] * block_size + t % block_size;
+        const float* vh = v_ptr + (slot * num_kv_heads + kv_head) * head_dim;
+        for (int64_t g = 0; g < group; ++g) {
+          const float p = scores[g * span + (t - first)];
+          float* a = acc.data() + g * head_dim;
 #pragma omp simd
-          for (int64_t d = 0; d < head_dim; ++d) acc[d] += p * vh[d];
+          for (int64_t d = 0; d < head_dim; ++d) a[d] += p * vh[d];
         }
-        float* o = out_ptr + (b * num_heads + head) * head_dim;
-        const float inv = 1.f / total;
-        for (int64_t d = 0; d < head_dim; ++d) o[d] = acc[d] * inv;
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* o = out_ptr + (b * num_heads + kv_head * group + g) * head_dim;
+        const float inv = 1.f / total[g];
+        for (int64_t d = 0; d < head_dim; ++d) o[d] = acc[g * head_dim + d] * inv;
       }
     }
   });

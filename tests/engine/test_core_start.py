@@ -1,0 +1,146 @@
+"""Starting the engine core as a user would: from scripts with no main guard, and
+failing at once when the core dies before it is ready (a corrupt model, SIGKILL)."""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import threading
+import time
+
+import pytest
+
+from gristmill import AsyncEngine, EngineConfig, EngineDeadError
+from gristmill.engine import builder
+from gristmill.engine.core_process import EXIT_ENGINE_ERROR
+from tests.harness import process_gone, run_script, wait_for_core_child
+from tests.server.conftest import free_port
+
+UNGUARDED_SCRIPTS = {
+    "async_engine": """
+        import asyncio
+        from gristmill import AsyncEngine, EngineConfig, SamplingParams
+
+        engine = AsyncEngine(EngineConfig(device="cpu"))
+
+        async def main():
+            async for out in engine.generate("The capital of France is",
+                                             SamplingParams(max_tokens=8, temperature=0)):
+                pass
+            return out.text
+
+        print("TEXT:", repr(asyncio.run(main())))
+        engine.shutdown()
+    """,
+    "llm": """
+        from gristmill import LLM, SamplingParams
+
+        llm = LLM(device="cpu")
+        out = llm.generate("The capital of France is", SamplingParams(max_tokens=8, temperature=0))[0]
+        print("TEXT:", repr(out.text))
+    """,
+    "server": """
+        import threading, time
+        import openai, uvicorn
+        from gristmill import AsyncEngine, EngineConfig
+        from gristmill.server.app import build_app
+
+        engine = AsyncEngine(EngineConfig(device="cpu"))
+        server = uvicorn.Server(uvicorn.Config(build_app(engine, "m"), host="127.0.0.1", port=PORT,
+                                               log_level="warning"))
+        thread = threading.Thread(target=server.run)
+        thread.start()
+        while not server.started:
+            time.sleep(0.05)
+        client = openai.OpenAI(base_url="http://127.0.0.1:PORT/v1", api_key="none")
+        out = client.completions.create(model="m", prompt="The capital of France is", max_tokens=8,
+                                        temperature=0)
+        print("TEXT:", repr(out.choices[0].text))
+        server.should_exit = True
+        thread.join()
+        engine.shutdown()
+    """,
+}
+
+
+@pytest.mark.parametrize("kind", sorted(UNGUARDED_SCRIPTS))
+def test_a_script_without_a_main_guard_generates(tmp_path, kind):
+    source = UNGUARDED_SCRIPTS[kind].replace("PORT", str(free_port()))
+    result = run_script(tmp_path, source, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    [line] = [line for line in result.stdout.splitlines() if line.startswith("TEXT:")]
+    assert len(line) > len("TEXT: ''"), line
+    assert "bootstrapping" not in result.stderr
+
+
+class _Start:
+    """AsyncEngine(...) on a thread, so the test can watch (and kill) the core it starts."""
+
+    def __init__(self, config: EngineConfig):
+        self.error: BaseException | None = None
+        self.ended_at: float | None = None
+        self.thread = threading.Thread(target=self._run, args=(config,))
+        self.thread.start()
+
+    def _run(self, config):
+        try:
+            AsyncEngine(config).shutdown()
+        except BaseException as exc:  # noqa: BLE001 - the test inspects it
+            self.error = exc
+        self.ended_at = time.monotonic()
+
+    def join(self) -> BaseException | None:
+        self.thread.join(60)
+        assert not self.thread.is_alive(), "AsyncEngine(...) did not return"
+        return self.error
+
+
+def wait_exit(pid: int) -> float:
+    """Block until `pid` exits; return when (time.monotonic)."""
+    fd = os.pidfd_open(pid)
+    try:
+        assert select.select([fd], [], [], 60)[0], f"core {pid} did not exit"
+        return time.monotonic()
+    finally:
+        os.close(fd)
+
+
+@pytest.fixture(scope="module")
+def corrupt_model(tmp_path_factory):
+    """The bundled model with its weights file cut to its first MiB."""
+    source = builder.resolve_model_dir(EngineConfig())
+    target = tmp_path_factory.mktemp("corrupt-model")
+    for path in source.iterdir():
+        if path.name != "model.safetensors":
+            (target / path.name).symlink_to(path)
+    with open(source / "model.safetensors", "rb") as f:
+        (target / "model.safetensors").write_bytes(f.read(1 << 20))
+    return target
+
+
+def test_a_corrupt_model_fails_at_once_every_time(corrupt_model):
+    for attempt in range(10):
+        start = _Start(EngineConfig(model=str(corrupt_model), device="cpu"))
+        pid = wait_for_core_child()
+        exited_at = wait_exit(pid)
+        error = start.join()
+        assert isinstance(error, EngineDeadError), (attempt, error)
+        message = str(error)
+        assert f"exited with code {EXIT_ENGINE_ERROR}" in message, message
+        assert "the engine failed to start: SafetensorError" in message, message
+        assert start.ended_at - exited_at < 1.0, (attempt, start.ended_at - exited_at)
+        assert process_gone(pid)
+
+
+def test_sigkill_during_start_up_fails_at_once():
+    start = _Start(EngineConfig(device="cpu"))
+    pid = wait_for_core_child()
+    time.sleep(1.0)  # importing torch and loading the model take longer than this
+    assert not process_gone(pid) and start.ended_at is None
+    killed_at = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    error = start.join()
+    assert isinstance(error, EngineDeadError), error
+    assert "killed by signal SIGKILL" in str(error)
+    assert start.ended_at - killed_at < 1.0

@@ -1,0 +1,63 @@
+"""Helpers shared by tests that watch real processes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+from gristmill.engine.core_client import CORE_MODULE
+
+
+def process_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:  # a zombie is gone too, only not yet reaped
+            return f.read().split()[2] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def core_children(parent_pid: int | None = None) -> list[int]:
+    """Engine-core processes started by `parent_pid` (default: this process), from any
+    of its threads."""
+    parent_pid = parent_pid or os.getpid()
+    found = []
+    for task in Path(f"/proc/{parent_pid}/task").iterdir():
+        try:
+            children = (task / "children").read_text().split()
+        except FileNotFoundError:
+            continue
+        for child in map(int, children):
+            try:
+                cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+            except FileNotFoundError:
+                continue
+            if CORE_MODULE.encode() in cmdline:
+                found.append(child)
+    return found
+
+
+def wait_for_core_child(timeout: float = 60.0) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = core_children()
+        if found:
+            return found[0]
+        time.sleep(0.005)
+    raise AssertionError("no engine-core process started")
+
+
+def run_script(tmp_path: Path, source: str, timeout: float = 300,
+               env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run `source` as a user's script file (python script.py) and return the result."""
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(source))
+    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=timeout,
+                          cwd=tmp_path, env=env)
