@@ -11,11 +11,13 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gristmill.engine.async_engine import AsyncEngine
-from gristmill.errors import EngineDeadError, GristmillError
+from gristmill.errors import EngineDeadError, GristmillError, RequestError
 from gristmill.server.errors import error_response, exception_response, validation_param
 from gristmill.server.metrics import ServerMetrics
 from gristmill.server.openai_serving import OpenAIServing
 from gristmill.server.protocol import ChatCompletionRequest, CompletionRequest
+
+COMPLETIONS_PATH, CHAT_PATH = "/v1/completions", "/v1/chat/completions"
 
 
 def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) -> FastAPI:
@@ -34,21 +36,13 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
                                       "invalid_request_error", code="invalid_api_key")
         return await call_next(request)
 
-    def check_model(name: str | None):
-        if name is not None and name != model_name:
-            return error_response(404, f"the model {name!r} does not exist; this server serves "
-                                       f"{model_name!r}", "invalid_request_error", "model", "model_not_found")
-        if engine.errored:
-            return exception_response(EngineDeadError(engine.dead_error.message))
-        return None
-
-    @app.post("/v1/completions")
+    @app.post(COMPLETIONS_PATH)
     async def completions(body: CompletionRequest, request: Request):
-        return check_model(body.model) or await serving.completions(body, request)
+        return await serving.completions(body, request)
 
-    @app.post("/v1/chat/completions")
+    @app.post(CHAT_PATH)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        return check_model(body.model) or await serving.chat(body, request)
+        return await serving.chat(body, request)
 
     @app.get("/v1/models")
     async def models():
@@ -78,6 +72,8 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError):
+        if request.url.path in (COMPLETIONS_PATH, CHAT_PATH):  # a generation request that failed
+            metrics.request_failed(RequestError.__name__)
         errors = exc.errors()
         if any(e.get("type") == "json_invalid" for e in errors):
             return error_response(400, "the request body is not valid JSON; send a JSON object",

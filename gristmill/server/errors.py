@@ -6,9 +6,17 @@ import json
 
 from fastapi.responses import JSONResponse
 
-from gristmill.errors import EngineOverloadedError, GristmillError
+from gristmill.errors import EngineOverloadedError, GristmillError, RequestError
 
 RETRY_AFTER_S = 1
+
+
+class ModelNotFoundError(RequestError):
+    """The request names a model this server does not serve."""
+
+    http_status = 404
+    #: OpenAI's envelope `code` for it (other errors send their HTTP status).
+    code = "model_not_found"
 
 
 def envelope(message: str, type_: str, param: str | None = None, code: str | int | None = None) -> dict:
@@ -24,7 +32,8 @@ def exception_status_and_body(exc: BaseException) -> tuple[int, dict, dict | Non
     """(HTTP status, envelope, headers) for any exception."""
     if isinstance(exc, GristmillError):
         headers = {"Retry-After": str(RETRY_AFTER_S)} if isinstance(exc, EngineOverloadedError) else None
-        body = envelope(exc.message, exc.error_type, getattr(exc, "param", None), exc.http_status)
+        code = getattr(type(exc), "code", exc.http_status)
+        body = envelope(exc.message, exc.error_type, getattr(exc, "param", None), code)
         return exc.http_status, body, headers
     message = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     return 500, envelope(f"internal error: {message}", "internal_error", None, 500), None

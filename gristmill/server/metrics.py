@@ -34,6 +34,11 @@ class ServerMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
+    def request_failed(self, error_type: str) -> None:
+        """One request ended in error: the error count of every failure, wherever it happened."""
+        self.requests.labels("error").inc()
+        self.errors.labels(error_type).inc()
+
 
 class RequestTimer:
     """Collects one request's timings; they reach the histograms only if it succeeds."""
@@ -71,7 +76,6 @@ class RequestTimer:
         m.e2e.observe(time.monotonic() - self.start)
 
     def failed(self, exc: BaseException) -> None:
-        self.metrics.requests.labels("error").inc()
-        self.metrics.errors.labels(type(exc).__name__).inc()
+        self.metrics.request_failed(type(exc).__name__)
         self.metrics.prompt_tokens.inc(self.num_prompt_tokens)
         self.metrics.generation_tokens.inc(self.num_tokens)

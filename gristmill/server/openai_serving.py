@@ -17,11 +17,11 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from gristmill.engine.async_engine import AsyncEngine, RequestStream
-from gristmill.errors import RequestError
+from gristmill.errors import EngineDeadError, RequestError
 from gristmill.tokenizer import render_chat
 from gristmill.outputs import RequestOutput
 from gristmill.sampling import SamplingParams
-from gristmill.server.errors import error_event, exception_response
+from gristmill.server.errors import ModelNotFoundError, error_event, exception_response
 from gristmill.server.metrics import RequestTimer, ServerMetrics
 from gristmill.server.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -40,6 +40,8 @@ class _Job:
     want_logprobs: bool
     include_usage: bool
     num_top_logprobs: int = 0
+    #: With `echo`: each prompt's text, which starts the text of each of its choices.
+    echo_texts: list[str] | None = None
     streams: list[RequestStream] = field(default_factory=list)
     prompt_tokens: int = 0
 
@@ -53,18 +55,53 @@ class OpenAIServing:
     # -- entry points ---------------------------------------------------------------
 
     async def completions(self, body: CompletionRequest, request: Request):
+        try:
+            job, prompts, params = self._completion_job(body)
+        except Exception as exc:  # noqa: BLE001 - answered like a failure inside _run
+            return self._rejected(exc)
+        return await self._run(job, prompts, params, body.stream, request)
+
+    async def chat(self, body: ChatCompletionRequest, request: Request):
+        try:
+            job, prompts, params = self._chat_job(body)
+        except Exception as exc:  # noqa: BLE001 - answered like a failure inside _run
+            return self._rejected(exc)
+        return await self._run(job, prompts, params, body.stream, request)
+
+    def _rejected(self, exc: Exception):
+        """A request that failed before reaching the engine: counted in /metrics as the
+        failures inside `_run` are, so every failed request shows there once."""
+        RequestTimer(self.metrics).failed(exc)
+        return exception_response(exc)
+
+    def _check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise ModelNotFoundError(f"the model {name!r} does not exist; this server serves "
+                                     f"{self.model_name!r}", param="model")
+        if self.engine.errored:
+            raise EngineDeadError(self.engine.dead_error.message)
+
+    def _completion_job(self, body: CompletionRequest):
+        self._check_model(body.model)
         prompts = body.prompt
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not prompts:
             raise RequestError("prompt is empty; send a string, a list of strings or token ids",
                                param="prompt")
+        if body.echo and body.logprobs is not None:
+            # OpenAI would return the prompt's logprobs too; the engine computes none.
+            raise RequestError("echo with logprobs asks for the prompt's logprobs too, and prompt logprobs "
+                               "are not supported; drop echo or logprobs", param="echo")
         params = self._params(body, body.max_tokens or 16, body.logprobs)
         job = _Job(False, f"cmpl-{uuid.uuid4().hex}", int(time.time()), body.n, body.logprobs is not None,
                    bool(body.stream_options and body.stream_options.include_usage), body.logprobs or 0)
-        return await self._run(job, [(p, True) for p in prompts], params, body.stream, request)
+        if body.echo:
+            job.echo_texts = [self._prompt_text(p) for p in prompts]
+        return job, [(p, True) for p in prompts], params
 
-    async def chat(self, body: ChatCompletionRequest, request: Request):
+    def _chat_job(self, body: ChatCompletionRequest):
+        self._check_model(body.model)
         messages = [m.model_dump() for m in body.messages]
         text = render_chat(self.engine.tokenizer, messages, add_generation_prompt=True)
         max_tokens = body.max_completion_tokens or body.max_tokens
@@ -75,7 +112,11 @@ class OpenAIServing:
         params = self._params(body, max_tokens, top)
         job = _Job(True, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), body.n, body.logprobs,
                    bool(body.stream_options and body.stream_options.include_usage), top or 0)
-        return await self._run(job, [(text, False)], params, body.stream, request)
+        return job, [(text, False)], params
+
+    def _prompt_text(self, prompt: str | list[int]) -> str:
+        """The prompt as echo returns it: token ids are decoded as the engine reads them."""
+        return prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(prompt)
 
     def _params(self, body, max_tokens: int, logprobs: int | None) -> SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
@@ -135,7 +176,15 @@ class OpenAIServing:
                 for i in range(job.n):
                     yield _sse(self._chunk(job, i, {"role": "assistant", "content": ""}, None, None))
             for prompt_index, handle in enumerate(job.streams):
+                if job.echo_texts is not None:  # the prompt opens each choice's text
+                    for i in range(job.n):
+                        yield _sse(self._chunk(job, prompt_index * job.n + i, job.echo_texts[prompt_index],
+                                               None, None))
                 seen, done = [0] * job.n, [False] * job.n
+                # Each choice's next text_offset: counted over token texts, as the
+                # non-streamed response does, never over the text handed out so far
+                # (which lags behind while it may begin a stop string).
+                offsets = [0] * job.n
                 async for out in handle:
                     for c in out.outputs:
                         if done[c.index]:
@@ -146,7 +195,10 @@ class OpenAIServing:
                         timer.tokens(len(new_ids))
                         if c.delta_text or c.finish_reason or (new_ids and job.want_logprobs):
                             index = prompt_index * job.n + c.index
-                            logprobs = self._logprobs(job, c, len(c.token_ids) - len(new_ids))
+                            start = len(c.token_ids) - len(new_ids)
+                            logprobs = self._logprobs(job, c, start, offsets[c.index])
+                            if logprobs and not job.chat:
+                                offsets[c.index] += sum(len(text) for text in logprobs["tokens"])
                             content = {"content": c.delta_text} if job.chat else c.delta_text
                             yield _sse(self._chunk(job, index, content, c.finish_reason, logprobs))
                 finals.append(out)
@@ -180,11 +232,14 @@ class OpenAIServing:
                 if job.chat:
                     choice["message"] = {"role": "assistant", "content": c.text}
                 else:
-                    choice["text"] = c.text
+                    echo = job.echo_texts[prompt_index] if job.echo_texts is not None else ""
+                    choice["text"] = echo + c.text
                 choices.append(choice)
         return {**self._envelope(job, chunk=False), "choices": choices, "usage": _usage(job, finals)}
 
-    def _logprobs(self, job: _Job, completion, start: int):
+    def _logprobs(self, job: _Job, completion, start: int, text_offset: int = 0):
+        """Logprobs of the completion's tokens from `start` on; `text_offset` is where the
+        first one's text begins (completions only)."""
         if not job.want_logprobs or completion.logprobs is None:
             return None
         decode = self._token_text
@@ -197,7 +252,7 @@ class OpenAIServing:
             return {"content": [{**item(t, e[t]), "top_logprobs": [item(i, v) for i, v in _top(e, k)]}
                                 for t, e in zip(ids, entries)]}
         texts = [decode(t) for t in ids]
-        offsets, at = [], len(completion.text) - len(completion.delta_text) if start else 0
+        offsets, at = [], text_offset
         for text in texts:
             offsets.append(at)
             at += len(text)
