@@ -42,13 +42,16 @@ class AsyncEngine:
     while none is in flight.
     """
 
-    def __init__(self, config: EngineConfig | None = None, **options):
+    def __init__(self, config: EngineConfig | None = None, *, tokenizer: tuple | None = None, **options):
+        """Start an engine (returns once its core is ready). `tokenizer`: the
+        (tokenizer, eos_token_ids) of another engine of the same model, to reuse instead
+        of loading them again (a restart); other keywords are EngineConfig fields."""
         faults.load()  # a malformed GRISTMILL_FAULTS fails here, before any process starts
         self.config = config = config or EngineConfig.from_kwargs(**options)
         model_dir = builder.resolve_model_dir(config)  # converts a GGUF once, here
         # Before the core starts, not beside it: loading a tokenizer holds the GIL for a
         # second or more (JSON parsing in C), which would hold up seeing the core die.
-        self.tokenizer, eos_token_ids = builder.load_tokenizer(model_dir)
+        self.tokenizer, eos_token_ids = tokenizer or builder.load_tokenizer(model_dir)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, RequestStream] = {}
         self._by_child: dict[str, RequestStream] = {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 from gristmill.config import EngineConfig
@@ -34,15 +35,26 @@ class EngineCore:
         self.capacity = Capacity(executor.max_model_len, executor.num_blocks, config.block_size,
                                  executor.vocab_size)
         self.num_steps = 0
+        #: Set by the engine-core process to carry out the core_exit / core_hang faults of
+        #: a scheduled request (they end or stall the process; an in-process core has none).
+        self.process_fault: Callable[[str], None] | None = None
 
     def step(self) -> list[RequestUpdate]:
         self.num_steps += 1
         out = self.scheduler.schedule()
         if faults.ACTIVE:
-            for item in out.scheduled:
-                faults.check("forward", prompt=item.request.prompt, step=self.num_steps)
+            self._inject_faults(out)
         sampled = self.executor.execute(out)
         return self.scheduler.update(out, sampled)
+
+    def _inject_faults(self, out: SchedulerOutput) -> None:
+        for item in out.scheduled:
+            prompt = item.request.prompt
+            if self.process_fault is not None and prompt is not None:
+                for point in ("core_exit", "core_hang"):
+                    if faults.fires(point, prompt=prompt):
+                        self.process_fault(point)
+            faults.check("forward", prompt=prompt, step=self.num_steps)
 
     def add_request(self, message: AddRequest) -> str | None:
         """Build and queue a Request from a wire message. Returns None, or the error

@@ -42,6 +42,7 @@ def main(argv: list[str]) -> None:
         faults.load()
         from gristmill.engine.builder import build_core
         core = build_core(start.config)
+        core.process_fault = lambda point: _process_fault(point, heartbeat)
         outbox.send(Ready(core.capacity))
     except BaseException as exc:  # noqa: BLE001 - report, then exit
         _report_and_exit(outbox, f"the engine failed to start: {error_string(exc)}")
@@ -119,12 +120,19 @@ class CoreLoop:
 
 
 def _injected_process_faults(step: int, heartbeat: Heartbeat) -> None:
-    if faults.fires("core_exit", step=step):
+    """The core_exit / core_hang faults triggered by a step number (a request's prompt
+    triggers them from EngineCore.step, once it is scheduled)."""
+    for point in ("core_exit", "core_hang"):
+        if faults.fires(point, step=step):
+            _process_fault(point, heartbeat)
+
+
+def _process_fault(point: str, heartbeat: Heartbeat) -> None:
+    if point == "core_exit":
         os._exit(EXIT_INJECTED)
-    if faults.fires("core_hang", step=step):
-        heartbeat.beat()
-        while True:
-            time.sleep(3600)
+    heartbeat.beat()  # a step is running, and never ends
+    while True:
+        time.sleep(3600)
 
 
 def _report_and_exit(outbox: Connection, message: str) -> None:

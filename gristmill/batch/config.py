@@ -1,0 +1,146 @@
+"""Processor configs: which engine a processor reaches, and how it batches rows.
+
+Three ways to reach an engine, with the same rows in and the same columns out:
+- `EngineProcessorConfig`: the processor owns its engine (started on first use);
+- `DeploymentProcessorConfig`: a shared engine made with `gristmill.batch.deploy`, which
+  several processors (e.g. the turns of a conversation) use in turn;
+- `HttpProcessorConfig`: any OpenAI-compatible server.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from gristmill.config import EngineConfig
+from gristmill.errors import RequestError
+
+Method = Literal["completions", "chat"]
+
+
+@dataclass(kw_only=True)
+class ProcessorConfig:
+    """What every processor shares. Invalid values raise RequestError naming the field."""
+
+    #: Rows handed to a stage at a time.
+    batch_size: int = 64
+    #: Batches in flight at once (read ahead, generating, or waiting to be handed out).
+    max_concurrent_batches: int = 4
+    #: A failed row becomes an error row (`__inference_error__`) and the job goes on;
+    #: False stops the job at the first row error. Fatal errors always stop it.
+    should_continue_on_error: bool = False
+    #: Render `messages` with the model's chat template.
+    apply_chat_template: bool = True
+    #: Tokenize `prompt` before generating (rows may bring `tokenized_prompt` instead).
+    tokenize: bool = True
+    #: Run the engine; off, rows only go through the template and tokenizer stages.
+    generate: bool = True
+    #: Fill `generated_text`; off, only `generated_tokens` is filled.
+    detokenize: bool = True
+    #: Defaults for every row's `sampling_params` (a row's own values win).
+    sampling_params: dict = field(default_factory=dict)
+    #: Column whose value names a row in errors and logs; None = its input position.
+    id_column: str | None = None
+
+    def __post_init__(self):
+        _check(_positive_int(self.batch_size), "batch_size", f"must be a positive integer, got {self.batch_size!r}")
+        _check(_positive_int(self.max_concurrent_batches), "max_concurrent_batches",
+               f"must be a positive integer, got {self.max_concurrent_batches!r}")
+        _check(isinstance(self.sampling_params, dict), "sampling_params",
+               f"must be a dict of SamplingParams fields, got {type(self.sampling_params).__name__}")
+
+
+@dataclass(kw_only=True)
+class _EngineBacked(ProcessorConfig):
+    #: Times a dead engine is restarted during one job; the rows it had in flight are
+    #: run again (a row that kills it every time ends as an error row). Past this, the
+    #: job fails with EngineDeadError.
+    max_engine_restarts: int = 0
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check(isinstance(self.max_engine_restarts, int) and self.max_engine_restarts >= 0,
+               "max_engine_restarts", f"must be an integer >= 0, got {self.max_engine_restarts!r}")
+
+
+@dataclass(kw_only=True)
+class EngineProcessorConfig(_EngineBacked):
+    """The processor owns its engine(s): started on first use, shut down when the
+    processor's output is exhausted or closed."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    #: Engine replicas, each its own engine-core process; rows go to the least busy.
+    concurrency: int = 1
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check(isinstance(self.engine, EngineConfig), "engine",
+               f"must be an EngineConfig, got {type(self.engine).__name__}")
+        _check(_positive_int(self.concurrency), "concurrency", f"must be a positive integer, got {self.concurrency!r}")
+
+
+@dataclass(kw_only=True)
+class DeploymentProcessorConfig(ProcessorConfig):
+    """Rows go to the shared engine deployed under `deployment_name` (see `deploy`)."""
+
+    deployment_name: str
+    #: "chat": every row's `messages` go through the chat template; "completions":
+    #: every row's `prompt` is completed; None: `messages` if a row has them, else `prompt`.
+    method: Method | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check(isinstance(self.deployment_name, str) and bool(self.deployment_name), "deployment_name",
+               f"must name a deployment made with gristmill.batch.deploy, got {self.deployment_name!r}")
+        _check_method(self.method)
+
+
+@dataclass(kw_only=True)
+class HttpProcessorConfig(ProcessorConfig):
+    """Rows go to an OpenAI-compatible server (`gristmill serve`, vLLM, OpenAI ...)."""
+
+    #: Base URL of the API, e.g. "http://127.0.0.1:8000/v1".
+    url: str
+    #: "chat" posts rows' `messages` to /chat/completions; "completions" posts `prompt` to
+    #: /completions; None: `messages` if a row has them, else `prompt`.
+    method: Method | None = None
+    #: Model name sent with each request; None = the first model of GET {url}/models.
+    model: str | None = None
+    api_key: str | None = None
+    #: Most requests started per second; None = no limit.
+    qps: float | None = None
+    #: Retries of one request on 429, 408, 5xx and connection errors (exponential
+    #: backoff with jitter); after them a 429/5xx row is an error row, and a server that
+    #: stays unreachable stops the job.
+    max_retries: int = 5
+    #: Requests in flight at once.
+    concurrency: int = 16
+    #: Longest wait for one response; past it the row is an error row.
+    request_timeout_s: float = 120.0
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check(isinstance(self.url, str) and self.url.startswith(("http://", "https://")), "url",
+               f"must be an http(s) URL such as 'http://127.0.0.1:8000/v1', got {self.url!r}")
+        _check_method(self.method)
+        _check(self.qps is None or (isinstance(self.qps, (int, float)) and self.qps > 0), "qps",
+               f"must be > 0 or None, got {self.qps!r}")
+        _check(isinstance(self.max_retries, int) and self.max_retries >= 0, "max_retries",
+               f"must be an integer >= 0, got {self.max_retries!r}")
+        _check(_positive_int(self.concurrency), "concurrency", f"must be a positive integer, got {self.concurrency!r}")
+        _check(isinstance(self.request_timeout_s, (int, float)) and self.request_timeout_s > 0,
+               "request_timeout_s", f"must be a number of seconds > 0, got {self.request_timeout_s!r}")
+
+
+def _check(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise RequestError(f"processor config {name}: {message}", param=name)
+
+
+def _check_method(method) -> None:
+    _check(method in ("completions", "chat", None), "method",
+           f"must be 'completions', 'chat' or None (by row), got {method!r}")
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0

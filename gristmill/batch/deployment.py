@@ -1,0 +1,81 @@
+"""Shared engine deployments: one engine (pool of replicas) that processors reach by name.
+
+    with deploy(EngineConfig(), name="shared") as engine:
+        turn1 = build_processor(DeploymentProcessorConfig(deployment_name="shared", method="chat"), ...)
+        turn2 = build_processor(DeploymentProcessorConfig(deployment_name="shared", method="chat"), ...)
+        rows = turn2(turn1(rows))   # one engine-core process for both
+"""
+
+from __future__ import annotations
+
+import threading
+
+from gristmill.batch import runtime
+from gristmill.batch.engines import EnginePool
+from gristmill.config import EngineConfig
+from gristmill.errors import RequestError
+
+_lock = threading.Lock()
+_deployments: dict[str, "Deployment"] = {}
+
+
+class Deployment:
+    """A handle on a running shared engine; `shutdown()` (or leaving its `with`) stops it."""
+
+    def __init__(self, name: str, pool: EnginePool):
+        self.name = name
+        self.pool = pool
+
+    @property
+    def core_pids(self) -> list[int]:
+        """The engine-core process of each replica (they change when one is restarted)."""
+        return self.pool.core_pids
+
+    def shutdown(self) -> None:
+        with _lock:
+            if _deployments.get(self.name) is self:
+                del _deployments[self.name]
+        runtime.call(self.pool.close())
+
+    def __enter__(self) -> "Deployment":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        return f"Deployment(name={self.name!r}, replicas={self.pool.concurrency})"
+
+
+def deploy(engine: EngineConfig | None = None, *, name: str, concurrency: int = 1,
+           max_engine_restarts: int = 0) -> Deployment:
+    """Start a shared engine under `name` (returns once it is ready). Processors built
+    with `DeploymentProcessorConfig(deployment_name=name)` send their rows to it."""
+    if not isinstance(name, str) or not name:
+        raise RequestError(f"deploy: name must be a non-empty string, got {name!r}", param="name")
+    with _lock:
+        if name in _deployments:
+            raise RequestError(f"a deployment named {name!r} is already running; shut it down first "
+                               f"or choose another name", param="name")
+        _deployments[name] = None  # reserved while it starts
+    try:
+        pool = EnginePool(engine or EngineConfig(), concurrency, max_engine_restarts)
+        runtime.call(pool.start())
+    except BaseException:
+        with _lock:
+            del _deployments[name]
+        raise
+    deployment = Deployment(name, pool)
+    with _lock:
+        _deployments[name] = deployment
+    return deployment
+
+
+def get_deployment(name: str) -> Deployment:
+    with _lock:
+        deployment = _deployments.get(name)
+        running = sorted(n for n, d in _deployments.items() if d is not None)
+    if deployment is None:
+        raise RequestError(f"no deployment named {name!r} is running (running: {running}); start it with "
+                           f"gristmill.batch.deploy(EngineConfig(...), name={name!r})", param="deployment_name")
+    return deployment

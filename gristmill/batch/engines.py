@@ -1,0 +1,225 @@
+"""Engines on the batch runtime: supervised AsyncEngine replicas, and shared deployments.
+
+`EnginePool` owns `concurrency` AsyncEngine replicas and sends each row to the least
+busy one. When a replica's engine dies, the rows it had in flight wait while it is
+restarted (within the pool's `max_engine_restarts`), then run again on their own; if
+they kill the engine again they are split in halves and run again, until the row that
+kills it every time is alone: that row ends as an error row and the others complete.
+Deaths while isolating a culprit are not charged to the budget (there are at most about
+2 log2(rows in flight) of them). Past the budget the job fails with EngineDeadError
+naming the rows in flight at each death.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import uuid
+
+from gristmill.config import EngineConfig
+from gristmill.engine.async_engine import AsyncEngine
+from gristmill.errors import EngineDeadError, RequestError
+from gristmill.batch.rows import Generated, RowRequest
+from gristmill.tokenizer import render_chat
+
+logger = logging.getLogger(__name__)
+
+# Longest wait for the other requests of a dead engine to fail (they fail within a second).
+_SETTLE_TIMEOUT_S = 10.0
+
+
+class RowFailed(Exception):
+    """A row's own error that would otherwise count as fatal (a poison row's
+    EngineDeadError): the processor makes it an error row and goes on."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(str(error))
+        self.error = error
+
+
+class EnginePool:
+    #: Chat template and tokenizer run here, before the engine (see Processor._prepare).
+    local_stages = True
+
+    def __init__(self, config: EngineConfig, concurrency: int = 1, max_engine_restarts: int = 0):
+        self.config = config
+        self.concurrency = concurrency
+        self.max_engine_restarts = max_engine_restarts
+        self.restarts_used = 0
+        self.deaths: list[str] = []
+        self.fatal: EngineDeadError | None = None
+        self.replicas: list[_Replica] = []
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        started = await asyncio.gather(*(loop.run_in_executor(None, AsyncEngine, self.config)
+                                         for _ in range(self.concurrency)), return_exceptions=True)
+        errors = [e for e in started if isinstance(e, BaseException)]
+        if errors:
+            for engine in started:
+                if isinstance(engine, AsyncEngine):
+                    engine.shutdown()
+            raise errors[0]
+        self.replicas = [_Replica(self, engine) for engine in started]
+
+    @property
+    def tokenizer(self):
+        return self.replicas[0].engine.tokenizer
+
+    def render_chat(self, messages: list[dict]) -> str:
+        return render_chat(self.tokenizer, messages, add_generation_prompt=True)
+
+    def tokenize(self, prompt: str, add_special_tokens: bool) -> list[int]:
+        return self.replicas[0].engine.inputs.tokenize(prompt, add_special_tokens)
+
+    async def generate(self, request: RowRequest) -> Generated:
+        if self.fatal is not None:
+            raise self.fatal
+        replica = min(self.replicas, key=lambda r: (not r.open.is_set(), len(r.in_flight)))
+        return await replica.generate(request)
+
+    async def close(self) -> None:
+        loop = asyncio.get_running_loop()
+        await asyncio.gather(*(loop.run_in_executor(None, r.engine.shutdown) for r in self.replicas))
+
+    @property
+    def core_pids(self) -> list[int]:
+        return [r.engine.core_pid for r in self.replicas]
+
+    # -- deaths ---------------------------------------------------------------------
+
+    def record_death(self, error: EngineDeadError, row_ids: list) -> None:
+        self.deaths.append(f"death {len(self.deaths) + 1}: {error.message} (rows in flight: {_ids(row_ids)})")
+        logger.error("engine died with rows %s in flight: %s", _ids(row_ids), error.message)
+
+    def take_restart(self) -> bool:
+        if self.restarts_used >= self.max_engine_restarts:
+            self.fatal = EngineDeadError(
+                f"the engine died more often than max_engine_restarts={self.max_engine_restarts} allows; "
+                f"{'; '.join(self.deaths)}; raise max_engine_restarts (--max-engine-restarts) or "
+                f"fix what kills it")
+            return False
+        self.restarts_used += 1
+        return True
+
+
+class _Replica:
+    def __init__(self, pool: EnginePool, engine: AsyncEngine):
+        self.pool = pool
+        self.engine = engine
+        self.in_flight: dict[str, object] = {}  # engine request id -> row id
+        self.open = asyncio.Event()  # cleared while recovering from a death
+        self.open.set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._suspects: list[tuple[RowRequest, asyncio.Future]] = []
+        self._recovery: asyncio.Task | None = None
+
+    async def generate(self, request: RowRequest) -> Generated:
+        await self.open.wait()
+        if self.pool.fatal is not None:
+            raise self.pool.fatal
+        try:
+            return await self._run(request)
+        except EngineDeadError as exc:
+            future = asyncio.get_running_loop().create_future()
+            self._suspects.append((request, future))
+            if self._recovery is None:
+                self._recovery = asyncio.create_task(self._recover(exc))
+            return await future
+
+    async def _run(self, request: RowRequest) -> Generated:
+        params = request.sampling_params
+        if params.n != 1:
+            raise RequestError(f"a batch row makes one completion; sampling_params.n must be 1, got {params.n}",
+                               param="n")
+        request_id = uuid.uuid4().hex
+        self.in_flight[request_id] = request.row_id
+        self._idle.clear()
+        try:
+            prompt = request.prompt_token_ids if request.prompt_token_ids is not None else request.prompt
+            out = None
+            async for out in self.engine.generate(prompt, params, request_id,
+                                                  add_special_tokens=request.add_special_tokens):
+                pass
+            return Generated(out.text, list(out.token_ids), len(out.prompt_token_ids), len(out.token_ids),
+                             out.finish_reason)
+        finally:
+            del self.in_flight[request_id]
+            if not self.in_flight:
+                self._idle.set()
+
+    # -- after a death (one recovery at a time; new rows wait) ------------------------
+
+    async def _recover(self, error: EngineDeadError) -> None:
+        self.open.clear()
+        suspects: list[tuple[RowRequest, asyncio.Future]] = []
+        try:
+            try:
+                await asyncio.wait_for(self._idle.wait(), _SETTLE_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                pass
+            suspects, self._suspects = self._suspects, []
+            self.pool.record_death(error, [r.row_id for r, _ in suspects])
+            if not self.pool.take_restart():
+                raise self.pool.fatal
+            await self._restart()
+            await self._retry_apart(suspects)
+        except BaseException as exc:  # noqa: BLE001 - every waiting row hears of it
+            fatal = exc if isinstance(exc, EngineDeadError) else EngineDeadError(
+                f"restarting the engine failed: {type(exc).__name__}: {exc}")
+            self.pool.fatal = self.pool.fatal or fatal
+            for _, future in suspects + self._suspects:
+                if not future.done():
+                    future.set_exception(self.pool.fatal)
+        finally:
+            self._recovery = None
+            self.open.set()
+
+    async def _retry_apart(self, rows: list[tuple[RowRequest, asyncio.Future]]) -> None:
+        """Run the rows a death caught in flight again, each half alone."""
+        if len(rows) == 1:
+            await self._retry(rows)
+            return
+        half = len(rows) // 2
+        for part in (rows[:half], rows[half:]):
+            await self._retry(part)
+
+    async def _retry(self, group: list[tuple[RowRequest, asyncio.Future]]) -> None:
+        """Run `group` alone and resolve the rows that end; if the engine dies again,
+        split the rows it caught until the one that kills it alone is set aside."""
+        results = await asyncio.gather(*(self._run(r) for r, _ in group), return_exceptions=True)
+        dead = []
+        for (request, future), result in zip(group, results):
+            if isinstance(result, EngineDeadError):
+                dead.append((request, future))
+            elif isinstance(result, BaseException):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
+        if not dead:
+            return
+        error = next(r for r in results if isinstance(r, EngineDeadError))
+        self.pool.record_death(error, [r.row_id for r, _ in dead])
+        await self._restart()
+        if len(group) == 1:
+            request, future = dead[0]
+            future.set_exception(RowFailed(EngineDeadError(
+                f"row {request.row_id!r} killed the engine each time it ran, so it was set aside "
+                f"({error.message})")))
+            return
+        await self._retry_apart(dead)
+
+    async def _restart(self) -> None:
+        loop = asyncio.get_running_loop()
+        old = self.engine
+        await loop.run_in_executor(None, old.shutdown)
+        tokenizer = (old.tokenizer, old.inputs.eos_token_ids)  # loading it again takes seconds
+        self.engine = await loop.run_in_executor(None, functools.partial(AsyncEngine, self.pool.config,
+                                                                           tokenizer=tokenizer))
+
+
+def _ids(row_ids: list) -> str:
+    shown = ", ".join(repr(i) for i in row_ids[:20])
+    return f"[{shown}{', ...' if len(row_ids) > 20 else ''}]"

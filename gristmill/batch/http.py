@@ -1,0 +1,175 @@
+"""HttpEngine: rows sent to any OpenAI-compatible server (`gristmill serve`, vLLM, OpenAI).
+
+Requests run concurrently (at most `concurrency`, started at most `qps` per second).
+A 429, 408, 5xx or a connection error is retried with exponential backoff and full
+jitter (never sooner than the server's Retry-After); what is left after `max_retries`:
+- a 4xx becomes the row's RequestError ("HTTP 400: <the server's message>");
+- a 429 / 408 / 5xx becomes the row's GenerationError; a request that outlives
+  `request_timeout_s` the row's RequestTimeoutError;
+- a server that stays unreachable is fatal: EngineDeadError stops the job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import httpx
+
+from gristmill.batch.config import HttpProcessorConfig
+from gristmill.batch.rows import Generated, RowRequest
+from gristmill.errors import EngineDeadError, GenerationError, RequestError
+
+_BACKOFF_BASE_S = 0.5
+_BACKOFF_MAX_S = 10.0
+_RETRIED_STATUSES = frozenset({408, 429})
+
+
+class RequestTimeoutError(GenerationError):
+    """No response within request_timeout_s."""
+
+
+class HttpEngine:
+    #: The server applies its own chat template and tokenizer.
+    local_stages = False
+
+    def __init__(self, config: HttpProcessorConfig):
+        self.config = config
+        self.model = config.model
+        self._client: httpx.AsyncClient | None = None
+        self._slots: asyncio.Semaphore | None = None
+        self._pacing = asyncio.Lock()
+        self._next_start = 0.0
+
+    async def generate(self, request: RowRequest) -> Generated:
+        await self._connect()
+        params = request.sampling_params
+        if params.n != 1:
+            raise RequestError(f"a batch row makes one completion; sampling_params.n must be 1, got {params.n}",
+                               param="n")
+        if request.messages is not None:
+            path, body = "/chat/completions", {"messages": request.messages}
+        else:
+            prompt = request.prompt_token_ids if request.prompt_token_ids is not None else request.prompt
+            path, body = "/completions", {"prompt": prompt}
+        body.update(model=self.model, **_sampling_body(params))
+        data = await self._post(path, body)
+        try:
+            choice = data["choices"][0]
+            text = choice["message"]["content"] if "message" in choice else choice["text"]
+            usage = data.get("usage") or {}
+            return Generated(text or "", [], int(usage.get("prompt_tokens", 0)),
+                             int(usage.get("completion_tokens", 0)), choice.get("finish_reason") or "stop")
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise GenerationError(f"the server's response is not an OpenAI {path} response ({exc!r}): "
+                                  f"{str(data)[:200]}") from exc
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+
+    # -- HTTP ---------------------------------------------------------------------------
+
+    async def _connect(self) -> None:
+        if self._client is None:
+            config = self.config
+            headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+            self._client = httpx.AsyncClient(base_url=config.url.rstrip("/"), headers=headers,
+                                             timeout=config.request_timeout_s,
+                                             limits=httpx.Limits(max_connections=config.concurrency))
+            self._slots = asyncio.Semaphore(config.concurrency)
+        if self.model is None:
+            data = await self._send("GET", "/models", None)
+            models = [m.get("id") for m in data.get("data", []) if isinstance(m, dict)]
+            if not models:
+                raise EngineDeadError(f"{self.config.url}/models lists no model; set HttpProcessorConfig.model")
+            self.model = models[0]
+
+    async def _post(self, path: str, body: dict) -> dict:
+        return await self._send("POST", path, body)
+
+    async def _send(self, method: str, path: str, body: dict | None) -> dict:
+        url = f"{self.config.url.rstrip('/')}{path}"
+        for attempt in range(self.config.max_retries + 1):
+            last_try = attempt == self.config.max_retries
+            await self._pace()
+            try:
+                async with self._slots:
+                    response = await self._client.request(method, path, json=body)
+            except httpx.TimeoutException as exc:
+                if last_try:
+                    raise RequestTimeoutError(f"{method} {url}: no response within request_timeout_s="
+                                              f"{self.config.request_timeout_s}s; raise it or lower the load") from exc
+                await asyncio.sleep(_backoff(attempt))
+                continue
+            except httpx.TransportError as exc:
+                if last_try:
+                    raise EngineDeadError(f"{url} is unreachable after {attempt + 1} tries "
+                                          f"({type(exc).__name__}: {exc}); start the server or fix the URL") from exc
+                await asyncio.sleep(_backoff(attempt))
+                continue
+            status = response.status_code
+            if status < 400:
+                return _json(response, url)
+            if (status in _RETRIED_STATUSES or status >= 500) and not last_try:
+                await asyncio.sleep(max(_backoff(attempt), _retry_after(response)))
+                continue
+            message = f"HTTP {status} from {url}: {_server_message(response)}"
+            if status in _RETRIED_STATUSES or status >= 500:
+                raise GenerationError(f"{message} (after {attempt + 1} tries)", status=status)
+            raise RequestError(message, status=status)
+        raise AssertionError("unreachable")
+
+    async def _pace(self) -> None:
+        """Start at most `qps` requests per second."""
+        if self.config.qps is None:
+            return
+        async with self._pacing:
+            now = time.monotonic()
+            wait = self._next_start - now
+            self._next_start = max(now, self._next_start) + 1.0 / self.config.qps
+            if wait > 0:
+                await asyncio.sleep(wait)
+
+
+def _sampling_body(params) -> dict:
+    """The request fields of SamplingParams; non-OpenAI ones only when set."""
+    body = {"max_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p, "n": 1}
+    if params.seed is not None:
+        body["seed"] = params.seed
+    if params.stop:
+        body["stop"] = list(params.stop)
+    extras = {"top_k": (params.top_k, 0), "min_p": (params.min_p, 0.0),
+              "stop_token_ids": (list(params.stop_token_ids), []), "ignore_eos": (params.ignore_eos, False)}
+    body.update({name: value for name, (value, default) in extras.items() if value != default})
+    return body
+
+
+def _backoff(attempt: int) -> float:
+    """Full jitter: uniform in [0, base * 2**attempt], capped."""
+    return random.uniform(0, min(_BACKOFF_MAX_S, _BACKOFF_BASE_S * 2 ** attempt))
+
+
+def _retry_after(response: httpx.Response) -> float:
+    try:
+        return min(float(response.headers.get("retry-after", 0)), _BACKOFF_MAX_S)
+    except ValueError:
+        return 0.0
+
+
+def _server_message(response: httpx.Response) -> str:
+    try:
+        error = response.json().get("error")
+        if isinstance(error, dict) and error.get("message"):
+            return str(error["message"])
+    except (ValueError, AttributeError):
+        pass
+    return response.text[:300] or response.reason_phrase
+
+
+def _json(response: httpx.Response, url: str) -> dict:
+    try:
+        return response.json()
+    except ValueError as exc:
+        raise GenerationError(f"{url} answered with something that is not JSON: {response.text[:200]!r}") from exc

@@ -1,0 +1,247 @@
+"""Processors: rows in, one output row per input row out, in order, exactly once.
+
+    processor = build_processor(EngineProcessorConfig(engine=EngineConfig()),
+                                preprocess=lambda row: {**row, "prompt": row["question"]},
+                                postprocess=lambda row: {"answer": row["generated_text"], **row})
+    out = processor(rows)   # list / iterable (streamed) / pyarrow Table / pandas DataFrame
+
+How rows move: a feeder thread reads the input (lazily: at most `max_concurrent_batches`
+batches are read ahead), runs `preprocess` and hands each batch to the batch runtime's
+event loop, where its rows run through the stages (chat template, tokenize, generate,
+detokenize) concurrently; the caller's thread takes finished batches in input order,
+runs `postprocess` and yields the rows. Nothing that blocks runs on the loop, so
+processors chained as `p2(p1(rows))` run at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+
+from gristmill.batch import runtime
+from gristmill.batch.config import (DeploymentProcessorConfig, EngineProcessorConfig, HttpProcessorConfig,
+                                    ProcessorConfig)
+from gristmill.batch.engines import EnginePool, RowFailed
+from gristmill.batch.rows import (RowRequest, error_columns, is_error_row, result_columns,
+                                  sampling_params_of)
+from gristmill.batch.tables import from_rows, to_rows
+from gristmill.errors import GristmillError, RequestError, is_fatal
+
+Row = dict
+
+
+class UserFunctionError(RuntimeError):
+    """A user's preprocess or postprocess raised; the job stops (the original error is
+    the `__cause__`)."""
+
+
+def build_processor(config: ProcessorConfig, preprocess: Callable[[Row], Row] | None = None,
+                    postprocess: Callable[[Row], Row] | None = None) -> "Processor":
+    if not isinstance(config, (EngineProcessorConfig, DeploymentProcessorConfig, HttpProcessorConfig)):
+        raise RequestError(f"build_processor takes an EngineProcessorConfig, DeploymentProcessorConfig or "
+                           f"HttpProcessorConfig, got {type(config).__name__}", param="config")
+    return Processor(config, preprocess, postprocess)
+
+
+class Processor:
+    def __init__(self, config: ProcessorConfig, preprocess=None, postprocess=None):
+        self.config = config
+        self.preprocess = preprocess
+        self.postprocess = postprocess
+
+    def __call__(self, rows):
+        """Rows in, rows out, of the same kind: a list, a pyarrow Table or a pandas
+        DataFrame come back whole; any other iterable comes back as a generator that
+        streams (the input is read as it goes)."""
+        kind, row_iter = to_rows(rows)
+        out = self.stream(row_iter)
+        return out if kind == "iterable" else from_rows(list(out), kind)
+
+    def stream(self, rows: Iterable[Row]) -> Iterator[Row]:
+        """Output rows as they are ready, in input order. The engine starts when the first
+        row is asked for and (if the processor owns it) stops when the stream ends."""
+        engine = self._open_engine()
+        try:
+            yield from self._pipeline(engine, rows)
+        finally:
+            self._close_engine(engine)
+
+    # -- engines ------------------------------------------------------------------------
+
+    def _open_engine(self):
+        config = self.config
+        if isinstance(config, EngineProcessorConfig):
+            pool = EnginePool(config.engine, config.concurrency, config.max_engine_restarts)
+            runtime.call(pool.start())
+            return pool
+        if isinstance(config, DeploymentProcessorConfig):
+            from gristmill.batch.deployment import get_deployment
+            return get_deployment(config.deployment_name).pool
+        from gristmill.batch.http import HttpEngine
+        return HttpEngine(config)
+
+    def _close_engine(self, engine) -> None:
+        if not isinstance(self.config, DeploymentProcessorConfig):  # a deployment outlives its users
+            runtime.call(engine.close())
+
+    # -- the pipeline -------------------------------------------------------------------
+
+    def _pipeline(self, engine, rows: Iterable[Row]) -> Iterator[Row]:
+        slots = threading.Semaphore(self.config.max_concurrent_batches)
+        pending: queue.Queue = queue.Queue()
+        stop = threading.Event()
+        feeder = threading.Thread(target=self._feed, args=(engine, rows, slots, pending, stop),
+                                  name="gristmill-batch-feeder", daemon=True)
+        feeder.start()
+        try:
+            while (item := pending.get()) is not _END:
+                if isinstance(item, BaseException):
+                    raise item
+                batch = item.result()
+                slots.release()
+                for row_id, row in batch:
+                    yield row if is_error_row(row) else self._user("postprocess", self.postprocess, row, row_id)
+        finally:
+            stop.set()
+            slots.release()  # wakes a feeder waiting for a slot, so it sees `stop`
+            while True:
+                try:
+                    item = pending.get_nowait()
+                except queue.Empty:
+                    break
+                if hasattr(item, "cancel"):
+                    item.cancel()
+
+    def _feed(self, engine, rows, slots: threading.Semaphore, pending: queue.Queue, stop: threading.Event):
+        """On the feeder thread: read, preprocess and submit batches, at most
+        max_concurrent_batches ahead of the consumer."""
+        try:
+            positions = itertools.count()
+            for batch in _batched(rows, self.config.batch_size):
+                prepared = []
+                for row in batch:
+                    row_id = self._row_id(row, next(positions))
+                    prepared.append((row_id, self._user("preprocess", self.preprocess, row, row_id)))
+                slots.acquire()
+                if stop.is_set():
+                    return
+                pending.put(runtime.submit(self._process_batch(engine, prepared)))
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+            pending.put(exc)
+        finally:
+            pending.put(_END)
+
+    def _row_id(self, row: Row, position: int):
+        column = getattr(self.config, "id_column", None)
+        if column is not None and isinstance(row, dict) and column in row:
+            return row[column]
+        return position
+
+    def _user(self, what: str, fn, row: Row, row_id):
+        if fn is None:
+            return row
+        try:
+            result = fn(row)
+        except Exception as exc:
+            raise UserFunctionError(f"{what} raised on row {row_id!r}: {type(exc).__name__}: {exc}") from exc
+        if not isinstance(result, dict):
+            raise UserFunctionError(f"{what} must return a dict (the row), got {type(result).__name__} "
+                                    f"on row {row_id!r}")
+        return result
+
+    # -- on the runtime loop --------------------------------------------------------------
+
+    async def _process_batch(self, engine, batch: list[tuple[object, Row]]) -> list[tuple[object, Row]]:
+        try:
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(self._process_row(engine, row_id, row)) for row_id, row in batch]
+        except BaseExceptionGroup as group_error:
+            raise _first(group_error) from None
+        return [(row_id, task.result()) for (row_id, _), task in zip(batch, tasks)]
+
+    async def _process_row(self, engine, row_id, row: Row) -> Row:
+        config = self.config
+        try:
+            if not isinstance(row, dict):
+                raise RequestError(f"a row must be a dict, got {type(row).__name__}", param="row")
+            request = self._prepare(engine, row_id, row)
+            if not config.generate:
+                return {**row, "prompt": request.prompt, "tokenized_prompt": request.prompt_token_ids or []}
+            start = time.perf_counter()
+            generated = await engine.generate(request)
+            return {**row, **result_columns(generated, time.perf_counter() - start, config.detokenize)}
+        except RowFailed as failed:
+            error = failed.error
+        except Exception as exc:  # noqa: BLE001 - sorted below: fatal, stop, or an error row
+            if is_fatal(exc):
+                raise
+            error = exc
+        if not config.should_continue_on_error:
+            raise _naming_row(error, row_id)
+        return {**(row if isinstance(row, dict) else {}), **error_columns(error)}
+
+    def _prepare(self, engine, row_id, row: Row) -> RowRequest:
+        """The chat template and tokenize stages: a row as an engine request."""
+        config = self.config
+        params = sampling_params_of(row, config.sampling_params)
+        method = getattr(config, "method", None)
+        prompt, messages, token_ids = row.get("prompt"), row.get("messages"), row.get("tokenized_prompt")
+        if method == "chat" and messages is None:
+            raise RequestError("method='chat' needs a 'messages' column (a list of {'role', 'content'})",
+                               param="messages")
+        if method == "completions" and prompt is None and token_ids is None:
+            raise RequestError("method='completions' needs a 'prompt' (or 'tokenized_prompt') column",
+                               param="prompt")
+        if prompt is None and messages is None and token_ids is None:
+            raise RequestError("a row needs 'prompt', 'messages' or 'tokenized_prompt'", param="prompt")
+        add_special_tokens = True
+        if messages is not None and (method == "chat" or (prompt is None and token_ids is None)):
+            if not engine.local_stages:  # the server applies its own template
+                return RowRequest(row_id, None, messages, None, params)
+            if not config.apply_chat_template:
+                raise RequestError("the row has 'messages' but apply_chat_template is off; send 'prompt' "
+                                   "or turn it on", param="messages")
+            prompt, add_special_tokens = engine.render_chat(messages), False
+        if prompt is not None and not isinstance(prompt, str):
+            raise RequestError(f"'prompt' must be a string, got {type(prompt).__name__}", param="prompt")
+        if token_ids is None and prompt is not None and config.tokenize and not config.generate \
+                and engine.local_stages:
+            # Generating, the engine tokenizes the text itself (and its faults see the text).
+            token_ids = engine.tokenize(prompt, add_special_tokens)
+        return RowRequest(row_id, prompt, None, token_ids, params, add_special_tokens)
+
+
+_END = object()
+
+
+def _batched(rows: Iterable[Row], size: int) -> Iterator[list[Row]]:
+    iterator = iter(rows)
+    while batch := list(itertools.islice(iterator, size)):
+        yield batch
+
+
+def _first(group: BaseExceptionGroup) -> BaseException:
+    """The error to raise for a batch: a fatal one first, else the first."""
+    leaves = list(_leaves(group))
+    return next((e for e in leaves if is_fatal(e)), leaves[0])
+
+
+def _leaves(error: BaseException):
+    if isinstance(error, BaseExceptionGroup):
+        for inner in error.exceptions:
+            yield from _leaves(inner)
+    else:
+        yield error
+
+
+def _naming_row(error: BaseException, row_id) -> BaseException:
+    """`error` with the row's id in its message (same type and fields where we can)."""
+    if isinstance(error, GristmillError):
+        named = type(error)(f"row {row_id!r}: {error.message}", **error.fields)
+        named.__cause__ = error
+        return named
+    return error

@@ -1,0 +1,86 @@
+"""The batch row contract: what a row brings, what it gets back, what an error row holds.
+
+A row brings `prompt` (text), `messages` (a chat) or `tokenized_prompt` (token ids), and
+optionally `sampling_params` (a dict of SamplingParams fields). It gets back the
+`OUTPUT_COLUMNS`. An error row gets empty values of the same types (so a Parquet file
+never has an all-null column) and `__inference_error__ = "<ErrorType>: <message>"`;
+a row that succeeded has `__inference_error__ = ""`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from gristmill.errors import RequestError, error_string
+from gristmill.sampling import SamplingParams
+
+ERROR_COLUMN = "__inference_error__"
+OUTPUT_COLUMNS = ("generated_text", "generated_tokens", "num_input_tokens", "num_generated_tokens",
+                  "finish_reason", "time_taken_llm", ERROR_COLUMN)
+_SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
+
+
+@dataclass
+class RowRequest:
+    """One row, ready for an engine."""
+
+    #: The row's id (its input position unless the processor names an id column).
+    row_id: object
+    #: Text to complete: the row's prompt, or its messages after the chat template.
+    prompt: str | None
+    #: The chat, for an engine that applies the template itself (an HTTP chat endpoint).
+    messages: list[dict] | None
+    #: Token ids to complete; when set, the engine does not tokenize.
+    prompt_token_ids: list[int] | None
+    sampling_params: SamplingParams
+    #: Add the tokenizer's special tokens (BOS) when tokenizing: not after a chat template.
+    add_special_tokens: bool = True
+
+
+@dataclass
+class Generated:
+    """What an engine made of one row."""
+
+    text: str
+    token_ids: list[int]
+    num_input_tokens: int
+    num_generated_tokens: int
+    finish_reason: str
+
+
+def sampling_params_of(row: dict, defaults: dict) -> SamplingParams:
+    """The row's SamplingParams: the processor's defaults, overridden by the row's own."""
+    given = row.get("sampling_params")
+    if given is None:
+        given = {}
+    if not isinstance(given, dict):
+        raise RequestError(f"sampling_params must be a dict of SamplingParams fields, got "
+                           f"{type(given).__name__}", param="sampling_params")
+    merged = {**defaults, **{k: v for k, v in given.items() if v is not None}}
+    unknown = sorted(set(merged) - _SAMPLING_FIELDS)
+    if unknown:
+        raise RequestError(f"unknown sampling_params {unknown}; valid: {sorted(_SAMPLING_FIELDS)}",
+                           param="sampling_params")
+    try:
+        return SamplingParams(**merged)
+    except TypeError as exc:
+        raise RequestError(f"invalid sampling_params: {exc}", param="sampling_params") from exc
+
+
+def result_columns(generated: Generated, time_taken: float, detokenize: bool = True) -> dict:
+    return {"generated_text": generated.text if detokenize else "",
+            "generated_tokens": list(generated.token_ids),
+            "num_input_tokens": generated.num_input_tokens,
+            "num_generated_tokens": generated.num_generated_tokens,
+            "finish_reason": generated.finish_reason,
+            "time_taken_llm": time_taken,
+            ERROR_COLUMN: ""}
+
+
+def error_columns(exc: BaseException) -> dict:
+    return {"generated_text": "", "generated_tokens": [], "num_input_tokens": 0, "num_generated_tokens": 0,
+            "finish_reason": "error", "time_taken_llm": 0.0, ERROR_COLUMN: error_string(exc)}
+
+
+def is_error_row(row: dict) -> bool:
+    return bool(row.get(ERROR_COLUMN))

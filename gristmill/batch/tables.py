@@ -1,0 +1,55 @@
+"""The kinds of rows a processor takes and gives back: lists of dicts, any iterable of
+dicts (streamed), pyarrow Tables and pandas DataFrames."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from gristmill.errors import RequestError
+
+
+def to_rows(rows) -> tuple[str, Iterable[dict]]:
+    """(kind, rows as an iterable of dicts)."""
+    module = type(rows).__module__
+    if module.startswith("pyarrow") and hasattr(rows, "to_pylist"):
+        return "arrow", rows.to_pylist()
+    if module.startswith("pandas") and hasattr(rows, "to_dict"):
+        return "pandas", rows.to_dict("records")
+    if isinstance(rows, dict):
+        raise RequestError("a processor takes rows (a list of dicts, an iterable, a pyarrow Table or a "
+                           "pandas DataFrame), not one row: wrap it in a list", param="rows")
+    if isinstance(rows, (str, bytes)):
+        raise RequestError("a processor takes rows, not a string; to read a file use "
+                           "`gristmill batch INPUT -o OUTPUT` or load it first", param="rows")
+    if isinstance(rows, (list, tuple)):
+        return "list", rows
+    if isinstance(rows, Iterable):
+        return "iterable", rows
+    raise RequestError(f"a processor takes rows (a list of dicts, an iterable, a pyarrow Table or a "
+                       f"pandas DataFrame), got {type(rows).__name__}", param="rows")
+
+
+def from_rows(rows: list[dict], kind: str):
+    if kind == "arrow":
+        return arrow_table(rows)
+    if kind == "pandas":
+        import pandas as pd
+        return pd.DataFrame(rows)
+    return rows
+
+
+def arrow_table(rows: list[dict]):
+    """A pyarrow Table of output rows, with the output columns' types fixed (so a batch
+    of error rows still writes `generated_tokens` as list<int64>, never a null column)."""
+    import pyarrow as pa
+
+    types = {"generated_text": pa.string(), "generated_tokens": pa.list_(pa.int64()),
+             "num_input_tokens": pa.int64(), "num_generated_tokens": pa.int64(),
+             "finish_reason": pa.string(), "time_taken_llm": pa.float64(), "__inference_error__": pa.string(),
+             "tokenized_prompt": pa.list_(pa.int64())}
+    table = pa.Table.from_pylist(rows)
+    for name, wanted in types.items():
+        if name in table.column_names and table.schema.field(name).type != wanted:
+            index = table.column_names.index(name)
+            table = table.set_column(index, name, table[name].cast(wanted))
+    return table

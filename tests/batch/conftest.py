@@ -1,0 +1,44 @@
+"""Batch tests: the bundled model, with faults that fire only on marked rows.
+
+GRISTMILL_FAULTS stays set for the whole package (it is read by every engine started
+here): rows whose prompt holds BADROW fail to set up their detokenizer, and a row whose
+prompt holds POISON makes the engine core exit when it is scheduled.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from gristmill import EngineConfig
+from gristmill.batch import deploy
+from gristmill.engine import faults
+
+FAULTS = "detokenize_init@prompt~BADROW,core_exit@prompt~POISON"
+ENGINE = EngineConfig(device="cpu", max_model_len=512)
+
+
+@pytest.fixture(scope="package", autouse=True)
+def marked_row_faults():
+    before = os.environ.get("GRISTMILL_FAULTS")
+    os.environ["GRISTMILL_FAULTS"] = FAULTS
+    faults.load()
+    yield
+    if before is None:
+        os.environ.pop("GRISTMILL_FAULTS", None)
+    else:
+        os.environ["GRISTMILL_FAULTS"] = before
+    faults.load()
+
+
+@pytest.fixture(scope="package")
+def shared(marked_row_faults):
+    with deploy(ENGINE, name="tests-shared") as deployment:
+        yield deployment
+
+
+def rows_of(n: int, start: int = 0) -> list[dict]:
+    return [{"id": i, "prompt": f"Story {i}: once upon a time",
+             "sampling_params": {"max_tokens": 6, "temperature": 0, "ignore_eos": True}}
+            for i in range(start, start + n)]

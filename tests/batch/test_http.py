@@ -1,0 +1,62 @@
+"""HttpProcessorConfig against a real `gristmill serve` on loopback."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from gristmill import EngineDeadError
+from gristmill.batch import ERROR_COLUMN, HttpProcessorConfig, build_processor
+from tests.batch.conftest import rows_of
+from tests.server.conftest import Server, free_port
+
+
+@pytest.fixture(scope="module")
+def busy_server():
+    """A server that admits one request at a time and answers 503 past one waiting."""
+    server = Server("--max-num-seqs", "1", "--max-num-batched-tokens", "64", "--max-waiting-requests", "1",
+                    "--max-model-len", "256", "--served-model-name", "served")
+    yield server
+    server.stop()
+
+
+def test_overloaded_server_is_retried_until_every_row_is_done(busy_server):
+    config = HttpProcessorConfig(url=f"{busy_server.url}/v1", concurrency=8, max_retries=30, batch_size=8)
+    out = build_processor(config)(rows_of(8))
+    assert [row["id"] for row in out] == list(range(8))
+    assert all(row[ERROR_COLUMN] == "" and row["num_generated_tokens"] == 6 for row in out)
+    assert all(row["generated_text"] and row["num_input_tokens"] > 0 for row in out)
+    metrics = httpx.get(f"{busy_server.url}/metrics").text
+    [overloads] = [line for line in metrics.splitlines()
+                   if line.startswith('gristmill_request_errors_total{error_type="EngineOverloadedError"}')]
+    assert float(overloads.split()[-1]) > 0  # the server did turn rows away, and they were retried
+
+
+def test_4xx_rows_are_error_rows_with_the_status_and_message(busy_server):
+    rows = rows_of(2) + [
+        {"id": "long", "prompt": "word " * 400},
+        {"id": "chat", "messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}],
+         "sampling_params": {"max_tokens": 4}},
+    ]
+    completions = build_processor(HttpProcessorConfig(url=f"{busy_server.url}/v1", should_continue_on_error=True,
+                                                      max_retries=30, model="served"))
+    out = completions(rows[:3])
+    assert [row[ERROR_COLUMN] for row in out[:2]] == ["", ""]
+    assert out[2][ERROR_COLUMN].startswith(f"RequestError: HTTP 400 from {busy_server.url}/v1/completions: ")
+    assert "max_model_len (256)" in out[2][ERROR_COLUMN]
+    chat = build_processor(HttpProcessorConfig(url=f"{busy_server.url}/v1", method="chat", max_retries=30,
+                                               should_continue_on_error=True))
+    [row] = chat(rows[3:])
+    assert row[ERROR_COLUMN].startswith("RequestError: HTTP 400 from ")
+    assert "roles must alternate" in row[ERROR_COLUMN]
+
+
+def test_an_unreachable_server_stops_the_job_after_its_retries():
+    config = HttpProcessorConfig(url=f"http://127.0.0.1:{free_port()}/v1", model="m", max_retries=2,
+                                 should_continue_on_error=True)
+    started = time.monotonic()
+    with pytest.raises(EngineDeadError, match="is unreachable after 3 tries"):
+        build_processor(config)(rows_of(3))
+    assert time.monotonic() - started < 30

@@ -1,0 +1,75 @@
+"""The row contract and processor configs, without an engine."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pytest
+
+from gristmill import RequestError
+from gristmill.batch import (DeploymentProcessorConfig, EngineProcessorConfig, HttpProcessorConfig,
+                             build_processor)
+from gristmill.batch.rows import OUTPUT_COLUMNS, error_columns, sampling_params_of
+from gristmill.batch.tables import arrow_table, to_rows
+
+
+def test_row_sampling_params_override_the_defaults():
+    params = sampling_params_of({"sampling_params": {"max_tokens": 5, "seed": None}},
+                                {"max_tokens": 9, "temperature": 0})
+    assert params.max_tokens == 5 and params.temperature == 0 and params.seed is None
+    assert sampling_params_of({}, {}).max_tokens == 16
+
+
+@pytest.mark.parametrize("given,says", [
+    ({"max_tokens": 0}, "max_tokens must be an integer >= 1"),
+    ({"temprature": 0.5}, "unknown sampling_params ['temprature']"),
+    ("greedy", "sampling_params must be a dict"),
+])
+def test_bad_sampling_params_are_request_errors(given, says):
+    with pytest.raises(RequestError, match=__import__("re").escape(says)):
+        sampling_params_of({"sampling_params": given}, {})
+
+
+def test_error_rows_keep_parquet_types_even_when_every_row_failed():
+    rows = [{"id": i, "prompt": "x", **error_columns(RequestError("bad"))} for i in range(3)]
+    table = arrow_table(rows)
+    assert table.schema.field("generated_tokens").type == pa.list_(pa.int64())
+    assert table.schema.field("time_taken_llm").type == pa.float64()
+    assert table.column("__inference_error__").to_pylist() == ["RequestError: bad"] * 3
+    assert all(table.schema.field(c).type != pa.null() for c in OUTPUT_COLUMNS)
+
+
+@pytest.mark.parametrize("rows,kind", [([{"a": 1}], "list"), (iter([{"a": 1}]), "iterable"),
+                                       (pa.Table.from_pylist([{"a": 1}]), "arrow")])
+def test_kinds_of_rows(rows, kind):
+    assert to_rows(rows)[0] == kind
+
+
+@pytest.mark.parametrize("rows,says", [({"prompt": "x"}, "not one row"), ("data.jsonl", "not a string"),
+                                       (5, "got int")])
+def test_what_is_not_rows_says_what_to_pass(rows, says):
+    with pytest.raises(RequestError, match=says):
+        to_rows(rows)
+
+
+@pytest.mark.parametrize("make,says", [
+    (lambda: EngineProcessorConfig(batch_size=0), "batch_size: must be a positive integer"),
+    (lambda: EngineProcessorConfig(max_engine_restarts=-1), "max_engine_restarts"),
+    (lambda: DeploymentProcessorConfig(deployment_name=""), "deployment_name"),
+    (lambda: DeploymentProcessorConfig(deployment_name="x", method="embed"), "method"),
+    (lambda: HttpProcessorConfig(url="localhost:8000"), r"url: must be an http\(s\) URL"),
+    (lambda: HttpProcessorConfig(url="http://x/v1", qps=0), "qps"),
+])
+def test_config_errors_name_the_field(make, says):
+    with pytest.raises(RequestError, match=says):
+        make()
+
+
+def test_build_processor_rejects_other_configs():
+    with pytest.raises(RequestError, match="build_processor takes"):
+        build_processor({"batch_size": 4})
+
+
+def test_a_deployment_that_is_not_running_is_named():
+    processor = build_processor(DeploymentProcessorConfig(deployment_name="nowhere"))
+    with pytest.raises(RequestError, match="no deployment named 'nowhere' is running"):
+        processor([{"prompt": "x"}])
