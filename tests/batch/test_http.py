@@ -60,3 +60,24 @@ def test_an_unreachable_server_stops_the_job_after_its_retries():
     with pytest.raises(EngineDeadError, match="is unreachable after 3 tries"):
         build_processor(config)(rows_of(3))
     assert time.monotonic() - started < 30
+
+
+def test_a_request_past_request_timeout_s_is_an_error_row(busy_server):
+    rows = [{"id": i, "prompt": "Tell me a long story.", "sampling_params": {"max_tokens": 200, "ignore_eos": True}}
+            for i in range(2)]
+    config = HttpProcessorConfig(url=f"{busy_server.url}/v1", model="served", request_timeout_s=0.3, max_retries=0,
+                                 should_continue_on_error=True)
+    out = build_processor(config)(rows)
+    assert [row["id"] for row in out] == [0, 1]
+    for row in out:
+        assert row[ERROR_COLUMN].startswith("RequestTimeoutError: POST ")
+        assert "no response within request_timeout_s=0.3s" in row[ERROR_COLUMN]
+
+
+def test_qps_paces_the_requests(busy_server):
+    config = HttpProcessorConfig(url=f"{busy_server.url}/v1", model="served", qps=4, max_retries=30)
+    rows = [{**row, "sampling_params": {"max_tokens": 1}} for row in rows_of(5)]
+    started = time.monotonic()
+    out = build_processor(config)(rows)
+    assert all(row[ERROR_COLUMN] == "" for row in out)
+    assert time.monotonic() - started >= 4 / 4  # five starts at 4 per second span at least a second
