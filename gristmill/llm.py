@@ -74,9 +74,10 @@ class LLM:
         from gristmill.tokenizer import render_chat
         return render_chat(self.tokenizer, messages, add_generation_prompt)
 
-    def max_new_tokens(self, prompt_token_ids: list[int]) -> int:
-        """Most tokens a request with this prompt can generate (context length and KV cache)."""
-        return self.inputs.max_new_tokens(len(prompt_token_ids))
+    def max_new_tokens(self, prompt: str | list[int] | int) -> int:
+        """Most tokens a request with this prompt can generate (context length and KV
+        cache): `prompt` is its text, its token ids, or its number of tokens."""
+        return self.inputs.max_new_tokens(self.inputs.num_prompt_tokens(prompt))
 
     # -- the loop --------------------------------------------------------------
 

@@ -190,3 +190,15 @@ def test_n_completions_with_the_largest_seed(default_llm):
     params = SamplingParams(max_tokens=3, temperature=1.0, seed=2**64 - 1, n=2)
     [out] = default_llm.generate("Hello", params, use_tqdm=False)
     assert out.error is None and [len(o.token_ids) for o in out.outputs] == [3, 3]
+
+
+def test_max_new_tokens_is_the_room_a_prompt_leaves(default_llm):
+    prompt = "The capital of France is"
+    ids = default_llm.tokenizer.encode(prompt)
+    room = default_llm.max_new_tokens(prompt)
+    capacity = default_llm.capacity
+    assert room == min(capacity.max_model_len, capacity.num_total_blocks * capacity.block_size) - len(ids)
+    assert default_llm.max_new_tokens(ids) == default_llm.max_new_tokens(len(ids)) == room
+    default_llm.inputs.make_requests("fits", ids, SamplingParams(max_tokens=room))  # does not raise
+    [out] = default_llm.generate(prompt, SamplingParams(max_tokens=room + 1))
+    assert out.finish_reason == "error" and out.error.startswith("PromptTooLongError")

@@ -89,9 +89,10 @@ class AsyncEngine:
     def dead_error(self) -> EngineDeadError | None:
         return self._client.dead_error
 
-    def max_new_tokens(self, prompt_token_ids: list[int]) -> int:
-        """Most tokens a request with this prompt can generate (context length and KV cache)."""
-        return self.inputs.max_new_tokens(len(prompt_token_ids))
+    def max_new_tokens(self, prompt: str | list[int] | int) -> int:
+        """Most tokens a request with this prompt can generate (context length and KV
+        cache): `prompt` is its text, its token ids, or its number of tokens."""
+        return self.inputs.max_new_tokens(self.inputs.num_prompt_tokens(prompt))
 
     def add_failure_callback(self, callback: Callable[[EngineDeadError], None]) -> None:
         """Call `callback(error)` (from the monitor thread) when the engine dies."""

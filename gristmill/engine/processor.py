@@ -50,6 +50,12 @@ class InputProcessor:
         """Most tokens a request with a prompt this long can generate."""
         return max(0, self.capacity.max_tokens_per_request - num_prompt_tokens)
 
+    def num_prompt_tokens(self, prompt: str | list[int] | int) -> int:
+        """Tokens in a prompt given as text, token ids or a count."""
+        if isinstance(prompt, int) and not isinstance(prompt, bool):
+            return prompt
+        return len(self.tokenize(prompt))
+
 
 def check_token_ids(token_ids, vocab_size: int) -> None:
     if not isinstance(token_ids, (list, tuple)) or not all(
