@@ -40,6 +40,15 @@ UNGUARDED_SCRIPTS = {
         out = llm.generate("The capital of France is", SamplingParams(max_tokens=8, temperature=0))[0]
         print("TEXT:", repr(out.text))
     """,
+    "batch": """
+        from gristmill import EngineConfig
+        from gristmill.batch import EngineProcessorConfig, build_processor
+
+        processor = build_processor(EngineProcessorConfig(engine=EngineConfig(device="cpu")))
+        [row] = processor([{"prompt": "The capital of France is",
+                            "sampling_params": {"max_tokens": 8, "temperature": 0}}])
+        print("TEXT:", repr(row["generated_text"]))
+    """,
     "server": """
         import threading, time
         import openai, uvicorn
