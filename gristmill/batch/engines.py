@@ -165,7 +165,9 @@ class _Replica:
             if not self.pool.take_restart():
                 raise self.pool.fatal
             await self._restart()
-            await self._retry_apart(suspects)
+            while suspects:  # rows that reached the dead engine late join the next round
+                await self._retry_apart(suspects)
+                suspects, self._suspects = self._suspects, []
         except BaseException as exc:  # noqa: BLE001 - every waiting row hears of it
             fatal = exc if isinstance(exc, EngineDeadError) else EngineDeadError(
                 f"restarting the engine failed: {type(exc).__name__}: {exc}")
