@@ -14,11 +14,22 @@ from tests.batch.conftest import ENGINE, rows_of
 from tests.harness import core_children
 
 
-def killing_the_core_after(out, n: int):
+@pytest.fixture
+def before():
+    """Engine cores already running (the package's shared deployment), which the
+    tests here leave out."""
+    return set(core_children())
+
+
+def own_cores(before: set[int]) -> set[int]:
+    return set(core_children()) - before
+
+
+def killing_the_core_after(out, n: int, before: set[int]):
     """Take `n` rows from `out`, SIGKILL the engine core, then take the rest; returns
     (rows, kill time, end time, the error raised or None)."""
     rows = [next(out) for _ in range(n)]
-    [pid] = core_children()
+    [pid] = own_cores(before)
     killed_at = time.monotonic()
     os.kill(pid, signal.SIGKILL)
     try:
@@ -29,29 +40,29 @@ def killing_the_core_after(out, n: int):
     return rows, killed_at, time.monotonic(), error
 
 
-def test_with_a_restart_a_killed_engine_loses_no_row():
+def test_with_a_restart_a_killed_engine_loses_no_row(before):
     rows = rows_of(24)
     config = EngineProcessorConfig(engine=ENGINE, batch_size=4, max_concurrent_batches=3, max_engine_restarts=1)
-    out, _, _, error = killing_the_core_after(build_processor(config).stream(rows), 4)
+    out, _, _, error = killing_the_core_after(build_processor(config).stream(rows), 4, before)
     assert error is None
     assert [row["id"] for row in out] == list(range(24))
     assert all(row[ERROR_COLUMN] == "" and row["num_generated_tokens"] == 6 for row in out)
-    assert core_children() == []
+    assert own_cores(before) == set()
 
 
-def test_without_restarts_a_killed_engine_fails_the_job_fast_naming_the_rows():
+def test_without_restarts_a_killed_engine_fails_the_job_fast_naming_the_rows(before):
     config = EngineProcessorConfig(engine=ENGINE, batch_size=4, max_concurrent_batches=3,
                                    should_continue_on_error=True)
-    _, killed_at, ended_at, error = killing_the_core_after(build_processor(config).stream(rows_of(40)), 4)
+    _, killed_at, ended_at, error = killing_the_core_after(build_processor(config).stream(rows_of(40)), 4, before)
     assert isinstance(error, EngineDeadError)
     message = str(error)
     assert "max_engine_restarts=0" in message and "killed by signal SIGKILL" in message
     assert "rows in flight: [" in message
     assert ended_at - killed_at < 5.0
-    assert core_children() == []
+    assert own_cores(before) == set()
 
 
-def test_a_poison_row_ends_as_the_only_error_row():
+def test_a_poison_row_ends_as_the_only_error_row(before):
     rows = rows_of(10)
     rows[5] = {"id": 5, "prompt": "POISON: once upon a time", "sampling_params": {"max_tokens": 6}}
     config = EngineProcessorConfig(engine=ENGINE, batch_size=2, max_concurrent_batches=2, max_engine_restarts=1,
@@ -62,12 +73,12 @@ def test_a_poison_row_ends_as_the_only_error_row():
     assert list(errors) == [5]
     assert errors[5].startswith("EngineDeadError: row 5 killed the engine each time it ran")
     assert "exited with code 17" in errors[5]
-    assert core_children() == []
+    assert own_cores(before) == set()
 
 
-def test_a_poison_row_without_restarts_stops_the_job():
+def test_a_poison_row_without_restarts_stops_the_job(before):
     rows = rows_of(4) + [{"id": 4, "prompt": "POISON row", "sampling_params": {"max_tokens": 6}}]
     config = EngineProcessorConfig(engine=ENGINE, batch_size=8, should_continue_on_error=True)
     with pytest.raises(EngineDeadError, match="exited with code 17"):
         build_processor(config)(rows)
-    assert core_children() == []
+    assert own_cores(before) == set()
