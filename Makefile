@@ -1,5 +1,5 @@
 # Two commands do all set-up on a fresh machine:
-#   make run    install, then run the main job (generation over examples/prompts.jsonl)
+#   make run    install, then run the main job (gristmill batch: examples/prompts.jsonl -> results.jsonl)
 #   make test   install, then run the test suite
 PYTHON ?= python3
 VENV ?= .venv
@@ -18,8 +18,7 @@ $(BIN)/gristmill: pyproject.toml
 install: $(BIN)/gristmill
 
 run: install
-	$(BIN)/gristmill generate --input examples/prompts.jsonl --output results.jsonl --max-tokens 64
-	@echo "results written to results.jsonl"
+	$(BIN)/gristmill batch examples/prompts.jsonl -o results.jsonl --max-tokens 64
 
 test: install
 	$(BIN)/python -m pytest -q

@@ -1,4 +1,4 @@
-"""Command line: `gristmill generate` and `gristmill serve`."""
+"""Command line: `gristmill generate`, `gristmill serve` and `gristmill batch` (in gristmill/batch/cli.py)."""
 
 from __future__ import annotations
 
@@ -264,6 +264,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="exit (code 1) when the engine dies, for orchestrators that restart it")
     _add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
+
+    from gristmill.batch.cli import add_batch_command  # imported here: it uses this module's engine flags
+    add_batch_command(commands)
     return parser
 
 

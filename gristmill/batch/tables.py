@@ -38,17 +38,23 @@ def from_rows(rows: list[dict], kind: str):
     return rows
 
 
+def arrow_types() -> dict:
+    """The pyarrow type of each output column (and of `tokenized_prompt`), by name."""
+    import pyarrow as pa
+
+    return {"generated_text": pa.string(), "generated_tokens": pa.list_(pa.int64()),
+            "num_input_tokens": pa.int64(), "num_generated_tokens": pa.int64(),
+            "finish_reason": pa.string(), "time_taken_llm": pa.float64(), "__inference_error__": pa.string(),
+            "tokenized_prompt": pa.list_(pa.int64())}
+
+
 def arrow_table(rows: list[dict]):
     """A pyarrow Table of output rows, with the output columns' types fixed (so a batch
     of error rows still writes `generated_tokens` as list<int64>, never a null column)."""
     import pyarrow as pa
 
-    types = {"generated_text": pa.string(), "generated_tokens": pa.list_(pa.int64()),
-             "num_input_tokens": pa.int64(), "num_generated_tokens": pa.int64(),
-             "finish_reason": pa.string(), "time_taken_llm": pa.float64(), "__inference_error__": pa.string(),
-             "tokenized_prompt": pa.list_(pa.int64())}
     table = pa.Table.from_pylist(rows)
-    for name, wanted in types.items():
+    for name, wanted in arrow_types().items():
         if name in table.column_names and table.schema.field(name).type != wanted:
             index = table.column_names.index(name)
             table = table.set_column(index, name, table[name].cast(wanted))

@@ -117,7 +117,7 @@ def test_streamed_n_sends_one_finish_per_choice(client):
 
 def test_max_tokens_null_means_the_default(server, auth):
     response = httpx.post(f"{server.url}/v1/completions", headers=auth,
-                          json={"prompt": "Hello", "max_tokens": None, "ignore_eos": True})
+                          json={"prompt": "Hello", "max_tokens": None, "ignore_eos": True}, timeout=60)
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 16
 
 
