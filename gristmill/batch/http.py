@@ -97,16 +97,9 @@ class HttpEngine:
             try:
                 async with self._slots:
                     response = await self._client.request(method, path, json=body)
-            except httpx.TimeoutException as exc:
+            except httpx.TransportError as exc:  # timeouts included
                 if last_try:
-                    raise RequestTimeoutError(f"{method} {url}: no response within request_timeout_s="
-                                              f"{self.config.request_timeout_s}s; raise it or lower the load") from exc
-                await asyncio.sleep(_backoff(attempt))
-                continue
-            except httpx.TransportError as exc:
-                if last_try:
-                    raise EngineDeadError(f"{url} is unreachable after {attempt + 1} tries "
-                                          f"({type(exc).__name__}: {exc}); start the server or fix the URL") from exc
+                    raise self._gave_up(exc, f"{method} {url}", attempt + 1) from exc
                 await asyncio.sleep(_backoff(attempt))
                 continue
             status = response.status_code
@@ -120,6 +113,14 @@ class HttpEngine:
                 raise GenerationError(f"{message} (after {attempt + 1} tries)", status=status)
             raise RequestError(message, status=status)
         raise AssertionError("unreachable")
+
+    def _gave_up(self, exc: httpx.TransportError, request: str, tries: int) -> Exception:
+        """A timeout ends only its row; a server that cannot be reached ends the job."""
+        if isinstance(exc, httpx.TimeoutException):
+            return RequestTimeoutError(f"{request}: no response within request_timeout_s="
+                                       f"{self.config.request_timeout_s}s; raise it or lower the load")
+        return EngineDeadError(f"{request}: the server is unreachable after {tries} tries "
+                               f"({type(exc).__name__}: {exc}); start the server or fix the URL")
 
     async def _pace(self) -> None:
         """Start at most `qps` requests per second."""
