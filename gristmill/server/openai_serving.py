@@ -55,15 +55,14 @@ class OpenAIServing:
     # -- entry points ---------------------------------------------------------------
 
     async def completions(self, body: CompletionRequest, request: Request):
-        try:
-            job, prompts, params = self._completion_job(body)
-        except Exception as exc:  # noqa: BLE001 - answered like a failure inside _run
-            return self._rejected(exc)
-        return await self._run(job, prompts, params, body.stream, request)
+        return await self._serve(self._completion_job, body, request)
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
+        return await self._serve(self._chat_job, body, request)
+
+    async def _serve(self, make_job, body, request: Request):
         try:
-            job, prompts, params = self._chat_job(body)
+            job, prompts, params = make_job(body)
         except Exception as exc:  # noqa: BLE001 - answered like a failure inside _run
             return self._rejected(exc)
         return await self._run(job, prompts, params, body.stream, request)

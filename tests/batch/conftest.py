@@ -1,8 +1,9 @@
 """Batch tests: the bundled model, with faults that fire only on marked rows.
 
 GRISTMILL_FAULTS stays set for the whole package (it is read by every engine started
-here): rows whose prompt holds BADROW fail to set up their detokenizer, and a row whose
-prompt holds POISON makes the engine core exit when it is scheduled.
+here): rows whose prompt holds BADROW fail to set up their detokenizer, rows whose
+prompt holds TOKFAIL fail to tokenize, and a row whose prompt holds POISON makes the
+engine core exit when it is scheduled.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from gristmill import EngineConfig
 from gristmill.batch import deploy
 from gristmill.engine import faults
 
-FAULTS = "detokenize_init@prompt~BADROW,core_exit@prompt~POISON"
+FAULTS = "detokenize_init@prompt~BADROW,tokenize@prompt~TOKFAIL,core_exit@prompt~POISON"
 ENGINE = EngineConfig(device="cpu", max_model_len=512)
 
 

@@ -51,6 +51,7 @@ def test_bad_rows_become_error_rows_and_good_rows_are_unaffected(shared):
         {"id": "messages", "messages": [{"role": "user"}]},
         {"id": "nothing", "text": "no prompt here"},
         {"id": "detok", "prompt": "BADROW story", "sampling_params": {"max_tokens": 4}},
+        {"id": "tokenize", "messages": [{"role": "user", "content": "TOKFAIL story"}]},
     ]
     mixed = [row for pair in itertools.zip_longest(good, bad) for row in pair if row is not None]
     processor = build_processor(on(shared, should_continue_on_error=True, batch_size=4))
@@ -64,6 +65,7 @@ def test_bad_rows_become_error_rows_and_good_rows_are_unaffected(shared):
     assert errors["messages"].startswith("RequestError: messages must be a non-empty list")
     assert errors["nothing"].startswith("RequestError: a row needs 'prompt', 'messages' or 'tokenized_prompt'")
     assert errors["detok"].startswith("GenerationError: setting up the detokenizer failed")
+    assert errors["tokenize"].startswith("GenerationError: tokenizing the prompt failed")
     for row in out:
         if row[ERROR_COLUMN]:
             assert row["generated_text"] == "" and row["generated_tokens"] == [] and row["finish_reason"] == "error"

@@ -241,6 +241,7 @@ async def fail_in_flight(engine, kill=None):
     ("forward@step=4", "injected fault at 'forward'"),
     ("core_exit@step=4", "exited with code 17"),
     ("core_hang@step=4", "hung"),
+    ("core_hang@prompt~Story 3:", "hung"),  # fires once that request is scheduled
 ])
 def test_fatal_faults_fail_every_request_fast(monkeypatch, spec, says):
     # Only the hang test shortens the step timeout: elsewhere a slow machine's long step
