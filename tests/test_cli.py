@@ -42,17 +42,22 @@ def test_help_lists_generate():
     assert "generate" in result.stdout
 
 
-def test_generate_jsonl_keeps_row_order_and_reports_bad_rows(tmp_path):
+def generate_file(tmp_path, rows: list[dict], max_tokens: int):
+    """`gristmill generate` over `rows` as a JSONL file: (result, output rows)."""
     source = tmp_path / "in.jsonl"
-    rows = [{"id": "a", "prompt": "The capital of France is"},
-            {"id": "b", "prompt": ""},
-            {"id": "c", "messages": [{"role": "user", "content": "Hi"}]}]
     source.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     target = tmp_path / "out.jsonl"
     result = run_cli("generate", "--input", str(source), "--output", str(target),
-                     "--max-tokens", "6", "--device", "cpu")
+                     "--max-tokens", str(max_tokens), "--device", "cpu")
     assert result.returncode == 0, result.stderr
-    out = [json.loads(line) for line in target.read_text().splitlines()]
+    return result, [json.loads(line) for line in target.read_text().splitlines()]
+
+
+def test_generate_jsonl_keeps_row_order_and_reports_bad_rows(tmp_path):
+    rows = [{"id": "a", "prompt": "The capital of France is"},
+            {"id": "b", "prompt": ""},
+            {"id": "c", "messages": [{"role": "user", "content": "Hi"}]}]
+    result, out = generate_file(tmp_path, rows, max_tokens=6)
     assert [r["id"] for r in out] == ["a", "b", "c"]
     assert out[0]["error"] == "" and out[0]["num_generated_tokens"] == 6 and out[0]["text"]
     assert out[1]["finish_reason"] == "error" and out[1]["error"].startswith("RequestError: prompt is empty")
@@ -80,13 +85,7 @@ def test_generate_turns_rows_with_invalid_prompts_into_error_rows(tmp_path):
             {"id": 6, "messages": {"role": "user", "content": "Hi"}},
             {"id": 7, "messages": [{"role": "user", "content": "Hi"}]},
             {"id": 8, "prompt": "def fib(n):"}]
-    source = tmp_path / "in.jsonl"
-    source.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    target = tmp_path / "out.jsonl"
-    result = run_cli("generate", "--input", str(source), "--output", str(target),
-                     "--max-tokens", "4", "--device", "cpu")
-    assert result.returncode == 0, result.stderr
-    out = [json.loads(line) for line in target.read_text().splitlines()]
+    result, out = generate_file(tmp_path, rows, max_tokens=4)
     assert [{key: r[key] for key in row} for r, row in zip(out, rows)] == rows and len(out) == len(rows)
     bad = {0: "'prompt' must be a string or a list of token ids", 3: "'prompt' must be",
            4: "'prompt' must be", 5: "'prompt' must be", 6: "'messages' must be a list"}
