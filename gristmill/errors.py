@@ -7,6 +7,8 @@ can classify them with `is_fatal`.
 
 from __future__ import annotations
 
+import re
+
 
 class GristmillError(Exception):
     """Base of every error gristmill raises on purpose."""
@@ -52,8 +54,13 @@ class PromptTooLongError(RequestError):
     """Prompt plus max_tokens exceed max_model_len, or the KV cache cannot ever hold it."""
 
 
-class GenerationError(GristmillError):
-    """This one request failed inside the engine; other requests are unaffected."""
+class GenerationError(GristmillError, ValueError):
+    """This one request failed inside the engine; other requests are unaffected.
+
+    A ValueError, as RequestError is, so that callers which sort errors by builtin type
+    (Ray Data LLM's Serve stage keeps a row going only on ValueError, TypeError,
+    TimeoutError) treat it as the one row's failure, never as the job's.
+    """
 
     http_status = 500
     error_type = "internal_error"
@@ -74,32 +81,57 @@ class EngineDeadError(GristmillError):
     fatal = True
 
 
-# Exception class names from other libraries that mean the engine is gone.
-_FATAL_FOREIGN_NAMES = {"RayActorError", "ActorDiedError", "ActorUnavailableError",
-                        "DeploymentUnavailableError", "EngineDeadError"}
+# Exception class names from other libraries that mean the engine is gone: a Ray actor
+# or Serve replica died, a deployment is unavailable or keeps refusing work.
+_FATAL_FOREIGN_NAMES = frozenset({"RayActorError", "ActorDiedError", "ActorUnavailableError",
+                                  "DeploymentUnavailableError", "BackPressureError", "EngineDeadError",
+                                  "OutOfMemoryError", "WorkerCrashedError", "NodeDiedError"})
+# Ray wrappers that carry a remote error only as text (a Ray Data map's exception reaches
+# the driver as RayTaskError(UserCodeException) unless raise_original_map_exception is set).
+_TEXT_WRAPPERS = ("RayTaskError", "UserCodeException")
+_FATAL_IN_TEXT = re.compile(r"(?:^|[\s.(])(" + "|".join(sorted(_FATAL_FOREIGN_NAMES)) + r")(?::|\(| )", re.M)
 
 
 def is_fatal(exc: BaseException) -> bool:
     """True when `exc` (or anything it wraps) means the engine can no longer be trusted.
 
-    Unwraps `__cause__` chains and wrappers that keep the original in `.cause`
-    (Ray's `RayTaskError`).
+    Unwraps `__cause__` chains, wrappers that keep the original in `.cause` (Ray's
+    `RayTaskError`), and Ray wrappers that keep it only as text.
     """
+    for current in _chain(exc):
+        if isinstance(current, GristmillError):
+            if current.fatal:
+                return True
+            continue  # a typed gristmill error says for itself; its text may quote others
+        if any(cls.__name__ in _FATAL_FOREIGN_NAMES for cls in type(current).__mro__):
+            return True
+        if type(current).__name__.startswith(_TEXT_WRAPPERS) and _FATAL_IN_TEXT.search(str(current)):
+            return True
+    return False
+
+
+def root_cause(exc: BaseException) -> BaseException:
+    """The gristmill error inside `exc`'s wrappers (Ray's RayTaskError, `__cause__`
+    chains), or `exc` itself when there is none."""
+    for current in _chain(exc):
+        if isinstance(current, GristmillError) and not type(current).__name__.startswith(_TEXT_WRAPPERS):
+            return current
+    return exc
+
+
+def _chain(exc: BaseException):
+    """`exc` and every error it wraps, outermost first."""
     seen: set[int] = set()
     todo: list[BaseException] = [exc]
     while todo:
-        current = todo.pop()
+        current = todo.pop(0)
         if current is None or id(current) in seen:
             continue
         seen.add(id(current))
-        if isinstance(current, GristmillError) and current.fatal:
-            return True
-        if type(current).__name__ in _FATAL_FOREIGN_NAMES:
-            return True
+        yield current
         for link in (getattr(current, "cause", None), current.__cause__):
             if isinstance(link, BaseException):
                 todo.append(link)
-    return False
 
 
 def error_string(exc: BaseException) -> str:

@@ -41,6 +41,10 @@ class ProcessorConfig:
     sampling_params: dict = field(default_factory=dict)
     #: Column whose value names a row in errors and logs; None = its input position.
     id_column: str | None = None
+    #: On a Ray Dataset only: Ray options of the actors that run this stage, e.g.
+    #: {"num_cpus": 2, "memory": 4e9}. Defaults: an engine actor reserves 1 CPU; an actor
+    #: that only calls a deployment or a server reserves none (see docs/ray.md).
+    ray_actor_options: dict | None = None
 
     def __post_init__(self):
         _check(_positive_int(self.batch_size), "batch_size", f"must be a positive integer, got {self.batch_size!r}")
@@ -48,6 +52,9 @@ class ProcessorConfig:
                f"must be a positive integer, got {self.max_concurrent_batches!r}")
         _check(isinstance(self.sampling_params, dict), "sampling_params",
                f"must be a dict of SamplingParams fields, got {type(self.sampling_params).__name__}")
+        _check(self.ray_actor_options is None or isinstance(self.ray_actor_options, dict), "ray_actor_options",
+               f"must be a dict of Ray actor options such as {{'num_cpus': 1}}, got "
+               f"{type(self.ray_actor_options).__name__}")
 
 
 @dataclass(kw_only=True)
@@ -81,9 +88,14 @@ class EngineProcessorConfig(_EngineBacked):
 
 @dataclass(kw_only=True)
 class DeploymentProcessorConfig(ProcessorConfig):
-    """Rows go to the shared engine deployed under `deployment_name` (see `deploy`)."""
+    """Rows go to the shared engine deployed under `deployment_name`: one made with
+    `gristmill.batch.deploy` in this process, or with `app_name`, a Ray Serve deployment
+    made with `gristmill.ray.deploy` (reached through a deployment handle)."""
 
     deployment_name: str
+    #: The Ray Serve application holding the deployment; None = a `gristmill.batch.deploy`
+    #: deployment in this process (not reachable from a Ray Dataset's workers).
+    app_name: str | None = None
     #: "chat": every row's `messages` go through the chat template; "completions":
     #: every row's `prompt` is completed; None: `messages` if a row has them, else `prompt`.
     method: Method | None = None
@@ -92,6 +104,9 @@ class DeploymentProcessorConfig(ProcessorConfig):
         super().__post_init__()
         _check(isinstance(self.deployment_name, str) and bool(self.deployment_name), "deployment_name",
                f"must name a deployment made with gristmill.batch.deploy, got {self.deployment_name!r}")
+        _check(self.app_name is None or (isinstance(self.app_name, str) and bool(self.app_name)), "app_name",
+               f"must name a Ray Serve application made with gristmill.ray.deploy, or be None, got "
+               f"{self.app_name!r}")
         _check_method(self.method)
 
 

@@ -18,6 +18,7 @@ import time
 import httpx
 
 from gristmill.batch.config import HttpProcessorConfig
+from gristmill.batch.openai_rows import generated_of, openai_request
 from gristmill.batch.rows import Generated, RowRequest
 from gristmill.errors import EngineDeadError, GenerationError, RequestError
 
@@ -44,26 +45,9 @@ class HttpEngine:
 
     async def generate(self, request: RowRequest) -> Generated:
         await self._connect()
-        params = request.sampling_params
-        if params.n != 1:
-            raise RequestError(f"a batch row makes one completion; sampling_params.n must be 1, got {params.n}",
-                               param="n")
-        if request.messages is not None:
-            path, body = "/chat/completions", {"messages": request.messages}
-        else:
-            prompt = request.prompt_token_ids if request.prompt_token_ids is not None else request.prompt
-            path, body = "/completions", {"prompt": prompt}
-        body.update(model=self.model, **_sampling_body(params))
-        data = await self._post(path, body)
-        try:
-            choice = data["choices"][0]
-            text = choice["message"]["content"] if "message" in choice else choice["text"]
-            usage = data.get("usage") or {}
-            return Generated(text or "", [], int(usage.get("prompt_tokens", 0)),
-                             int(usage.get("completion_tokens", 0)), choice.get("finish_reason") or "stop")
-        except (KeyError, IndexError, TypeError, ValueError) as exc:
-            raise GenerationError(f"the server's response is not an OpenAI {path} response ({exc!r}): "
-                                  f"{str(data)[:200]}") from exc
+        method, body = openai_request(request, self.model)
+        path = "/chat/completions" if method == "chat" else "/completions"
+        return generated_of(await self._post(path, body), f"{self.config.url}{path}")
 
     async def close(self) -> None:
         if self._client is not None:
@@ -132,19 +116,6 @@ class HttpEngine:
             self._next_start = max(now, self._next_start) + 1.0 / self.config.qps
             if wait > 0:
                 await asyncio.sleep(wait)
-
-
-def _sampling_body(params) -> dict:
-    """The request fields of SamplingParams; non-OpenAI ones only when set."""
-    body = {"max_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p, "n": 1}
-    if params.seed is not None:
-        body["seed"] = params.seed
-    if params.stop:
-        body["stop"] = list(params.stop)
-    extras = {"top_k": (params.top_k, 0), "min_p": (params.min_p, 0.0),
-              "stop_token_ids": (list(params.stop_token_ids), []), "ignore_eos": (params.ignore_eos, False)}
-    body.update({name: value for name, (value, default) in extras.items() if value != default})
-    return body
 
 
 def _backoff(attempt: int) -> float:

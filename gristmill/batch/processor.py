@@ -40,23 +40,34 @@ class UserFunctionError(RuntimeError):
 
 
 def build_processor(config: ProcessorConfig, preprocess: Callable[[Row], Row] | None = None,
-                    postprocess: Callable[[Row], Row] | None = None) -> "Processor":
+                    postprocess: Callable[[Row], Row] | None = None, *,
+                    preprocess_map_kwargs: dict | None = None,
+                    postprocess_map_kwargs: dict | None = None) -> "Processor":
+    """A processor for `config`. The map kwargs apply on a Ray Dataset only: the Ray
+    options of the preprocess / postprocess `Dataset.map` tasks (e.g. {"num_cpus": 0.5})."""
     if not isinstance(config, (EngineProcessorConfig, DeploymentProcessorConfig, HttpProcessorConfig)):
         raise RequestError(f"build_processor takes an EngineProcessorConfig, DeploymentProcessorConfig or "
                            f"HttpProcessorConfig, got {type(config).__name__}", param="config")
-    return Processor(config, preprocess, postprocess)
+    return Processor(config, preprocess, postprocess, preprocess_map_kwargs, postprocess_map_kwargs)
 
 
 class Processor:
-    def __init__(self, config: ProcessorConfig, preprocess=None, postprocess=None):
+    def __init__(self, config: ProcessorConfig, preprocess=None, postprocess=None,
+                 preprocess_map_kwargs: dict | None = None, postprocess_map_kwargs: dict | None = None):
         self.config = config
         self.preprocess = preprocess
         self.postprocess = postprocess
+        self.preprocess_map_kwargs = preprocess_map_kwargs
+        self.postprocess_map_kwargs = postprocess_map_kwargs
 
     def __call__(self, rows):
         """Rows in, rows out, of the same kind: a list, a pyarrow Table or a pandas
         DataFrame come back whole; any other iterable comes back as a generator that
-        streams (the input is read as it goes)."""
+        streams (the input is read as it goes); a Ray Dataset comes back as a Dataset
+        with this processor's stages on Ray (see gristmill.ray.data)."""
+        if type(rows).__module__.startswith("ray.data"):
+            from gristmill.ray.data import process_dataset
+            return process_dataset(self, rows, self.preprocess_map_kwargs, self.postprocess_map_kwargs)
         kind, row_iter = to_rows(rows)
         out = self.stream(row_iter)
         return out if kind == "iterable" else from_rows(list(out), kind)
@@ -79,6 +90,9 @@ class Processor:
             runtime.call(pool.start())
             return pool
         if isinstance(config, DeploymentProcessorConfig):
+            if config.app_name is not None:
+                from gristmill.ray.handle import ServeEngine
+                return ServeEngine(config.deployment_name, config.app_name)
             from gristmill.batch.deployment import get_deployment
             return get_deployment(config.deployment_name).pool
         from gristmill.batch.http import HttpEngine
@@ -141,7 +155,8 @@ class Processor:
             return row[column]
         return position
 
-    def _user(self, what: str, fn, row: Row, row_id):
+    @staticmethod
+    def _user(what: str, fn, row: Row, row_id):
         if fn is None:
             return row
         try:

@@ -130,16 +130,43 @@ class OpenAIServing:
 
     # -- running a job --------------------------------------------------------------
 
-    async def _run(self, job: _Job, prompts, params: SamplingParams, stream: bool, request: Request):
+    async def response(self, chat: bool, body) -> dict:
+        """The response body of a non-streamed request, for callers other than HTTP
+        (a Ray Serve deployment): a failure raises its typed error instead."""
         timer = RequestTimer(self.metrics)
+        try:
+            if body.stream:
+                raise RequestError("stream=True needs the HTTP server (gristmill serve); this entry point "
+                                   "returns whole responses: leave stream out", param="stream")
+            job, prompts, params = (self._chat_job if chat else self._completion_job)(body)
+            await self._submit(job, prompts, params)
+            try:
+                finals = await self._collect(job, timer)
+            finally:
+                await _close_all(job)
+        except Exception as exc:
+            timer.failed(exc)
+            raise
+        timer.finished(_overall_reason(finals))
+        return self._response(job, finals)
+
+    async def _submit(self, job: _Job, prompts, params: SamplingParams) -> None:
+        """Every prompt of the job into the engine, or none (a failure closes those in)."""
         try:
             for i, (prompt, special) in enumerate(prompts):
                 handle = self.engine.add_request(prompt, params, f"{job.request_id}-{i}",
                                                  add_special_tokens=special)
                 job.streams.append(handle)
                 job.prompt_tokens += len(handle.prompt_token_ids)
-        except Exception as exc:
+        except Exception:
             await _close_all(job)
+            raise
+
+    async def _run(self, job: _Job, prompts, params: SamplingParams, stream: bool, request: Request):
+        timer = RequestTimer(self.metrics)
+        try:
+            await self._submit(job, prompts, params)
+        except Exception as exc:
             timer.failed(exc)
             return exception_response(exc)
         timer.num_prompt_tokens = job.prompt_tokens

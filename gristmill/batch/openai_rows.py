@@ -1,0 +1,50 @@
+"""Rows as OpenAI requests and OpenAI responses as rows: shared by the engines that
+reach a model through the OpenAI API shape (an HTTP server, a Ray Serve deployment)."""
+
+from __future__ import annotations
+
+from gristmill.batch.rows import Generated, RowRequest
+from gristmill.errors import GenerationError, RequestError
+
+
+def openai_request(request: RowRequest, model: str | None) -> tuple[str, dict]:
+    """("chat" | "completions", the request body) for one row."""
+    params = request.sampling_params
+    if params.n != 1:
+        raise RequestError(f"a batch row makes one completion; sampling_params.n must be 1, got {params.n}",
+                           param="n")
+    if request.messages is not None:
+        method, body = "chat", {"messages": request.messages}
+    else:
+        prompt = request.prompt_token_ids if request.prompt_token_ids is not None else request.prompt
+        method, body = "completions", {"prompt": prompt}
+    if model is not None:
+        body["model"] = model
+    body.update(_sampling_body(params))
+    return method, body
+
+
+def generated_of(data: dict, where: str) -> Generated:
+    """A row's result from an OpenAI completions or chat response body."""
+    try:
+        choice = data["choices"][0]
+        text = choice["message"]["content"] if "message" in choice else choice["text"]
+        usage = data.get("usage") or {}
+        return Generated(text or "", [], int(usage.get("prompt_tokens", 0)),
+                         int(usage.get("completion_tokens", 0)), choice.get("finish_reason") or "stop")
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        raise GenerationError(f"the response of {where} is not an OpenAI completion ({exc!r}): "
+                              f"{str(data)[:200]}") from exc
+
+
+def _sampling_body(params) -> dict:
+    """The request fields of SamplingParams; non-OpenAI ones only when set."""
+    body = {"max_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p, "n": 1}
+    if params.seed is not None:
+        body["seed"] = params.seed
+    if params.stop:
+        body["stop"] = list(params.stop)
+    extras = {"top_k": (params.top_k, 0), "min_p": (params.min_p, 0.0),
+              "stop_token_ids": (list(params.stop_token_ids), []), "ignore_eos": (params.ignore_eos, False)}
+    body.update({name: value for name, (value, default) in extras.items() if value != default})
+    return body

@@ -1,0 +1,164 @@
+"""Processors on Ray Data: `processor(dataset)` returns a Dataset.
+
+The stages, as Ray runs them:
+- `preprocess` and `postprocess`: `Dataset.map` tasks (postprocess skips error rows);
+- the engine stage: an actor pool of `concurrency` actors. For an EngineProcessorConfig
+  each actor owns an engine (its own engine-core process) and runs the chat template,
+  tokenizer, engine and detokenizer on its batches exactly as the local runner does; for
+  a DeploymentProcessorConfig (with app_name) or an HttpProcessorConfig, one actor sends
+  the rows to the Serve deployment or the server.
+
+Row errors become error rows inside the actor (`should_continue_on_error`), so they never
+cross Ray as exceptions; what does cross (a fatal error, a row error with
+`should_continue_on_error=False`, a user function's error) fails the Dataset. Ray's own
+retries are bounded: an engine actor is restarted at most `max_engine_restarts` times,
+never for ever.
+
+Rows come out in no particular order (Ray Data's default); set
+`DataContext.get_current().execution_options.preserve_order = True` to keep input order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+import warnings
+
+from gristmill.batch import runtime
+from gristmill.batch.config import DeploymentProcessorConfig, EngineProcessorConfig, ProcessorConfig
+from gristmill.batch.rows import ERROR_COLUMN
+from gristmill.batch.tables import arrow_table
+from gristmill.errors import RequestError
+
+#: An engine actor reserves a CPU: it computes. Actors that only wait on a deployment or
+#: a server reserve none, so they fit beside the replicas and tasks of a small cluster.
+ENGINE_ACTOR_OPTIONS = {"num_cpus": 1}
+CLIENT_ACTOR_OPTIONS = {"num_cpus": 0}
+#: Rows pickled into one binary column: how `gristmill batch --runner ray` sends rows of
+#: any shape through Ray Data without Arrow inferring (and failing on) their types.
+ENCODED_COLUMN = "__gristmill_row__"
+
+
+def process_dataset(processor, dataset, preprocess_map_kwargs: dict | None = None,
+                    postprocess_map_kwargs: dict | None = None, encoded: bool = False):
+    """`processor`'s stages appended to `dataset` (lazy: nothing runs until it is read)."""
+    config = processor.config
+    actors, options = stage_actors(config)
+    pre = {"num_cpus": 1, **(preprocess_map_kwargs or {})}
+    post = {"num_cpus": 1, **(postprocess_map_kwargs or {})}
+    check_fits(actors, options, max(pre["num_cpus"], post["num_cpus"]))
+    if processor.preprocess is not None:
+        dataset = dataset.map(_UserMap("preprocess", processor.preprocess, config.id_column), **pre)
+    import ray.data
+
+    # Batches of one actor run on its engine together (continuous batching across them).
+    compute = ray.data.ActorPoolStrategy(size=actors, max_concurrent_calls_per_actor=config.max_concurrent_batches,
+                                         enable_true_multi_threading=True)
+    with warnings.catch_warnings():  # max_restarts has no named parameter yet
+        warnings.filterwarnings("ignore", message=".*ray_remote_args.*deprecated")
+        dataset = dataset.map_batches(
+            _StageActor, fn_constructor_kwargs={"config": config, "encoded": encoded}, compute=compute,
+            batch_size=config.batch_size, batch_format="pyarrow", zero_copy_batch=False, **options)
+    if processor.postprocess is not None:
+        dataset = dataset.map(_UserMap("postprocess", processor.postprocess, config.id_column,
+                                       skip_errors=True), **post)
+    return dataset
+
+
+def stage_actors(config: ProcessorConfig) -> tuple[int, dict]:
+    """(actors in the engine stage's pool, their Ray options)."""
+    if isinstance(config, DeploymentProcessorConfig) and config.app_name is None:
+        raise RequestError("on a Ray Dataset a deployment is reached through Ray Serve: set app_name to the "
+                           "Serve application made with gristmill.ray.deploy (a gristmill.batch.deploy "
+                           "deployment lives in this process only)", param="app_name")
+    if isinstance(config, EngineProcessorConfig):
+        actors, defaults = config.concurrency, ENGINE_ACTOR_OPTIONS
+        # A dead actor is restarted (and its batch retried) within the job's restart budget:
+        # Ray's default would retry a deterministic crash until its timeout.
+        defaults = {**defaults, "max_restarts": config.max_engine_restarts,
+                    "max_task_retries": config.max_engine_restarts}
+    else:
+        actors, defaults = 1, {**CLIENT_ACTOR_OPTIONS, "max_restarts": 0, "max_task_retries": 0}
+    return actors, {**defaults, **(config.ray_actor_options or {})}
+
+
+def check_fits(actors: int, options: dict, task_cpus: float) -> None:
+    """Fail now, saying what to change, when the stage's actors and one map task can never
+    run at once on this cluster: Ray would wait for the CPUs for ever, silently."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init()
+    total = ray.cluster_resources().get("CPU", 0.0)
+    free = ray.available_resources().get("CPU", 0.0)
+    need = actors * float(options.get("num_cpus") or 0) + task_cpus
+    if need > free:
+        held = f" ({total - free:g} held by others, e.g. Serve replicas)" if total > free else ""
+        raise RequestError(
+            f"this processor needs {need:g} CPUs at once on Ray ({actors} actor(s) x num_cpus="
+            f"{options.get('num_cpus')} + {task_cpus:g} for a map task) but the cluster has {free:g} free of "
+            f"{total:g}{held}; lower concurrency, set ray_actor_options={{'num_cpus': ...}} (and num_cpus in "
+            f"preprocess_map_kwargs / postprocess_map_kwargs), or add CPUs", param="ray_actor_options")
+
+
+class _StageActor:
+    """One actor of the engine stage: its own engine (or deployment / server client) on
+    the batch runtime loop of its process; batches arrive on up to
+    max_concurrent_batches threads and run on that loop together."""
+
+    def __init__(self, config: ProcessorConfig, encoded: bool):
+        from gristmill.batch.processor import Processor
+
+        if isinstance(config, EngineProcessorConfig):
+            config = dataclasses.replace(config, concurrency=1)  # the pool is of actors
+        self.encoded = encoded
+        self.processor = Processor(config)
+        self.engine = self.processor._open_engine()
+
+    def __call__(self, batch):
+        if self.encoded:
+            rows = [pickle.loads(value) for value in batch.column(ENCODED_COLUMN).to_pylist()]
+        else:
+            rows = batch.to_pylist()
+        column = self.processor.config.id_column
+        prepared = [(row.get(column) if column and isinstance(row, dict) else f"batch row {i}", row)
+                    for i, row in enumerate(rows)]
+        done = runtime.call(self.processor._process_batch(self.engine, prepared))
+        out = [row for _, row in done]
+        if self.encoded:
+            import pyarrow as pa
+            return pa.table({ENCODED_COLUMN: pa.array([pickle.dumps(row) for row in out], pa.binary())})
+        return arrow_table(out)
+
+    def __del__(self):
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            try:
+                self.processor._close_engine(engine)
+            except Exception:  # noqa: BLE001 - the process is going away; its core follows it
+                pass
+
+
+class _UserMap:
+    """preprocess / postprocess as a Dataset.map function; errors name the row and stop
+    the job (as they do locally)."""
+
+    def __init__(self, what: str, fn, id_column: str | None, skip_errors: bool = False):
+        self.what, self.fn, self.id_column, self.skip_errors = what, fn, id_column, skip_errors
+
+    def __call__(self, row: dict) -> dict:
+        from gristmill.batch.processor import Processor
+
+        if self.skip_errors and row.get(ERROR_COLUMN):
+            return row
+        row_id = row.get(self.id_column) if self.id_column else "?"
+        return Processor._user(self.what, self.fn, row, row_id)
+
+
+def encode_rows(rows) -> list[dict]:
+    """Rows as `gristmill batch --runner ray` hands them to Ray Data."""
+    return [{ENCODED_COLUMN: pickle.dumps(row)} for row in rows]
+
+
+def decode_row(record: dict) -> dict:
+    return pickle.loads(record[ENCODED_COLUMN])
