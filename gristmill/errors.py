@@ -112,11 +112,29 @@ def is_fatal(exc: BaseException) -> bool:
 
 def root_cause(exc: BaseException) -> BaseException:
     """The gristmill error inside `exc`'s wrappers (Ray's RayTaskError, `__cause__`
-    chains), or `exc` itself when there is none."""
-    for current in _chain(exc):
+    chains, or a Ray wrapper's traceback text), or `exc` itself when there is none."""
+    chain = list(_chain(exc))
+    for current in chain:
         if isinstance(current, GristmillError) and not type(current).__name__.startswith(_TEXT_WRAPPERS):
             return current
+    for current in chain:
+        if type(current).__name__.startswith(_TEXT_WRAPPERS):
+            found = _from_text(str(current))
+            if found is not None:
+                return found
     return exc
+
+
+_RAISED_IN_TEXT = re.compile(r"^gristmill\.errors\.(\w+): (.+)$", re.M)
+
+
+def _from_text(text: str) -> GristmillError | None:
+    """The last gristmill error a remote traceback shows, rebuilt (type and message)."""
+    for name, message in reversed(_RAISED_IN_TEXT.findall(text)):
+        cls = globals().get(name)
+        if isinstance(cls, type) and issubclass(cls, GristmillError):
+            return cls(message)
+    return None
 
 
 def _chain(exc: BaseException):

@@ -68,6 +68,13 @@ def add_batch_command(commands) -> None:
                         help="times a dead engine is restarted during the job (default: 0)")
     parser.add_argument("--deployment-url", metavar="URL", help="send rows to this OpenAI-compatible server "
                         "(e.g. http://127.0.0.1:8000/v1; a URL without a path gets /v1) instead of a local engine")
+    parser.add_argument("--runner", choices=("local", "ray"), default="local",
+                        help="where the job runs: 'local', in this process (default), or 'ray', on Ray Data "
+                             "(needs pip install 'gristmill[ray]'; see docs/ray.md)")
+    parser.add_argument("--address", metavar="ADDR", help="with --runner ray: the Ray cluster to run on, e.g. "
+                        "'auto' or 10.0.0.1:6379 (default: RAY_ADDRESS, else a new local cluster)")
+    parser.add_argument("--concurrency", type=int, default=1,
+                        help="engine replicas (with --runner ray, actors), each its own engine (default: 1)")
     parser.add_argument("--batch-size", type=int, default=64, help="rows per batch (default: 64)")
     parser.add_argument("--max-concurrent-batches", type=int, default=4,
                         help="batches in flight at once (default: 4)")
@@ -125,6 +132,9 @@ class _Job:
         if len(set(paths)) != len(paths):
             raise InputError("INPUT, --output and --errors must be three different files; writing one would "
                              "overwrite another")
+        if args.address and args.runner != "ray":
+            raise InputError("--address names a Ray cluster, which only --runner ray uses; add --runner ray or "
+                             "leave out --address")
         if args.deployment_url and engine_options(args):
             print(f"warning: engine flags ({', '.join(sorted(engine_options(args)))}) configure a local engine "
                   f"and are ignored with --deployment-url", file=sys.stderr)
@@ -142,7 +152,7 @@ class _Job:
             if args.deployment_url:
                 return HttpProcessorConfig(url=_api_url(args.deployment_url), **common)
             return EngineProcessorConfig(engine=engine_config(args), max_engine_restarts=args.max_engine_restarts,
-                                         **common)
+                                         concurrency=args.concurrency, **common)
         except RequestError as exc:
             flag = "--" + (exc.param or "").replace("_", "-")
             raise InputError(f"{exc} (flag {'--deployment-url' if flag == '--url' else flag})") from None
@@ -177,7 +187,7 @@ class _Job:
             rows = self.source.rows()
             self._skip(rows, written, errors)
             if self.total is None or self.skipped < self.total:  # else nothing is left: no engine to start
-                self._write_all(_merged(build_processor(self.config), self._slots(rows)), writer, errors)
+                self._write_all(_merged(self._processor(), self._slots(rows)), writer, errors)
         except KeyboardInterrupt:
             self._close(writer, errors)
             print(f"interrupted{self._where(writer)}", file=sys.stderr)
@@ -189,6 +199,17 @@ class _Job:
         self._close(writer, errors)
         self._summary()
         return 0
+
+    def _processor(self):
+        """What runs the rows: the processor, or (--runner ray) Ray Data running it."""
+        processor = build_processor(self.config)
+        if self.args.runner == "local":
+            return processor
+        try:
+            from gristmill.ray.data import DatasetRunner
+        except ImportError as exc:
+            raise InputError(f"--runner ray: {exc}") from None
+        return DatasetRunner(processor, self.args.address)
 
     def _read_written(self) -> list[tuple[str, str]]:
         """(id key, error) of each row an interrupted job wrote; none without --resume."""

@@ -21,14 +21,16 @@ Rows come out in no particular order (Ray Data's default); set
 from __future__ import annotations
 
 import dataclasses
+import os
 import pickle
+import socket
 import warnings
 
 from gristmill.batch import runtime
 from gristmill.batch.config import DeploymentProcessorConfig, EngineProcessorConfig, ProcessorConfig
 from gristmill.batch.rows import ERROR_COLUMN
 from gristmill.batch.tables import arrow_table
-from gristmill.errors import RequestError
+from gristmill.errors import EngineDeadError, GristmillError, RequestError, root_cause
 
 #: An engine actor reserves a CPU: it computes. Actors that only wait on a deployment or
 #: a server reserve none, so they fit beside the replicas and tasks of a small cluster.
@@ -85,20 +87,14 @@ def stage_actors(config: ProcessorConfig) -> tuple[int, dict]:
 def check_fits(actors: int, options: dict, task_cpus: float) -> None:
     """Fail now, saying what to change, when the stage's actors and one map task can never
     run at once on this cluster: Ray would wait for the CPUs for ever, silently."""
-    import ray
-
-    if not ray.is_initialized():
-        ray.init()
-    total = ray.cluster_resources().get("CPU", 0.0)
-    free = ray.available_resources().get("CPU", 0.0)
+    total = connect().cluster_resources().get("CPU", 0.0)
     need = actors * float(options.get("num_cpus") or 0) + task_cpus
-    if need > free:
-        held = f" ({total - free:g} held by others, e.g. Serve replicas)" if total > free else ""
+    if need > total:
         raise RequestError(
             f"this processor needs {need:g} CPUs at once on Ray ({actors} actor(s) x num_cpus="
-            f"{options.get('num_cpus')} + {task_cpus:g} for a map task) but the cluster has {free:g} free of "
-            f"{total:g}{held}; lower concurrency, set ray_actor_options={{'num_cpus': ...}} (and num_cpus in "
-            f"preprocess_map_kwargs / postprocess_map_kwargs), or add CPUs", param="ray_actor_options")
+            f"{options.get('num_cpus')} + {task_cpus:g} for a map task) but the cluster has {total:g}; lower "
+            f"concurrency, set ray_actor_options={{'num_cpus': ...}} (and num_cpus in preprocess_map_kwargs / "
+            f"postprocess_map_kwargs), or add CPUs", param="ray_actor_options")
 
 
 class _StageActor:
@@ -162,3 +158,67 @@ def encode_rows(rows) -> list[dict]:
 
 def decode_row(record: dict) -> dict:
     return pickle.loads(record[ENCODED_COLUMN])
+
+
+class DatasetRunner:
+    """`gristmill batch --runner ray`: a processor's rows through Ray Data, in input order.
+
+    Rows travel pickled (ENCODED_COLUMN), so rows of any shape reach the engine stage as
+    they left the reader; errors that stop the job come back as gristmill errors."""
+
+    def __init__(self, processor, address: str | None = None):
+        self.processor = processor
+        self.address = address
+
+    def stream(self, rows):
+        ray = connect(self.address)
+        rows = list(rows)
+        if not rows:
+            return
+        context = ray.data.DataContext.get_current()
+        context.execution_options.preserve_order = True
+        context.enable_progress_bars = False
+        dataset = process_dataset(self.processor, ray.data.from_items(encode_rows(rows)), encoded=True)
+        try:
+            for record in dataset.iter_rows():
+                yield decode_row(record)
+        except Exception as exc:  # noqa: BLE001 - Ray's wrappers, as the error inside them
+            if isinstance(exc, GristmillError):
+                raise
+            cause = root_cause(exc)
+            if isinstance(cause, GristmillError):
+                raise cause from None
+            raise EngineDeadError(f"the job failed on Ray: {type(exc).__name__}: "
+                                  f"{str(exc).strip().splitlines()[-1][:500]}") from None
+
+
+def connect(address: str | None = None):
+    """Ray, connected to the cluster at `address` (None: RAY_ADDRESS, or a new local one).
+    GRISTMILL_FAULTS, when set here, is set on the cluster's workers for this job too."""
+    from gristmill.ray import require_ray
+
+    ray = require_ray()
+    if not ray.is_initialized():
+        _check_reachable(address or os.environ.get("RAY_ADDRESS"))
+        env = {name: os.environ[name] for name in _PASSED_ENV if name in os.environ}
+        ray.init(address=address, runtime_env={"env_vars": env} if env else None, include_dashboard=False)
+    return ray
+
+
+_PASSED_ENV = ("GRISTMILL_FAULTS",)
+_CONNECT_TIMEOUT_S = 5.0
+
+
+def _check_reachable(address: str | None) -> None:
+    """A cluster address that nothing answers at fails in seconds (Ray itself would keep
+    trying to reach it for minutes)."""
+    if not address or address in ("auto", "local") or "://" in address or ":" not in address:
+        return
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=_CONNECT_TIMEOUT_S):
+            pass
+    except (OSError, ValueError) as exc:
+        raise EngineDeadError(f"no Ray cluster answers at {address} ({type(exc).__name__}: {exc}); start one "
+                              f"with `ray start --head` and pass the address it prints, or leave the address "
+                              f"out to start a local cluster") from None

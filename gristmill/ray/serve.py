@@ -53,9 +53,9 @@ class EngineServer:
         from gristmill.server.protocol import ChatCompletionRequest
         yield await self.serving.response(True, _body(ChatCompletionRequest, request))
 
-    def core_pid(self) -> int:
-        """The replica's engine-core process (to watch it, or to kill it in a test)."""
-        return self.engine.core_pid
+    def pids(self) -> dict:
+        """{"replica": this replica's process, "core": its engine core's} (to watch them)."""
+        return {"replica": os.getpid(), "core": self.engine.core_pid}
 
     def check_health(self) -> None:
         """Serve calls this every second; a dead engine makes Serve replace the replica."""
@@ -125,11 +125,9 @@ def deploy(engine: EngineConfig | None = None, *, name: str = "gristmill", app_n
 def _check_fits(options: dict, num_replicas: int) -> None:
     """Fail now, saying what to change, when the replicas can never be placed (Serve
     would otherwise wait for resources for ever)."""
-    import ray
+    from gristmill.ray.data import connect
 
-    if not ray.is_initialized():
-        ray.init()
-    total = ray.cluster_resources()
+    total = connect().cluster_resources()
     for resource, key in (("CPU", "num_cpus"), ("GPU", "num_gpus")):
         need = float(options.get(key) or 0) * num_replicas
         if need > total.get(resource, 0.0):

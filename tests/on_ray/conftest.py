@@ -1,0 +1,52 @@
+"""Tests on a real local Ray cluster of 2 CPUs, started once for the package.
+
+GRISTMILL_FAULTS reaches the cluster's workers (engine actors, Serve replicas) through
+the job's runtime_env, and this process through its environment: rows whose prompt
+holds BADROW fail to set up their detokenizer; a row whose prompt holds POISON makes
+its engine core exit.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from gristmill import EngineConfig
+from gristmill.engine import faults
+
+ray = pytest.importorskip("ray")
+
+FAULTS = "detokenize_init@prompt~BADROW,core_exit@prompt~POISON"
+ENGINE = EngineConfig(device="cpu", max_model_len=512)
+GREEDY = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="package", autouse=True)
+def cluster():
+    before = os.environ.get("GRISTMILL_FAULTS")
+    os.environ["GRISTMILL_FAULTS"] = FAULTS
+    faults.load()
+    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"GRISTMILL_FAULTS": FAULTS}})
+    context = ray.data.DataContext.get_current()
+    context.enable_progress_bars = False
+    yield ray
+    from ray import serve
+    serve.shutdown()
+    ray.shutdown()
+    if before is None:
+        os.environ.pop("GRISTMILL_FAULTS", None)
+    else:
+        os.environ["GRISTMILL_FAULTS"] = before
+    faults.load()
+
+
+def story_rows(n: int, start: int = 0) -> list[dict]:
+    return [{"key": i, "prompt": f"Story {i}: once upon a time", "sampling_params": dict(GREEDY)}
+            for i in range(start, start + n)]
+
+
+def by_key(rows: list[dict]) -> dict:
+    keys = [row["key"] for row in rows]
+    assert len(keys) == len(set(keys)), f"a row came out twice: {sorted(keys)}"
+    return {row["key"]: row for row in rows}

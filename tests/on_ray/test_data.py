@@ -1,0 +1,100 @@
+"""Processors applied to a Ray Dataset: the engine stage as actors that own engines."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+
+from gristmill.batch import ERROR_COLUMN, EngineProcessorConfig, build_processor
+from gristmill.errors import EngineDeadError, PromptTooLongError, RequestError, is_fatal, root_cause
+from tests.on_ray.conftest import ENGINE, GREEDY, by_key, story_rows
+
+pytestmark = pytest.mark.timeout(180)
+
+BAD_ROWS = [
+    {"key": 10, "prompt": "Story BADROW", "sampling_params": dict(GREEDY)},
+    {"key": 11, "prompt": "word " * 600, "sampling_params": dict(GREEDY)},
+    {"key": 12, "prompt": "Story twelve", "sampling_params": {**GREEDY, "bogus": 1}},
+    {"key": 13, "prompt": None, "sampling_params": dict(GREEDY)},
+]
+EXPECTED_ERRORS = {
+    10: "GenerationError: setting up the detokenizer failed: injected fault at 'detokenize_init'",
+    11: "PromptTooLongError: prompt (",
+    12: "RequestError: unknown sampling_params ['bogus']",
+    13: "RequestError: a row needs 'prompt', 'messages' or 'tokenized_prompt'",
+}
+
+
+def _stamp(name):
+    return lambda row: {**row, name: 1}
+
+
+def test_engine_stage_keeps_going_past_bad_rows_with_the_local_runners_output():
+    rows = story_rows(10) + BAD_ROWS
+    config = EngineProcessorConfig(engine=ENGINE, should_continue_on_error=True, batch_size=4, id_column="key")
+    processor = build_processor(config, preprocess=_stamp("pre"), postprocess=_stamp("post"))
+    dataset = processor(ray.data.from_items(rows))
+    assert isinstance(dataset, ray.data.Dataset)  # lazy: nothing has run yet
+    out = by_key(dataset.take_all())
+
+    assert sorted(out) == list(range(14))  # every row, exactly once
+    for key, expected in EXPECTED_ERRORS.items():
+        error = out[key][ERROR_COLUMN]
+        assert error.startswith(expected), error
+        assert "Traceback" not in error and "ray::" not in error
+        assert out[key]["pre"] == 1 and out[key].get("post") is None  # postprocess skips error rows
+        assert out[key]["generated_text"] == "" and out[key]["finish_reason"] == "error"
+    for key in range(10):
+        assert out[key][ERROR_COLUMN] == "" and out[key]["post"] == 1
+        assert out[key]["num_generated_tokens"] == 6 and out[key]["generated_text"]
+
+    local = by_key(build_processor(config, preprocess=_stamp("pre"))(rows))  # the same job, in this process
+    for key, row in local.items():
+        assert (out[key]["generated_text"], list(out[key]["generated_tokens"]), out[key][ERROR_COLUMN]) == \
+            (row["generated_text"], row["generated_tokens"], row[ERROR_COLUMN])
+
+
+def test_a_row_that_kills_the_engine_fails_the_job_fast_as_a_fatal_error():
+    rows = story_rows(6) + [{"key": 6, "prompt": "Story POISON", "sampling_params": dict(GREEDY)}]
+    config = EngineProcessorConfig(engine=ENGINE, should_continue_on_error=True, max_engine_restarts=0,
+                                   id_column="key")
+    dataset = build_processor(config)(ray.data.from_items(rows))
+    started = time.monotonic()
+    with pytest.raises(Exception) as caught:
+        dataset.take_all()
+    assert time.monotonic() - started < 90  # an engine start, then the death: never Ray's 30-minute retries
+    # Ray Data hands the driver a wrapper with the original only in its text; it is still fatal.
+    assert type(caught.value).__name__.startswith("RayTaskError")
+    assert is_fatal(caught.value)
+    cause = root_cause(caught.value)
+    assert isinstance(cause, EngineDeadError)
+    assert "max_engine_restarts=0" in cause.message and "6" in cause.message
+
+
+def test_a_row_error_without_continue_on_error_stops_the_job_and_is_not_fatal():
+    context = ray.data.DataContext.get_current()
+    context.raise_original_map_exception = True
+    try:
+        rows = story_rows(3) + [{"key": 3, "prompt": "word " * 600, "sampling_params": dict(GREEDY)}]
+        config = EngineProcessorConfig(engine=ENGINE, id_column="key")
+        with pytest.raises(Exception) as caught:
+            build_processor(config)(ray.data.from_items(rows)).take_all()
+    finally:
+        context.raise_original_map_exception = False
+    assert not is_fatal(caught.value)
+    cause = root_cause(caught.value)
+    assert isinstance(cause, PromptTooLongError)
+    assert cause.message.startswith("row 3: prompt (") and "exceeds max_model_len (512)" in cause.message
+
+
+def test_actors_that_can_never_fit_fail_at_once_saying_what_to_change():
+    started = time.monotonic()
+    config = EngineProcessorConfig(engine=ENGINE, concurrency=2)
+    with pytest.raises(RequestError, match=r"needs 3 CPUs at once on Ray \(2 actor\(s\) x num_cpus=1 \+ 1 for a "
+                                           r"map task\) but the cluster has 2; lower concurrency"):
+        build_processor(config)(ray.data.from_items(story_rows(2)))
+    smaller = EngineProcessorConfig(engine=ENGINE, concurrency=2, ray_actor_options={"num_cpus": 0.5})
+    assert isinstance(build_processor(smaller)(ray.data.from_items(story_rows(2))), ray.data.Dataset)
+    assert time.monotonic() - started < 5
