@@ -26,8 +26,8 @@ from gristmill.batch import runtime
 from gristmill.batch.config import (DeploymentProcessorConfig, EngineProcessorConfig, HttpProcessorConfig,
                                     ProcessorConfig)
 from gristmill.batch.engines import EnginePool, RowFailed
-from gristmill.batch.rows import (RowRequest, error_columns, is_error_row, result_columns,
-                                  sampling_params_of)
+from gristmill.batch.rows import (TEMPLATE_ERROR_COLUMN, TEMPLATED_COLUMN, RowRequest, error_columns, is_error_row,
+                                  result_columns, sampling_params_of)
 from gristmill.batch.tables import from_rows, to_rows
 from gristmill.errors import GristmillError, RequestError, is_fatal
 
@@ -150,7 +150,12 @@ class Processor:
             pending.put(_END)
 
     def _row_id(self, row: Row, position: int):
-        column = getattr(self.config, "id_column", None)
+        return self._row_id_of(self.config, row, position)
+
+    @staticmethod
+    def _row_id_of(config: ProcessorConfig, row: Row, position):
+        """The row's id: its `id_column` value, else `position`."""
+        column = config.id_column
         if column is not None and isinstance(row, dict) and column in row:
             return row[column]
         return position
@@ -183,6 +188,8 @@ class Processor:
         try:
             if not isinstance(row, dict):
                 raise RequestError(f"a row must be a dict, got {type(row).__name__}", param="row")
+            if row.get(TEMPLATE_ERROR_COLUMN):  # failed in the chat-template stage before this one
+                return {**row, **error_columns(row[TEMPLATE_ERROR_COLUMN])}
             request = self._prepare(engine, row_id, row)
             if not config.generate:
                 return {**row, "prompt": request.prompt, "tokenized_prompt": request.prompt_token_ids or []}
@@ -213,8 +220,8 @@ class Processor:
                                param="prompt")
         if prompt is None and messages is None and token_ids is None:
             raise RequestError("a row needs 'prompt', 'messages' or 'tokenized_prompt'", param="prompt")
-        add_special_tokens = True
-        if messages is not None and (method == "chat" or (prompt is None and token_ids is None)):
+        add_special_tokens = not row.get(TEMPLATED_COLUMN)  # a rendered chat has its own
+        if messages is not None and add_special_tokens and needs_template(row, method):
             if not engine.local_stages:  # the server applies its own template
                 return RowRequest(row_id, None, messages, None, params)
             if not config.apply_chat_template:
@@ -228,6 +235,13 @@ class Processor:
             # Generating, the engine tokenizes the text itself (and its faults see the text).
             token_ids = engine.tokenize(prompt, add_special_tokens)
         return RowRequest(row_id, prompt, None, token_ids, params, add_special_tokens)
+
+
+def needs_template(row: Row, method: str | None = None) -> bool:
+    """Whether the row's `messages` are what it sends (rendered by the chat template)."""
+    if row.get("messages") is None:
+        return False
+    return method == "chat" or (row.get("prompt") is None and row.get("tokenized_prompt") is None)
 
 
 _END = object()

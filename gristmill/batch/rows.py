@@ -15,6 +15,11 @@ from gristmill.errors import RequestError, error_string
 from gristmill.sampling import SamplingParams
 
 ERROR_COLUMN = "__inference_error__"
+#: Set by a chat-template stage that ran before the engine stage (on Ray: a task):
+#: `prompt` holds the rendered chat, tokenized without special tokens ...
+TEMPLATED_COLUMN = "__gristmill_templated__"
+#: ... or the rendering failed, and this holds "<ErrorType>: <message>".
+TEMPLATE_ERROR_COLUMN = "__gristmill_template_error__"
 OUTPUT_COLUMNS = ("generated_text", "generated_tokens", "num_input_tokens", "num_generated_tokens",
                   "finish_reason", "time_taken_llm", ERROR_COLUMN)
 _SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
@@ -77,9 +82,11 @@ def result_columns(generated: Generated, time_taken: float, detokenize: bool = T
             ERROR_COLUMN: ""}
 
 
-def error_columns(exc: BaseException) -> dict:
+def error_columns(exc: BaseException | str) -> dict:
+    """The output columns of a failed row (`exc`, or its "<ErrorType>: <message>")."""
     return {"generated_text": "", "generated_tokens": [], "num_input_tokens": 0, "num_generated_tokens": 0,
-            "finish_reason": "error", "time_taken_llm": 0.0, ERROR_COLUMN: error_string(exc)}
+            "finish_reason": "error", "time_taken_llm": 0.0,
+            ERROR_COLUMN: exc if isinstance(exc, str) else error_string(exc)}
 
 
 def is_error_row(row: dict) -> bool:

@@ -53,7 +53,9 @@ def arrow_table(rows: list[dict]):
     of error rows still writes `generated_tokens` as list<int64>, never a null column)."""
     import pyarrow as pa
 
-    table = pa.Table.from_pylist(rows)
+    # Every key of every row, in first-seen order (from_pylist alone keeps the first row's).
+    names = list(dict.fromkeys(key for row in rows for key in row))
+    table = pa.Table.from_pylist([{name: row.get(name) for name in names} for row in rows])
     for name, wanted in arrow_types().items():
         if name in table.column_names and table.schema.field(name).type != wanted:
             index = table.column_names.index(name)

@@ -2,11 +2,14 @@
 
 The stages, as Ray runs them:
 - `preprocess` and `postprocess`: `Dataset.map` tasks (postprocess skips error rows);
+- the chat template (EngineProcessorConfig): `map_batches` tasks that render rows'
+  `messages` into `prompt`;
 - the engine stage: an actor pool of `concurrency` actors. For an EngineProcessorConfig
-  each actor owns an engine (its own engine-core process) and runs the chat template,
-  tokenizer, engine and detokenizer on its batches exactly as the local runner does; for
-  a DeploymentProcessorConfig (with app_name) or an HttpProcessorConfig, one actor sends
-  the rows to the Serve deployment or the server.
+  each actor owns an engine (its own engine-core process) that tokenizes, generates and
+  detokenizes its batches exactly as the local runner does (tokenizing and detokenizing
+  stay beside the engine: stop strings and incremental text need them there); for a
+  DeploymentProcessorConfig (with app_name) or an HttpProcessorConfig, one actor sends
+  the rows to the Serve deployment or the server, which applies its own template.
 
 Row errors become error rows inside the actor (`should_continue_on_error`), so they never
 cross Ray as exceptions; what does cross (a fatal error, a row error with
@@ -28,9 +31,9 @@ import warnings
 
 from gristmill.batch import runtime
 from gristmill.batch.config import DeploymentProcessorConfig, EngineProcessorConfig, ProcessorConfig
-from gristmill.batch.rows import ERROR_COLUMN
+from gristmill.batch.rows import ERROR_COLUMN, TEMPLATE_ERROR_COLUMN, TEMPLATED_COLUMN
 from gristmill.batch.tables import arrow_table
-from gristmill.errors import EngineDeadError, GristmillError, RequestError, root_cause
+from gristmill.errors import EngineDeadError, GristmillError, RequestError, error_string, root_cause
 
 #: An engine actor reserves a CPU: it computes. Actors that only wait on a deployment or
 #: a server reserve none, so they fit beside the replicas and tasks of a small cluster.
@@ -39,6 +42,7 @@ CLIENT_ACTOR_OPTIONS = {"num_cpus": 0}
 #: Rows pickled into one binary column: how `gristmill batch --runner ray` sends rows of
 #: any shape through Ray Data without Arrow inferring (and failing on) their types.
 ENCODED_COLUMN = "__gristmill_row__"
+_CLOSE_TIMEOUT_S = 10.0
 
 
 def process_dataset(processor, dataset, preprocess_map_kwargs: dict | None = None,
@@ -51,6 +55,9 @@ def process_dataset(processor, dataset, preprocess_map_kwargs: dict | None = Non
     check_fits(actors, options, max(pre["num_cpus"], post["num_cpus"]))
     if processor.preprocess is not None:
         dataset = dataset.map(_UserMap("preprocess", processor.preprocess, config.id_column), **pre)
+    if isinstance(config, EngineProcessorConfig) and config.apply_chat_template:
+        dataset = dataset.map_batches(_ChatTemplate(config, encoded), batch_size=config.batch_size,
+                                      batch_format="pyarrow", zero_copy_batch=False, **pre)
     import ray.data
 
     # Batches of one actor run on its engine together (continuous batching across them).
@@ -97,6 +104,59 @@ def check_fits(actors: int, options: dict, task_cpus: float) -> None:
             f"postprocess_map_kwargs), or add CPUs", param="ray_actor_options")
 
 
+class _ChatTemplate:
+    """The chat-template stage as tasks: rows whose `messages` are what they send get
+    `prompt` = the rendered chat (the engine stage tokenizes it without special tokens,
+    and its faults and stop strings see the text). The tokenizer loads once per worker,
+    and only when a row needs it."""
+
+    def __init__(self, config: EngineProcessorConfig, encoded: bool):
+        self.config, self.encoded = config, encoded
+
+    def __call__(self, batch):
+        from gristmill.batch.processor import Processor, _naming_row, needs_template
+        from gristmill.tokenizer import render_chat
+
+        rows = _rows_of(batch, self.encoded)
+        method = getattr(self.config, "method", None)
+        for i, row in enumerate(rows):
+            if not isinstance(row, dict) or not needs_template(row, method):
+                continue
+            try:
+                row["prompt"] = render_chat(_tokenizer(self.config), row["messages"], add_generation_prompt=True)
+                row[TEMPLATED_COLUMN] = True
+            except GristmillError as exc:
+                if not self.config.should_continue_on_error:
+                    raise _naming_row(exc, Processor._row_id_of(self.config, row, f"batch row {i}")) from None
+                row[TEMPLATE_ERROR_COLUMN] = error_string(exc)
+        return _batch_of(rows, self.encoded)
+
+
+_tokenizers: dict = {}
+
+
+def _tokenizer(config: EngineProcessorConfig):
+    from gristmill.engine import builder
+
+    model_dir = builder.resolve_model_dir(config.engine)
+    if model_dir not in _tokenizers:
+        _tokenizers[model_dir] = builder.load_tokenizer(model_dir)[0]
+    return _tokenizers[model_dir]
+
+
+def _rows_of(batch, encoded: bool) -> list:
+    if encoded:
+        return [pickle.loads(value) for value in batch.column(ENCODED_COLUMN).to_pylist()]
+    return batch.to_pylist()
+
+
+def _batch_of(rows: list, encoded: bool):
+    if encoded:
+        import pyarrow as pa
+        return pa.table({ENCODED_COLUMN: pa.array([pickle.dumps(row) for row in rows], pa.binary())})
+    return arrow_table(rows)
+
+
 class _StageActor:
     """One actor of the engine stage: its own engine (or deployment / server client) on
     the batch runtime loop of its process; batches arrive on up to
@@ -112,26 +172,26 @@ class _StageActor:
         self.engine = self.processor._open_engine()
 
     def __call__(self, batch):
-        if self.encoded:
-            rows = [pickle.loads(value) for value in batch.column(ENCODED_COLUMN).to_pylist()]
-        else:
-            rows = batch.to_pylist()
-        column = self.processor.config.id_column
-        prepared = [(row.get(column) if column and isinstance(row, dict) else f"batch row {i}", row)
-                    for i, row in enumerate(rows)]
+        from gristmill.batch.processor import Processor
+
+        rows = _rows_of(batch, self.encoded)
+        config = self.processor.config
+        prepared = [(Processor._row_id_of(config, row, f"batch row {i}"), row) for i, row in enumerate(rows)]
         done = runtime.call(self.processor._process_batch(self.engine, prepared))
-        out = [row for _, row in done]
-        if self.encoded:
-            import pyarrow as pa
-            return pa.table({ENCODED_COLUMN: pa.array([pickle.dumps(row) for row in out], pa.binary())})
-        return arrow_table(out)
+        out = []
+        for _, row in done:
+            if isinstance(row, dict):
+                row.pop(TEMPLATED_COLUMN, None)
+                row.pop(TEMPLATE_ERROR_COLUMN, None)
+            out.append(row)
+        return _batch_of(out, self.encoded)
 
     def __del__(self):
         engine = getattr(self, "engine", None)
-        if engine is not None:
+        if engine is not None and not isinstance(self.processor.config, DeploymentProcessorConfig):
             try:
-                self.processor._close_engine(engine)
-            except Exception:  # noqa: BLE001 - the process is going away; its core follows it
+                runtime.submit(engine.close()).result(_CLOSE_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 - the process is going away; its engine core follows it
                 pass
 
 
@@ -147,8 +207,7 @@ class _UserMap:
 
         if self.skip_errors and row.get(ERROR_COLUMN):
             return row
-        row_id = row.get(self.id_column) if self.id_column else "?"
-        return Processor._user(self.what, self.fn, row, row_id)
+        return Processor._user(self.what, self.fn, row, row.get(self.id_column) if self.id_column else "?")
 
 
 def encode_rows(rows) -> list[dict]:

@@ -73,3 +73,9 @@ def test_a_deployment_that_is_not_running_is_named():
     processor = build_processor(DeploymentProcessorConfig(deployment_name="nowhere"))
     with pytest.raises(RequestError, match="no deployment named 'nowhere' is running"):
         processor([{"prompt": "x"}])
+
+
+def test_an_arrow_table_keeps_columns_that_only_later_rows_have():
+    table = arrow_table([{"a": 1}, {"a": 2, "b": "x"}, {"b": "y", "a": 3}])
+    assert table.column_names == ["a", "b"]
+    assert table.to_pylist() == [{"a": 1, "b": None}, {"a": 2, "b": "x"}, {"a": 3, "b": "y"}]

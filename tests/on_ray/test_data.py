@@ -18,12 +18,17 @@ BAD_ROWS = [
     {"key": 11, "prompt": "word " * 600, "sampling_params": dict(GREEDY)},
     {"key": 12, "prompt": "Story twelve", "sampling_params": {**GREEDY, "bogus": 1}},
     {"key": 13, "prompt": None, "sampling_params": dict(GREEDY)},
+    {"key": 14, "prompt": None, "sampling_params": dict(GREEDY),
+     "messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]},
 ]
+CHAT_ROW = {"key": 15, "prompt": None, "sampling_params": dict(GREEDY),
+            "messages": [{"role": "user", "content": "Name a colour."}]}
 EXPECTED_ERRORS = {
     10: "GenerationError: setting up the detokenizer failed: injected fault at 'detokenize_init'",
     11: "PromptTooLongError: prompt (",
     12: "RequestError: unknown sampling_params ['bogus']",
     13: "RequestError: a row needs 'prompt', 'messages' or 'tokenized_prompt'",
+    14: "RequestError: ",  # the chat template (a task on Ray) refuses two user turns in a row
 }
 
 
@@ -32,21 +37,22 @@ def _stamp(name):
 
 
 def test_engine_stage_keeps_going_past_bad_rows_with_the_local_runners_output():
-    rows = story_rows(10) + BAD_ROWS
+    rows = [{**row, "messages": row.get("messages")} for row in story_rows(10) + BAD_ROWS + [CHAT_ROW]]
     config = EngineProcessorConfig(engine=ENGINE, should_continue_on_error=True, batch_size=4, id_column="key")
     processor = build_processor(config, preprocess=_stamp("pre"), postprocess=_stamp("post"))
     dataset = processor(ray.data.from_items(rows))
     assert isinstance(dataset, ray.data.Dataset)  # lazy: nothing has run yet
     out = by_key(dataset.take_all())
 
-    assert sorted(out) == list(range(14))  # every row, exactly once
+    assert sorted(out) == list(range(16))  # every row, exactly once
     for key, expected in EXPECTED_ERRORS.items():
         error = out[key][ERROR_COLUMN]
         assert error.startswith(expected), error
         assert "Traceback" not in error and "ray::" not in error
         assert out[key]["pre"] == 1 and out[key].get("post") is None  # postprocess skips error rows
         assert out[key]["generated_text"] == "" and out[key]["finish_reason"] == "error"
-    for key in range(10):
+    assert "alternate" in out[14][ERROR_COLUMN]
+    for key in [*range(10), 15]:
         assert out[key][ERROR_COLUMN] == "" and out[key]["post"] == 1
         assert out[key]["num_generated_tokens"] == 6 and out[key]["generated_text"]
 

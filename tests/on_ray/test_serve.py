@@ -127,6 +127,15 @@ def test_ray_data_llm_serve_processor_drives_the_deployment_with_bad_rows_per_ro
     assert "exceeds max_model_len (512)" in out[5]["__inference_error__"]
 
 
+def test_a_deployment_that_is_not_running_fails_the_job_at_once_saying_how_to_start_it():
+    started = time.monotonic()
+    config = DeploymentProcessorConfig(deployment_name="missing", app_name="missing", should_continue_on_error=True)
+    with pytest.raises(EngineDeadError, match=r"deployment 'missing' of Serve app 'missing' is not running .*"
+                                              r"gristmill.ray.deploy\(EngineConfig\(\.\.\.\), name='missing'"):
+        build_processor(config)(story_rows(2))
+    assert time.monotonic() - started < 30
+
+
 def test_a_replica_that_cannot_fit_fails_at_once():
     with pytest.raises(RequestError, match=r"1 replica\(s\) x num_cpus=3 need 3 CPUs but the Ray cluster has 2"):
         deploy(ENGINE, name="too-big", app_name="too-big", ray_actor_options={"num_cpus": 3})
