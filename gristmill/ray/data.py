@@ -48,6 +48,8 @@ _CLOSE_TIMEOUT_S = 10.0
 def process_dataset(processor, dataset, preprocess_map_kwargs: dict | None = None,
                     postprocess_map_kwargs: dict | None = None, encoded: bool = False):
     """`processor`'s stages appended to `dataset` (lazy: nothing runs until it is read)."""
+    import ray.data
+
     config = processor.config
     actors, options = stage_actors(config)
     pre = {"num_cpus": 1, **(preprocess_map_kwargs or {})}
@@ -58,8 +60,6 @@ def process_dataset(processor, dataset, preprocess_map_kwargs: dict | None = Non
     if isinstance(config, EngineProcessorConfig) and config.apply_chat_template:
         dataset = dataset.map_batches(_ChatTemplate(config, encoded), batch_size=config.batch_size,
                                       batch_format="pyarrow", zero_copy_batch=False, **pre)
-    import ray.data
-
     # Batches of one actor run on its engine together (continuous batching across them).
     compute = ray.data.ActorPoolStrategy(size=actors, max_concurrent_calls_per_actor=config.max_concurrent_batches,
                                          enable_true_multi_threading=True)
