@@ -152,6 +152,12 @@ def _chain(exc: BaseException):
                 todo.append(link)
 
 
+def last_line(exc: BaseException, limit: int = 300) -> str:
+    """The last line of `exc`'s text: for a remote traceback (Ray's), what was raised."""
+    text = str(exc).strip()
+    return text.splitlines()[-1][:limit] if text else type(exc).__name__
+
+
 def error_string(exc: BaseException) -> str:
     """The `"<ErrorType>: <message>"` form used in outputs and batch rows."""
     return f"{type(exc).__name__}: {exc}"

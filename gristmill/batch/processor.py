@@ -118,7 +118,7 @@ class Processor:
                 batch = item.result()
                 slots.release()
                 for row_id, row in batch:
-                    yield row if is_error_row(row) else self._user("postprocess", self.postprocess, row, row_id)
+                    yield row if is_error_row(row) else call_user("postprocess", self.postprocess, row, row_id)
         finally:
             stop.set()
             slots.release()  # wakes a feeder waiting for a slot, so it sees `stop`
@@ -138,8 +138,8 @@ class Processor:
             for batch in _batched(rows, self.config.batch_size):
                 prepared = []
                 for row in batch:
-                    row_id = self._row_id(row, next(positions))
-                    prepared.append((row_id, self._user("preprocess", self.preprocess, row, row_id)))
+                    row_id = row_id_of(self.config, row, next(positions))
+                    prepared.append((row_id, call_user("preprocess", self.preprocess, row, row_id)))
                 slots.acquire()
                 if stop.is_set():
                     return
@@ -148,30 +148,6 @@ class Processor:
             pending.put(exc)
         finally:
             pending.put(_END)
-
-    def _row_id(self, row: Row, position: int):
-        return self._row_id_of(self.config, row, position)
-
-    @staticmethod
-    def _row_id_of(config: ProcessorConfig, row: Row, position):
-        """The row's id: its `id_column` value, else `position`."""
-        column = config.id_column
-        if column is not None and isinstance(row, dict) and column in row:
-            return row[column]
-        return position
-
-    @staticmethod
-    def _user(what: str, fn, row: Row, row_id):
-        if fn is None:
-            return row
-        try:
-            result = fn(row)
-        except Exception as exc:
-            raise UserFunctionError(f"{what} raised on row {row_id!r}: {type(exc).__name__}: {exc}") from exc
-        if not isinstance(result, dict):
-            raise UserFunctionError(f"{what} must return a dict (the row), got {type(result).__name__} "
-                                    f"on row {row_id!r}")
-        return result
 
     # -- on the runtime loop --------------------------------------------------------------
 
@@ -203,7 +179,7 @@ class Processor:
                 raise
             error = exc
         if not config.should_continue_on_error:
-            raise _naming_row(error, row_id)
+            raise naming_row(error, row_id)
         return {**(row if isinstance(row, dict) else {}), **error_columns(error)}
 
     def _prepare(self, engine, row_id, row: Row) -> RowRequest:
@@ -237,6 +213,27 @@ class Processor:
         return RowRequest(row_id, prompt, None, token_ids, params, add_special_tokens)
 
 
+def row_id_of(config: ProcessorConfig, row: Row, position):
+    """The row's id: its `id_column` value, else `position`."""
+    column = config.id_column
+    if column is not None and isinstance(row, dict) and column in row:
+        return row[column]
+    return position
+
+
+def call_user(what: str, fn, row: Row, row_id):
+    if fn is None:
+        return row
+    try:
+        result = fn(row)
+    except Exception as exc:
+        raise UserFunctionError(f"{what} raised on row {row_id!r}: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(result, dict):
+        raise UserFunctionError(f"{what} must return a dict (the row), got {type(result).__name__} "
+                                f"on row {row_id!r}")
+    return result
+
+
 def needs_template(row: Row, method: str | None = None) -> bool:
     """Whether the row's `messages` are what it sends (rendered by the chat template)."""
     if row.get("messages") is None:
@@ -267,7 +264,7 @@ def _leaves(error: BaseException):
         yield error
 
 
-def _naming_row(error: BaseException, row_id) -> BaseException:
+def naming_row(error: BaseException, row_id) -> BaseException:
     """`error` with the row's id in its message (same type and fields where we can)."""
     if isinstance(error, GristmillError):
         named = type(error)(f"row {row_id!r}: {error.message}", **error.fields)

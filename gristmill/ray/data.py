@@ -33,7 +33,7 @@ from gristmill.batch import runtime
 from gristmill.batch.config import DeploymentProcessorConfig, EngineProcessorConfig, ProcessorConfig
 from gristmill.batch.rows import ERROR_COLUMN, TEMPLATE_ERROR_COLUMN, TEMPLATED_COLUMN
 from gristmill.batch.tables import arrow_table
-from gristmill.errors import EngineDeadError, GristmillError, RequestError, error_string, root_cause
+from gristmill.errors import EngineDeadError, GristmillError, RequestError, error_string, last_line, root_cause
 
 #: An engine actor reserves a CPU: it computes. Actors that only wait on a deployment or
 #: a server reserve none, so they fit beside the replicas and tasks of a small cluster.
@@ -81,11 +81,10 @@ def stage_actors(config: ProcessorConfig) -> tuple[int, dict]:
                            "Serve application made with gristmill.ray.deploy (a gristmill.batch.deploy "
                            "deployment lives in this process only)", param="app_name")
     if isinstance(config, EngineProcessorConfig):
-        actors, defaults = config.concurrency, ENGINE_ACTOR_OPTIONS
         # A dead actor is restarted (and its batch retried) within the job's restart budget:
         # Ray's default would retry a deterministic crash until its timeout.
-        defaults = {**defaults, "max_restarts": config.max_engine_restarts,
-                    "max_task_retries": config.max_engine_restarts}
+        actors, defaults = config.concurrency, {**ENGINE_ACTOR_OPTIONS, "max_restarts": config.max_engine_restarts,
+                                                "max_task_retries": config.max_engine_restarts}
     else:
         actors, defaults = 1, {**CLIENT_ACTOR_OPTIONS, "max_restarts": 0, "max_task_retries": 0}
     return actors, {**defaults, **(config.ray_actor_options or {})}
@@ -114,7 +113,7 @@ class _ChatTemplate:
         self.config, self.encoded = config, encoded
 
     def __call__(self, batch):
-        from gristmill.batch.processor import Processor, _naming_row, needs_template
+        from gristmill.batch.processor import naming_row, needs_template, row_id_of
         from gristmill.tokenizer import render_chat
 
         rows = _rows_of(batch, self.encoded)
@@ -127,7 +126,7 @@ class _ChatTemplate:
                 row[TEMPLATED_COLUMN] = True
             except GristmillError as exc:
                 if not self.config.should_continue_on_error:
-                    raise _naming_row(exc, Processor._row_id_of(self.config, row, f"batch row {i}")) from None
+                    raise naming_row(exc, row_id_of(self.config, row, f"batch row {i}")) from None
                 row[TEMPLATE_ERROR_COLUMN] = error_string(exc)
         return _batch_of(rows, self.encoded)
 
@@ -172,11 +171,11 @@ class _StageActor:
         self.engine = self.processor._open_engine()
 
     def __call__(self, batch):
-        from gristmill.batch.processor import Processor
+        from gristmill.batch.processor import row_id_of
 
         rows = _rows_of(batch, self.encoded)
         config = self.processor.config
-        prepared = [(Processor._row_id_of(config, row, f"batch row {i}"), row) for i, row in enumerate(rows)]
+        prepared = [(row_id_of(config, row, f"batch row {i}"), row) for i, row in enumerate(rows)]
         done = runtime.call(self.processor._process_batch(self.engine, prepared))
         out = []
         for _, row in done:
@@ -203,11 +202,11 @@ class _UserMap:
         self.what, self.fn, self.id_column, self.skip_errors = what, fn, id_column, skip_errors
 
     def __call__(self, row: dict) -> dict:
-        from gristmill.batch.processor import Processor
+        from gristmill.batch.processor import call_user
 
         if self.skip_errors and row.get(ERROR_COLUMN):
             return row
-        return Processor._user(self.what, self.fn, row, row.get(self.id_column) if self.id_column else "?")
+        return call_user(self.what, self.fn, row, row.get(self.id_column) if self.id_column else "?")
 
 
 def encode_rows(rows) -> list[dict]:
@@ -247,8 +246,7 @@ class DatasetRunner:
             cause = root_cause(exc)
             if isinstance(cause, GristmillError):
                 raise cause from None
-            raise EngineDeadError(f"the job failed on Ray: {type(exc).__name__}: "
-                                  f"{str(exc).strip().splitlines()[-1][:500]}") from None
+            raise EngineDeadError(f"the job failed on Ray: {type(exc).__name__}: {last_line(exc, 500)}") from None
 
 
 def connect(address: str | None = None):

@@ -14,12 +14,14 @@ What crosses the RPC boundary is sorted here, once:
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 
 from gristmill.batch.openai_rows import generated_of, openai_request
 from gristmill.batch.rows import Generated, RowRequest
-from gristmill.errors import EngineDeadError, GenerationError, GristmillError, is_fatal, root_cause
+from gristmill.errors import EngineDeadError, GenerationError, GristmillError, is_fatal, last_line, root_cause
 
+logger = logging.getLogger(__name__)
 _BACKPRESSURE_RETRIES = 6
 _BACKOFF_BASE_S = 0.25
 
@@ -45,22 +47,22 @@ class ServeEngine:
         for attempt in range(_BACKPRESSURE_RETRIES + 1):
             try:
                 response = getattr(self.handle, method).remote(body)
-                data = await response.__anext__()
-                return generated_of(data, self.where)
-            except GristmillError as exc:
-                raise _unwrapped(exc) from None
+                return generated_of(await response.__anext__(), self.where)
             except Exception as exc:  # noqa: BLE001 - sorted: the row's error, or fatal
                 if type(exc).__name__ == "BackPressureError" and attempt < _BACKPRESSURE_RETRIES:
-                    await asyncio.sleep(random.uniform(0, _BACKOFF_BASE_S * 2 ** attempt))
+                    delay = random.uniform(0, _BACKOFF_BASE_S * 2 ** attempt)
+                    logger.warning("%s refused row %r (its queues are full); retrying in %.2f s", self.where,
+                                   request.row_id, delay)
+                    await asyncio.sleep(delay)
                     continue
                 raise self._classified(exc) from None
         raise AssertionError("unreachable")
 
     def _classified(self, exc: Exception) -> Exception:
         cause = root_cause(exc)
-        if isinstance(cause, GristmillError):
-            return _unwrapped(cause)
-        summary = f"{type(exc).__name__}: {_last_line(exc)}"
+        if isinstance(cause, GristmillError) and not type(cause).__name__.startswith("RayTaskError"):
+            return cause  # what the replica raised (or generated_of), not Ray's traceback-text subclass
+        summary = f"{type(exc).__name__}: {last_line(exc)}"
         if type(exc).__name__ == "BackPressureError":
             return EngineDeadError(f"{self.where} kept refusing requests (its queues are full) after "
                                    f"{_BACKPRESSURE_RETRIES} retries ({summary}); add replicas, raise "
@@ -69,21 +71,7 @@ class ServeEngine:
             return EngineDeadError(f"{self.where} is gone: a replica died or the deployment is unavailable "
                                    f"({summary}); the rows it held are lost, run them again")
         cause = getattr(exc, "cause", None) or exc
-        return GenerationError(f"{self.where} raised {type(cause).__name__}: {_last_line(cause)}")
+        return GenerationError(f"{self.where} raised {type(cause).__name__}: {last_line(cause)}")
 
     async def close(self) -> None:
         pass
-
-
-def _unwrapped(exc: GristmillError) -> GristmillError:
-    """The error the replica raised, not Ray's subclass of it (whose text is a traceback)."""
-    cause = root_cause(exc)
-    if cause is exc and type(exc).__name__.startswith("RayTaskError"):  # no original inside
-        return type(exc).__bases__[-1](_last_line(exc))
-    return cause
-
-
-def _last_line(exc: BaseException) -> str:
-    """The line of a (remote) traceback that says what was raised."""
-    text = str(exc).strip()
-    return text.splitlines()[-1][:300] if text else type(exc).__name__

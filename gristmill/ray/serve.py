@@ -87,11 +87,13 @@ def _body(model: type[BaseModel], request):
 
 def deploy(engine: EngineConfig | None = None, *, name: str = "gristmill", app_name: str = "gristmill",
            num_replicas: int = 1, ray_actor_options: dict | None = None,
-           max_ongoing_requests: int = DEFAULT_MAX_ONGOING_REQUESTS, model_name: str | None = None,
-           threads: int | None = None):
+           max_ongoing_requests: int = DEFAULT_MAX_ONGOING_REQUESTS, max_queued_requests: int = -1,
+           model_name: str | None = None, threads: int | None = None):
     """Run `engine` as the Ray Serve application `app_name` with deployment `name` and
     return its DeploymentHandle once every replica is ready (connects to or starts Ray).
 
+    `max_queued_requests` caps the requests waiting for a replica (-1: no cap); past it
+    callers get back-pressure, which processors retry a few times before failing the job.
     `ray_actor_options` are each replica's Ray options (default {"num_cpus": 0}: see
     docs/ray.md); `threads` sets the engine's torch threads (default: Ray's, which is the
     replica's num_cpus when it reserves CPUs). Processors reach it with
@@ -117,6 +119,7 @@ def deploy(engine: EngineConfig | None = None, *, name: str = "gristmill", app_n
     _check_fits(options, num_replicas)
     deployment = serve.deployment(EngineServer, name=name, num_replicas=num_replicas,
                                   ray_actor_options=options, max_ongoing_requests=max_ongoing_requests,
+                                  max_queued_requests=max_queued_requests,
                                   health_check_period_s=1.0, health_check_timeout_s=10.0,
                                   graceful_shutdown_timeout_s=5.0)
     return serve.run(deployment.bind(engine, model_name, threads), name=app_name, route_prefix=None)

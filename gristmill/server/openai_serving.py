@@ -140,6 +140,7 @@ class OpenAIServing:
                                    "returns whole responses: leave stream out", param="stream")
             job, prompts, params = (self._chat_job if chat else self._completion_job)(body)
             await self._submit(job, prompts, params)
+            timer.num_prompt_tokens = job.prompt_tokens
             try:
                 finals = await self._collect(job, timer)
             finally:

@@ -136,6 +136,21 @@ def test_a_deployment_that_is_not_running_fails_the_job_at_once_saying_how_to_st
     assert time.monotonic() - started < 30
 
 
+def test_back_pressure_from_full_queues_is_retried_until_every_row_is_done(caplog):
+    # One request at a time and one queued: of 6 rows sent at once, Serve refuses some.
+    deploy(ENGINE, name="narrow", app_name="narrow-app", max_ongoing_requests=1, max_queued_requests=1)
+    try:
+        config = DeploymentProcessorConfig(deployment_name="narrow", app_name="narrow-app", id_column="key")
+        with caplog.at_level("WARNING", logger="gristmill.ray.handle"):
+            out = by_key(build_processor(config)(story_rows(6)))
+    finally:
+        serve.delete("narrow-app")
+    assert sorted(out) == list(range(6))
+    assert all(row[ERROR_COLUMN] == "" and row["num_generated_tokens"] == 6 for row in out.values())
+    refused = [r.getMessage() for r in caplog.records if "its queues are full" in r.getMessage()]
+    assert refused and "deployment 'narrow' of Serve app 'narrow-app' refused row" in refused[0]
+
+
 def test_a_replica_that_cannot_fit_fails_at_once():
     with pytest.raises(RequestError, match=r"1 replica\(s\) x num_cpus=3 need 3 CPUs but the Ray cluster has 2"):
         deploy(ENGINE, name="too-big", app_name="too-big", ray_actor_options={"num_cpus": 3})
