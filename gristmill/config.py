@@ -37,6 +37,10 @@ class EngineConfig:
     device: str = _field("auto", '"auto" (CUDA when available, else CPU), "cpu" or "cuda[:N]".')
     dtype: str = _field(
         "auto", '"auto" (bfloat16 on CUDA, float32 on CPU), "float32", "bfloat16" or "float16".')
+    quantization: str | None = _field(
+        "auto", '"auto" (int8 on CPU, float on CUDA), "int8" (int8 weights of every linear layer, '
+                'the LM head included, activations quantized per token) or None / "none" '
+                "(the exact float path).")
     seed: int = _field(
         0, "Seed of the engine's random stream, used by requests without a seed of their own.")
     cache_dir: str | None = _field(None, "Where converted GGUF models are cached; None = ~/.cache/gristmill.")
@@ -73,6 +77,10 @@ class EngineConfig:
               "device", f"must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         check(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
               f"must be 'auto', 'float32', 'bfloat16' or 'float16', got {self.dtype!r}")
+        if isinstance(self.quantization, str) and self.quantization.lower() == "none":
+            self.quantization = None
+        check(self.quantization in (None, "auto", "int8"), "quantization",
+              f"must be 'auto', 'int8' or None ('none'), got {self.quantization!r}")
         check(self.max_waiting_requests is None or _positive_int(self.max_waiting_requests),
               "max_waiting_requests", f"must be a positive integer or None, got {self.max_waiting_requests!r}")
         for name in ("step_timeout_s", "start_timeout_s"):

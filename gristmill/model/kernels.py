@@ -1,8 +1,8 @@
 """Optional C++ kernels, compiled once per machine on first use.
 
-`paged_decode_attention()` returns the compiled op, or None when it cannot be built
-(no compiler, GRISTMILL_KERNELS=0): callers then use the pure-torch path, which gives
-the same results, only slower.
+`paged_decode_attention()` and `int8_linear()` return the compiled op, or None when it
+cannot be built (no compiler, GRISTMILL_KERNELS=0): callers then use a pure-torch path,
+which gives the same results, only slower.
 """
 
 from __future__ import annotations
@@ -17,28 +17,46 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+_CSRC = Path(__file__).parent / "csrc"
+ISA_NAMES = {0: "portable", 1: "avx2", 2: "avx512_vnni"}
 
 
-@functools.cache
-def _extension():
+def _build(source: Path, flags: list[str]):
     if os.environ.get("GRISTMILL_KERNELS", "1") == "0":
         return None
     from torch.utils.cpp_extension import load
 
     from gristmill.model.loader import cache_root
 
-    key = hashlib.sha256(_SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
+    key = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()
+                         + torch.__version__.encode()).hexdigest()[:12]
     build_dir = cache_root() / "kernels" / key
     build_dir.mkdir(parents=True, exist_ok=True)
     try:
-        return load(name=f"gristmill_kernels_{key}", sources=[str(_SOURCE)], build_directory=str(build_dir),
-                    extra_cflags=["-O3", "-march=native", "-fopenmp-simd"], verbose=False)
+        return load(name=f"gristmill_{source.stem}_{key}", sources=[str(source)],
+                    build_directory=str(build_dir), extra_cflags=flags, verbose=False)
     except Exception as exc:  # noqa: BLE001 - the torch path still works
-        logger.warning("C++ kernels unavailable (%s); using the slower pure-torch attention", exc)
+        logger.warning("C++ kernel %s unavailable (%s); using the slower pure-torch path", source.name, exc)
         return None
 
 
+@functools.cache
+def _attention_extension():
+    return _build(_CSRC / "paged_attention.cpp", ["-O3", "-march=native", "-fopenmp-simd"])
+
+
+@functools.cache
+def _int8_extension():
+    # No -march=native: the vector paths carry their own target attributes and are picked
+    # at run time from what the CPU reports, so the portable path stays portable.
+    return _build(_CSRC / "int8_linear.cpp", ["-O3", "-fopenmp"])
+
+
 def paged_decode_attention():
-    ext = _extension()
+    ext = _attention_extension()
     return None if ext is None else ext.paged_decode_attention
+
+
+def int8_extension():
+    """The int8 linear extension (`int8_linear`, `best_isa`), or None."""
+    return _int8_extension()

@@ -11,9 +11,9 @@ import torch
 
 from gristmill.config import EngineConfig
 from gristmill.engine.messages import SampledToken, SchedulerOutput
-from gristmill.model import kernels, layers
+from gristmill.model import kernels, layers, quant
 from gristmill.model.context import AttentionMetadata, PrefillChunk, set_context
-from gristmill.model.loader import load_config, load_weights, resolve_model
+from gristmill.model.loader import cache_root, load_config, load_weights, resolve_model
 from gristmill.model.models import model_class
 from gristmill.model.sampler import Sampler, SamplerRow
 
@@ -58,6 +58,7 @@ class ModelRunner:
         self.hf_config = load_config(self.model_dir)
         self.max_model_len = config.max_model_len or self.hf_config.max_position_embeddings
         self.vocab_size = self.hf_config.vocab_size
+        self.quantization = quant.resolve_quantization(config.quantization, self.device)
         self.model = self._build_model()
         self.block_size = config.block_size
         self.num_blocks = self._num_kv_blocks()
@@ -79,6 +80,8 @@ class ModelRunner:
         load_weights(model, self.model_dir)
         model = model.to(device=self.device, dtype=self.dtype).eval()
         _tie_weights(model)
+        if self.quantization == "int8":
+            quant.quantize_model(model, quant.cache_file_for(self.model_dir, cache_root(self.config.cache_dir)))
         return model
 
     def _kv_layers(self) -> list[layers.PagedAttention]:
