@@ -1,4 +1,5 @@
-"""Shared fixtures. `default_llm` is the real bundled Gemma 3 270M, loaded once per run."""
+"""Shared fixtures: the real bundled Gemma 3 270M, loaded once per run, as users get it
+(`default_llm`: int8 weights on CPU) and on the exact float path (`float_llm`)."""
 
 from __future__ import annotations
 
@@ -9,3 +10,9 @@ import pytest
 def default_llm():
     from gristmill import LLM
     return LLM(device="cpu")
+
+
+@pytest.fixture(scope="session")
+def float_llm():
+    from gristmill import LLM
+    return LLM(device="cpu", quantization=None)

@@ -12,9 +12,9 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at",
 
 
 @pytest.fixture(scope="module")
-def hf_model(default_llm):
+def hf_model(float_llm):
     from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(str(default_llm.model_dir),
+    return AutoModelForCausalLM.from_pretrained(str(float_llm.model_dir),
                                                 dtype=torch.float32).eval()
 
 
@@ -22,15 +22,15 @@ def greedy(max_tokens=32, **kw):
     return SamplingParams(max_tokens=max_tokens, temperature=0, **kw)
 
 
-def test_greedy_matches_transformers_token_for_token(default_llm, hf_model):
-    outs = default_llm.generate(PROMPTS, greedy(32, ignore_eos=True), use_tqdm=False)
+def test_greedy_matches_transformers_token_for_token(float_llm, hf_model):
+    outs = float_llm.generate(PROMPTS, greedy(32, ignore_eos=True), use_tqdm=False)
     for out in outs:
         ids = torch.tensor([out.prompt_token_ids])
         with torch.inference_mode():
             ref = hf_model.generate(ids, max_new_tokens=32, do_sample=False, eos_token_id=None)
         assert out.token_ids == ref[0, ids.shape[1]:].tolist(), out.prompt
         assert out.finish_reason == "length"
-        assert out.text == default_llm.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        assert out.text == float_llm.tokenizer.decode(out.token_ids, skip_special_tokens=True)
 
 
 def test_single_prompt_and_token_id_prompt(default_llm):

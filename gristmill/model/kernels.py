@@ -7,6 +7,7 @@ which gives the same results, only slower.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
@@ -33,8 +34,15 @@ def _build(source: Path, flags: list[str]):
     build_dir = cache_root() / "kernels" / key
     build_dir.mkdir(parents=True, exist_ok=True)
     try:
-        return load(name=f"gristmill_{source.stem}_{key}", sources=[str(source)],
-                    build_directory=str(build_dir), extra_cflags=flags, verbose=False)
+        # torch's own build lock is a file that stays behind when its builder is killed,
+        # and every later build then waits on it forever. An flock is released by the OS
+        # when its holder dies: whoever holds it is the only builder, so a torch lock
+        # file found then is stale and goes.
+        with open(build_dir / "gristmill.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            (build_dir / "lock").unlink(missing_ok=True)
+            return load(name=f"gristmill_{source.stem}_{key}", sources=[str(source)],
+                        build_directory=str(build_dir), extra_cflags=flags, verbose=False)
     except Exception as exc:  # noqa: BLE001 - the torch path still works
         logger.warning("C++ kernel %s unavailable (%s); using the slower pure-torch path", source.name, exc)
         return None

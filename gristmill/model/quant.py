@@ -1,8 +1,9 @@
 """int8 weights on CPU: every linear layer, the tied LM head included.
 
-Weights are quantized per output channel (int8 in [-127, 127] times one float scale per
-row) and packed once for the C++ kernel (`csrc/int8_linear.cpp`); activations are
-quantized per token inside the kernel. Embedding lookups and norms stay in float.
+Weights are quantized in blocks of 32 input channels (int8 in [-127, 127] times one fp16
+scale per output channel and block, as llama.cpp's Q8_0) and packed once for the C++
+kernel (`csrc/int8_linear.cpp`); activations are quantized the same way, per token and
+block, inside the kernel. Embedding lookups, norms and attention stay in float.
 
 The quantized model is cached on disk next to other converted models, keyed by the
 checkpoint files it came from, so a later start loads it instead of quantizing again.
@@ -24,8 +25,8 @@ from gristmill.model import kernels
 logger = logging.getLogger(__name__)
 
 QUANTIZATIONS = ("auto", "int8")  # and None: float weights
-_FORMAT = "int8-v1"  # bump when the packed layout changes: old cache files are then ignored
-_BLOCK, _GROUP_N = 16, 64  # the kernel's packing: 16 channels x 4 inputs, N padded to 64
+_FORMAT = "int8-v2"  # bump when the packed layout changes: old cache files are then ignored
+_BLOCK, _PAD, Q = 16, 32, 32  # packing: 16 channels x 4 inputs; N and K padded to 32; blocks of 32
 
 
 def resolve_quantization(quantization: str | None, device: torch.device) -> str | None:
@@ -42,18 +43,28 @@ def resolve_quantization(quantization: str | None, device: torch.device) -> str 
     return quantization
 
 
+def _padded(out_features: int, in_features: int) -> tuple[int, int]:
+    return -(-out_features // _PAD) * _PAD, -(-in_features // _PAD) * _PAD
+
+
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(out, in) float weight -> (packed int8, per-row scale, per-row int32 sum), padded
-    to the kernel's layout: (Np / 16, Kp / 4, 16, 4) with Np % 64 == 0 and Kp % 4 == 0."""
+    """(out, in) float weight -> the kernel's packed form, padded with zeros to (Np, Kp):
+    int8 values (Np / 16, Kp / 4, 16, 4), fp16 block scales and int16 block sums, both
+    (Np / 16, Kp / 32, 16)."""
     out_features, in_features = weight.shape
-    rows, cols = -(-out_features // _GROUP_N) * _GROUP_N, -(-in_features // 4) * 4
+    rows, cols = _padded(out_features, in_features)
     w = torch.zeros(rows, cols, dtype=torch.float32)
     w[:out_features, :in_features] = weight.detach().float()
-    scale = w.abs().amax(dim=1) / 127
-    q = torch.round(w / scale.clamp(min=torch.finfo(torch.float32).tiny)[:, None]).clamp_(-127, 127)
-    q = q.to(torch.int8)
+    blocks = w.view(rows, cols // Q, Q)
+    scale = (blocks.abs().amax(dim=2) / 127).half()  # the values are rounded against the fp16 scale
+    divisor = scale.float().clamp(min=torch.finfo(torch.float32).tiny)[:, :, None]
+    q = torch.round(blocks / divisor).clamp_(-127, 127).to(torch.int8)
+    sums = q.sum(dim=2, dtype=torch.int16)
     packed = q.view(rows // _BLOCK, _BLOCK, cols // 4, 4).permute(0, 2, 1, 3).contiguous()
-    return packed, scale, q.sum(dim=1, dtype=torch.int32)
+
+    def per_block(t):  # (Np, Kp / 32) -> (Np / 16, Kp / 32, 16)
+        return t.view(rows // _BLOCK, _BLOCK, cols // Q).permute(0, 2, 1).contiguous()
+    return packed, per_block(scale), per_block(sums)
 
 
 def unpack_weight(packed: torch.Tensor) -> torch.Tensor:
@@ -62,16 +73,21 @@ def unpack_weight(packed: torch.Tensor) -> torch.Tensor:
     return packed.permute(0, 2, 1, 3).reshape(blocks * _BLOCK, groups * 4)
 
 
+def unpack_blocks(per_block: torch.Tensor) -> torch.Tensor:
+    """(Np / 16, Kp / 32, 16) block scales or sums -> (Np, Kp / 32)."""
+    return per_block.permute(0, 2, 1).reshape(-1, per_block.shape[1])
+
+
 class Int8Linear(nn.Module):
     """A linear layer over int8 weights; takes and returns the activation dtype."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        rows, cols = -(-out_features // _GROUP_N) * _GROUP_N, -(-in_features // 4) * 4
+        rows, cols = _padded(out_features, in_features)
         self.register_buffer("qweight", torch.zeros(rows // _BLOCK, cols // 4, _BLOCK, 4, dtype=torch.int8))
-        self.register_buffer("scale", torch.zeros(rows))
-        self.register_buffer("qsum", torch.zeros(rows, dtype=torch.int32))
+        self.register_buffer("scale", torch.zeros(rows // _BLOCK, cols // Q, _BLOCK, dtype=torch.float16))
+        self.register_buffer("qsum", torch.zeros(rows // _BLOCK, cols // Q, _BLOCK, dtype=torch.int16))
         self.register_buffer("bias", torch.zeros(out_features) if bias else None)
         self.isa = None  # None: the best this CPU runs; tests pin a path (kernels.ISA_NAMES)
 
@@ -99,15 +115,19 @@ class Int8Linear(nn.Module):
 
 
 def int8_linear_reference(x: torch.Tensor, layer: Int8Linear) -> torch.Tensor:
-    """The kernel's arithmetic in plain torch (same rounding, same int32 sums): the
-    fallback without a compiler, and the reference the kernel is tested against."""
+    """The kernel's arithmetic in plain torch (same rounding, same int32 block sums, float
+    accumulation in another order): the fallback without a compiler, and the reference
+    the kernel is tested against."""
     x = x.float()
-    absmax = x.abs().amax(dim=1)
+    rows, cols = _padded(layer.out_features, layer.in_features)
+    xb = torch.nn.functional.pad(x, (0, cols - x.shape[1])).view(x.shape[0], cols // Q, Q)
+    absmax = xb.abs().amax(dim=2)
     inv = torch.where(absmax > 0, 127 / absmax, torch.zeros_like(absmax))
-    xq = torch.round(x * inv[:, None]).clamp_(-127, 127)
-    w = unpack_weight(layer.qweight)[:layer.out_features, :layer.in_features]
-    sums = (xq.double() @ w.double().T).float()  # exact: every partial sum is an integer < 2^53
-    out = sums * (absmax / 127)[:, None] * layer.scale[:layer.out_features]
+    xq = torch.round(xb * inv[:, :, None]).clamp_(-127, 127)
+    w = unpack_weight(layer.qweight).view(rows, cols // Q, Q)
+    sums = torch.einsum("mbq,nbq->mnb", xq.double(), w.double())  # exact integers
+    scales = (absmax / 127).double()[:, None, :] * unpack_blocks(layer.scale).double()[None]
+    out = (sums * scales).sum(dim=2).float()[:, :layer.out_features]
     return out if layer.bias is None else out + layer.bias
 
 

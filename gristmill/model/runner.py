@@ -135,6 +135,37 @@ class ModelRunner:
             return None, []
         return self.model.compute_logits(hidden[inputs.sample_indices]), inputs.sample_items
 
+    @torch.inference_mode()
+    def score(self, token_ids: list[int], chunk_size: int = 512) -> torch.Tensor:
+        """Log-probability of each token of `token_ids` after the ones before it: a
+        (len - 1,) float tensor. Runs chunked prefills over KV blocks 0, 1, ... of the
+        cache (so nothing else may be running on this runner) and needs
+        ceil(len / block_size) blocks."""
+        bs = self.block_size
+        needed = -(-len(token_ids) // bs)
+        if needed > self.num_blocks or len(token_ids) > self.max_model_len:
+            raise ValueError(f"scoring {len(token_ids)} tokens needs {needed} KV blocks and "
+                             f"max_model_len >= {len(token_ids)}; this runner has {self.num_blocks} "
+                             f"and {self.max_model_len}")
+        table = torch.arange(needed, device=self.device)
+        to = dict(device=self.device, dtype=torch.long)
+        scores = []
+        for start in range(0, len(token_ids) - 1, chunk_size):
+            end = min(start + chunk_size, len(token_ids) - 1)
+            positions = torch.arange(start, end, **to)
+            set_context(AttentionMetadata(
+                slot_mapping=table[positions // bs] * bs + positions % bs, num_decodes=0,
+                decode_block_tables=None, decode_context_lens=None,
+                prefills=[PrefillChunk(0, end - start, end, table)], block_size=bs))
+            try:
+                hidden = self.model(torch.tensor(token_ids[start:end], **to), positions)
+            finally:
+                set_context(None)
+            logprobs = self.model.compute_logits(hidden).float().log_softmax(dim=-1)
+            targets = torch.tensor(token_ids[start + 1:end + 1], **to)
+            scores.append(logprobs.gather(1, targets[:, None])[:, 0])
+        return torch.cat(scores)
+
     def _generator(self, request) -> torch.Generator | None:
         seed = request.sampling_params.seed
         if seed is None or request.sampling_params.greedy:

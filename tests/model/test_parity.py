@@ -116,7 +116,7 @@ def family(request, tmp_path_factory):
 
 def _runner(path, max_num_seqs=8, max_num_batched_tokens=256, num_kv_blocks=64) -> ModelRunner:
     return ModelRunner(EngineConfig(
-        model=str(path), device="cpu", dtype="float32", block_size=BLOCK_SIZE,
+        model=str(path), device="cpu", dtype="float32", quantization=None, block_size=BLOCK_SIZE,
         num_kv_blocks=num_kv_blocks, max_model_len=128, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens))
 

@@ -1,0 +1,143 @@
+"""int8 weights: the kernel's paths against the reference arithmetic, quantized layers
+against float, and a quantized model end to end (cache included)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from gristmill import EngineConfig, RequestError
+from gristmill.model import kernels
+from gristmill.model.quant import (Int8Linear, int8_linear_reference, quantize_weight, resolve_quantization,
+                                   unpack_blocks, unpack_weight)
+
+EXT = kernels.int8_extension()
+BEST = EXT.best_isa() if EXT is not None else -1
+# Every path: the portable one runs anywhere; a vector path is skipped, saying so, on a
+# CPU that lacks it (this keeps the test honest on AVX2-only and on non-x86 machines).
+PATHS = [pytest.param(isa, id=name, marks=pytest.mark.skipif(
+    BEST < isa, reason=f"this CPU has no {name}")) for isa, name in kernels.ISA_NAMES.items()]
+# (rows, in_features, out_features): odd sizes that need padding, the Gemma 3 270M
+# shapes, and a slice of its LM head.
+SHAPES = [(1, 7, 5), (3, 64, 64), (5, 130, 200), (1, 640, 1024), (17, 640, 2048), (64, 2048, 640),
+          (4, 640, 16384)]
+
+
+def _layer(in_features: int, out_features: int, bias: bool = False, seed: int = 0) -> tuple[nn.Linear, Int8Linear]:
+    torch.manual_seed(seed)
+    linear = nn.Linear(in_features, out_features, bias=bias)
+    nn.init.normal_(linear.weight, std=in_features ** -0.5)
+    return linear, Int8Linear.from_linear(linear)
+
+
+def test_the_kernel_builds_here():
+    assert EXT is not None, "the int8 kernel did not build: is a C++ compiler installed?"
+    assert kernels.ISA_NAMES[BEST] in ("portable", "avx2", "avx512_vnni")
+
+
+@pytest.mark.parametrize("isa", PATHS)
+@pytest.mark.parametrize("rows,in_features,out_features", SHAPES)
+def test_kernel_path_equals_reference_arithmetic(isa, rows, in_features, out_features):
+    _, layer = _layer(in_features, out_features, bias=True)
+    x = torch.randn(rows, in_features) * 3
+    x[0, : min(3, in_features)] = 40.0  # an outlier channel drives the row's scale
+    layer.isa = isa
+    out = layer(x)
+    expected = int8_linear_reference(x, layer)
+    assert out.shape == (rows, out_features)
+    # Same int32 block sums; only the order of the float accumulation differs.
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows,in_features,out_features", SHAPES)
+def test_int8_layer_stays_near_float(rows, in_features, out_features):
+    linear, layer = _layer(in_features, out_features, bias=True, seed=1)
+    x = torch.randn(rows, in_features)
+    with torch.no_grad():
+        expected = linear(x)
+    err = (layer(x) - expected).norm() / expected.norm()
+    # Two 8-bit roundings (weights and activations in blocks of 32): under 1% on Gaussian data.
+    # The bound loosens for tiny inner dimensions, where per-value errors average out less.
+    assert err < (0.02 if in_features >= 64 else 0.04), f"relative error {err:.4f}"
+
+
+def test_weights_round_trip_through_the_packed_layout():
+    weight = torch.randn(70, 45)
+    packed, scale, qsum = quantize_weight(weight)
+    assert packed.dtype == torch.int8 and packed.shape == (96 // 16, 64 // 4, 16, 4)
+    assert scale.dtype == torch.float16 and scale.shape == qsum.shape == (96 // 16, 2, 16)
+    q = unpack_weight(packed)
+    assert q.shape == (96, 64) and q[70:].abs().sum() == 0 and q[:, 45:].abs().sum() == 0
+    assert q.abs().max() <= 127
+    blocks = q.view(96, 2, 32)
+    assert torch.equal(unpack_blocks(qsum), blocks.sum(dim=2, dtype=torch.int16))
+    scales = unpack_blocks(scale).float()
+    restored = (blocks.float() * scales[:, :, None]).view(96, 64)[:70, :45]
+    # Each value is within half a step of its block's scale.
+    step = scales[:70].repeat_interleave(32, dim=1)[:, :45]
+    assert ((restored - weight).abs() <= step / 2 + 1e-6).all()
+
+
+def test_zero_rows_batch_shape_and_dtype_are_kept():
+    _, layer = _layer(64, 32, bias=True)
+    x = torch.randn(2, 3, 64)
+    x[0, 1] = 0.0
+    out = layer(x)
+    assert out.shape == (2, 3, 32)
+    torch.testing.assert_close(out[0, 1], layer.bias)  # a zero row gets exactly the bias
+    assert layer(x.to(torch.bfloat16)).dtype == torch.bfloat16
+    assert layer(torch.empty(0, 64)).shape == (0, 32)
+
+
+def test_rows_do_not_change_with_the_batch_around_them():
+    # Per-token activation scales: a row's output is the same alone or among others,
+    # which seeded sampling relies on.
+    _, layer = _layer(640, 1024)
+    x = torch.randn(9, 640)
+    together = layer(x)
+    for i in range(9):
+        assert torch.equal(layer(x[i:i + 1])[0], together[i])
+
+
+def test_quantization_option_is_validated_and_resolved():
+    assert EngineConfig().quantization == "auto"
+    assert EngineConfig(quantization="none").quantization is None
+    with pytest.raises(RequestError, match="quantization") as info:
+        EngineConfig(quantization="int4")
+    assert info.value.param == "quantization"
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_quantization("auto", cuda) is None
+    assert resolve_quantization("auto", cpu) == ("int8" if EXT is not None else None)
+    assert resolve_quantization(None, cpu) is None
+    with pytest.raises(ValueError, match="CPU only"):
+        resolve_quantization("int8", cuda)
+
+
+def test_without_a_compiler_auto_is_float_and_int8_still_runs(tmp_path):
+    # GRISTMILL_KERNELS=0 is how a machine without a compiler looks to gristmill.
+    code = (
+        "import torch; from torch import nn\n"
+        "from gristmill.model.quant import Int8Linear, resolve_quantization, int8_linear_reference\n"
+        "assert resolve_quantization('auto', torch.device('cpu')) is None\n"
+        "layer = Int8Linear.from_linear(nn.Linear(40, 24)); x = torch.randn(3, 40)\n"
+        "assert torch.equal(layer(x), int8_linear_reference(x, layer))\n"
+        "print('ok')\n")
+    env = {**os.environ, "GRISTMILL_KERNELS": "0", "GRISTMILL_CACHE": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+def test_cli_takes_quantization_flag():
+    from gristmill.cli import build_parser, engine_config
+    args = build_parser().parse_args(["generate", "hi", "--quantization", "none"])
+    assert engine_config(args).quantization is None
+    args = build_parser().parse_args(["generate", "hi", "--quantization", "int8"])
+    assert engine_config(args).quantization == "int8"
+    with pytest.raises(SystemExit, match="--quantization"):
+        engine_config(build_parser().parse_args(["generate", "hi", "--quantization", "q3"]))
+
