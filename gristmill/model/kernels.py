@@ -50,7 +50,7 @@ def _build(source: Path, flags: list[str]):
 
 @functools.cache
 def _attention_extension():
-    return _build(_CSRC / "paged_attention.cpp", ["-O3", "-march=native", "-fopenmp-simd"])
+    return _build(_CSRC / "paged_attention.cpp", ["-O3", "-march=native", "-fopenmp"])
 
 
 @functools.cache

@@ -141,3 +141,29 @@ def test_cli_takes_quantization_flag():
     with pytest.raises(SystemExit, match="--quantization"):
         engine_config(build_parser().parse_args(["generate", "hi", "--quantization", "q3"]))
 
+
+
+def test_engine_model_is_int8_by_default_and_cached_on_disk(tmp_path):
+    from gristmill.model.runner import ModelRunner
+
+    def runner(quantization):
+        return ModelRunner(EngineConfig(device="cpu", quantization=quantization, cache_dir=str(tmp_path),
+                                        num_kv_blocks=8, max_model_len=64))
+
+    first = runner("auto")
+    assert first.quantization == "int8"
+    assert not any(isinstance(m, nn.Linear) for m in first.model.modules())
+    linears = [m for m in first.model.modules() if isinstance(m, Int8Linear)]
+    assert len(linears) == 18 * 7 + 1  # q, k, v, o, gate, up, down per layer, and the LM head
+    [cache] = (tmp_path / "quantized").glob("*.safetensors")
+    written = cache.stat().st_mtime_ns
+    second = runner("int8")
+    assert cache.stat().st_mtime_ns == written  # loaded, not quantized and written again
+    reference = runner(None)
+    assert any(isinstance(m, nn.Linear) for m in reference.model.modules())
+    # The float embedding is untouched by quantizing the tied LM head.
+    assert torch.equal(first.model.model.embed_tokens.weight, reference.model.model.embed_tokens.weight)
+    ids = list(range(2, 40))
+    scores = [r.score(ids) for r in (first, second, reference)]
+    assert torch.equal(scores[0], scores[1])
+    assert (scores[0] - scores[2]).abs().mean() < 0.1 * scores[2].abs().mean()
