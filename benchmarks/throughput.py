@@ -1,11 +1,13 @@
-"""Offline throughput: gristmill `LLM.generate` vs transformers `generate`, side by side.
+"""Offline throughput, peers side by side in one run: gristmill `LLM.generate` (default:
+int8 weights on CPU, and `quantization=None`: float32) vs transformers `generate`
+(float32, same weights) vs llama.cpp on the same GGUF (when llama-cpp-python is
+installed: `pip install -e '.[bench]'`).
 
-Same weights (the model directory gristmill loads, e.g. the converted default GGUF),
-same prompts, greedy, a fixed number of output tokens (EOS ignored), float32 on CPU.
-Prints generated tokens per second for each peer and the ratio ours / transformers.
+Same prompts, greedy, a fixed number of output tokens (EOS ignored), all threads of
+this machine. Prints generated tokens per second per peer and the ratios.
 
     python benchmarks/throughput.py                      # default model, batch 1, 16, 64
-    python benchmarks/throughput.py --batch-sizes 64 --output-len 64
+    python benchmarks/throughput.py --batch-sizes 64 --workloads short
 """
 
 from __future__ import annotations
@@ -60,37 +62,85 @@ def bench_transformers(model, tokenizer, prompts: list[str], output_len: int) ->
     return len(prompts) * output_len / elapsed
 
 
+def cpu_flags() -> str:
+    wanted = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "amx_int8", "amx_bf16")
+    try:
+        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return "unknown"
+    return " ".join(f for f in wanted if f in flags)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="HF directory or GGUF file (default: bundled Gemma 3 270M)")
     parser.add_argument("--batch-sizes", default="1,16,64")
-    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--workloads", default="short,mixed", help="short, mixed or both (comma-separated)")
+    parser.add_argument("--peers", default="int8,float,transformers,llama.cpp",
+                        help="which to run: int8 (gristmill default), float (gristmill quantization=None), "
+                             "transformers, llama.cpp")
     args = parser.parse_args()
+    peers = args.peers.split(",")
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    llm = LLM(args.model, dtype="float32", device="cpu", max_num_seqs=args.max_num_seqs)
-    model_dir = str(llm.model_dir)
-    hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    from gristmill.model.loader import default_model_path
+    from gristmill.model.quant import resolve_quantization
+
+    llms = {}
+    if "int8" in peers:
+        llms["int8"] = LLM(args.model, device="cpu", max_num_seqs=args.max_num_seqs)
+    if "float" in peers:
+        llms["float"] = LLM(args.model, device="cpu", quantization=None, max_num_seqs=args.max_num_seqs)
+    model_dir = str(next(iter(llms.values())).model_dir)
     hf_tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    hf_model = None
+    if "transformers" in peers:
+        hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    llama = None
+    gguf = args.model or str(default_model_path())
+    if "llama.cpp" in peers:
+        try:
+            from llama_cpp_peer import LlamaCppPeer
+            llama = LlamaCppPeer(gguf, max_tokens_in_context=32768, max_seqs=args.max_num_seqs) \
+                if gguf.endswith(".gguf") else None
+        except ImportError:
+            print("llama.cpp: skipped (pip install -e '.[bench]' installs llama-cpp-python)")
 
-    # Warm up both once so first-call costs stay out of the figures.
-    bench_gristmill(llm, make_prompts(2), 4)
-    bench_transformers(hf_model, hf_tokenizer, make_prompts(2), 4)
+    def run(name, prompts, output_len):
+        if name in llms:
+            return bench_gristmill(llms[name], prompts, output_len)
+        if name == "transformers":
+            return bench_transformers(hf_model, hf_tokenizer, prompts, output_len)
+        return llama.generate(prompts, output_len)[0]
 
-    print(f"model: {model_dir}  output_len: {args.output_len}  threads: {torch.get_num_threads()}")
-    print(f"{'workload':>8} {'batch':>5} {'prompt toks':>11} {'gristmill tok/s':>16} "
-          f"{'transformers tok/s':>19} {'ratio':>7}")
+    names = [n for n in ("int8", "float") if n in llms] + (["transformers"] if hf_model is not None else []) \
+        + (["llama.cpp"] if llama is not None else [])
+    for name in names:  # warm up once so first-call costs stay out of the figures
+        run(name, make_prompts(2), 4)
+
+    print(f"model: {gguf if llama else model_dir}  output_len: {args.output_len}  threads: {torch.get_num_threads()}")
+    print(f"cpu flags: {cpu_flags()}  gristmill default quantization: "
+          f"{resolve_quantization('auto', torch.device('cpu'))}")
+    labels = {"int8": "gristmill", "float": "gm float32", "transformers": "transformers", "llama.cpp": "llama.cpp"}
+    header = f"{'workload':>8} {'batch':>5} {'prompt toks':>11} " + " ".join(f"{labels[n]:>12}" for n in names)
+    ratios = [(a, b) for a in ("int8", "float") for b in ("transformers", "llama.cpp") if a in names and b in names]
+    header += "".join(f" {labels[a].split()[-1] + '/' + labels[b][:5]:>16}" for a, b in ratios)
+    print("tok/s of generated tokens; ratios are ours / theirs")
+    print(header)
     for workload in args.workloads.split(","):
         for batch_size in [int(b) for b in args.batch_sizes.split(",")]:
             prompts = make_prompts(batch_size, workload)
             lengths = [len(hf_tokenizer(p).input_ids) for p in prompts]
-            ours = bench_gristmill(llm, prompts, args.output_len)
-            theirs = bench_transformers(hf_model, hf_tokenizer, prompts, args.output_len)
-            print(f"{workload:>8} {batch_size:>5} {min(lengths):>5}-{max(lengths):<5} {ours:>16.1f} "
-                  f"{theirs:>19.1f} {ours / theirs:>6.2f}x", flush=True)
+            speed = {name: run(name, prompts, args.output_len) for name in names}
+            row = f"{workload:>8} {batch_size:>5} {min(lengths):>5}-{max(lengths):<5} "
+            row += " ".join(f"{speed[n]:>12.1f}" for n in names)
+            row += "".join(f" {speed[a] / speed[b]:>15.2f}x" for a, b in ratios)
+            print(row, flush=True)
+    if llama is not None:
+        llama.close()
 
 
 if __name__ == "__main__":
