@@ -177,6 +177,19 @@ class PagedAttention(nn.Module):
         return out[0].transpose(0, 1)  # (num_new, num_heads, head_dim)
 
 
+def project(module: nn.Module, x: torch.Tensor, fused: str, parts: tuple[str, ...]) -> list[torch.Tensor]:
+    """The outputs of `module`'s projections `parts` (e.g. q_proj, k_proj, v_proj) of x:
+    one matmul when they were fused into `fused` (see quant.fuse_projections), else one each."""
+    layer = getattr(module, fused, None)
+    if layer is None:
+        return [getattr(module, name)(x) for name in parts]
+    return list(layer(x).split(layer.split_sizes, dim=-1))
+
+
+QKV = ("qkv_proj", ("q_proj", "k_proj", "v_proj"))
+GATE_UP = ("gate_up_proj", ("gate_proj", "up_proj"))
+
+
 ACTIVATIONS = {
     "silu": F.silu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
@@ -195,4 +208,5 @@ class GatedMLP(nn.Module):
         self.act = ACTIVATIONS[activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = project(self, x, *GATE_UP)
+        return self.down_proj(self.act(gate) * up)

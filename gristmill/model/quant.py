@@ -21,11 +21,12 @@ import torch
 from torch import nn
 
 from gristmill.model import kernels
+from gristmill.model.layers import GATE_UP, QKV
 
 logger = logging.getLogger(__name__)
 
 QUANTIZATIONS = ("auto", "int8")  # and None: float weights
-_FORMAT = "int8-v2"  # bump when the packed layout changes: old cache files are then ignored
+_FORMAT = "int8-v3"  # bump when the packed layout changes: old cache files are then ignored
 _BLOCK, _PAD, Q = 16, 32, 32  # packing: 16 channels x 4 inputs; N and K padded to 32; blocks of 32
 
 
@@ -131,11 +132,37 @@ def int8_linear_reference(x: torch.Tensor, layer: Int8Linear) -> torch.Tensor:
     return out if layer.bias is None else out + layer.bias
 
 
+def fuse_projections(model: nn.Module) -> None:
+    """Concatenate q/k/v and gate/up projections that read the same input into one layer
+    each (`layers.project` splits the output again): fewer, larger matmuls, and the input
+    is quantized once instead of three times. Exact for int8, where every output channel
+    is computed on its own."""
+    for module in list(model.modules()):
+        for fused, parts in (QKV, GATE_UP):
+            linears = [getattr(module, name, None) for name in parts]
+            if not all(isinstance(lin, nn.Linear) for lin in linears):
+                continue
+            has_bias = {lin.bias is not None for lin in linears}
+            if len({lin.in_features for lin in linears}) != 1 or len(has_bias) != 1:
+                continue
+            layer = nn.Linear(linears[0].in_features, sum(lin.out_features for lin in linears),
+                              bias=has_bias.pop(), device="meta")
+            layer.weight = nn.Parameter(torch.cat([lin.weight.detach() for lin in linears]), requires_grad=False)
+            if layer.bias is not None:
+                layer.bias = nn.Parameter(torch.cat([lin.bias.detach() for lin in linears]), requires_grad=False)
+            for name in parts:
+                delattr(module, name)
+            setattr(module, fused, layer)
+            layer.split_sizes = [lin.out_features for lin in linears]
+
+
 def quantize_model(model: nn.Module, cache_file: Path | None = None) -> None:
-    """Replace every nn.Linear of `model` by an Int8Linear, from `cache_file` when it holds
-    this model's quantized weights, else quantizing them (and writing the cache)."""
+    """Fuse projections, then replace every nn.Linear of `model` by an Int8Linear, from
+    `cache_file` when it holds this model's quantized weights, else quantizing them (and
+    writing the cache)."""
     from safetensors.torch import load_file, save_file
 
+    fuse_projections(model)
     linears = {name: module for name, module in model.named_modules() if isinstance(module, nn.Linear)}
     cached = {}
     if cache_file is not None and cache_file.exists():
@@ -151,6 +178,7 @@ def quantize_model(model: nn.Module, cache_file: Path | None = None) -> None:
             layer.load_state_dict({k.rsplit(".", 1)[1]: cached[k] for k in keys})
         else:
             layer = Int8Linear.from_linear(linear)
+        layer.split_sizes = getattr(linear, "split_sizes", None)
         state.update({f"{name}.{buf}": tensor for buf, tensor in layer.named_buffers(recurse=False)})
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)

@@ -154,7 +154,9 @@ def test_engine_model_is_int8_by_default_and_cached_on_disk(tmp_path):
     assert first.quantization == "int8"
     assert not any(isinstance(m, nn.Linear) for m in first.model.modules())
     linears = [m for m in first.model.modules() if isinstance(m, Int8Linear)]
-    assert len(linears) == 18 * 7 + 1  # q, k, v, o, gate, up, down per layer, and the LM head
+    assert len(linears) == 18 * 4 + 1  # fused qkv, o, fused gate_up, down per layer, and the LM head
+    attention = first.model.model.layers[0].self_attn
+    assert attention.qkv_proj.split_sizes == [4 * 256, 256, 256] and not hasattr(attention, "q_proj")
     [cache] = (tmp_path / "quantized").glob("*.safetensors")
     written = cache.stat().st_mtime_ns
     second = runner("int8")
@@ -167,3 +169,23 @@ def test_engine_model_is_int8_by_default_and_cached_on_disk(tmp_path):
     scores = [r.score(ids) for r in (first, second, reference)]
     assert torch.equal(scores[0], scores[1])
     assert (scores[0] - scores[2]).abs().mean() < 0.1 * scores[2].abs().mean()
+
+
+def test_fused_projections_equal_separate_ones():
+    # Fusing q/k/v (or gate/up) changes nothing in int8: each output channel is its own sum.
+    from gristmill.model.layers import QKV, project
+    from gristmill.model.quant import fuse_projections
+
+    torch.manual_seed(0)
+    module = nn.Module()
+    for name, out in zip(QKV[1], (96, 32, 32)):
+        setattr(module, name, nn.Linear(80, out, bias=True))
+    x = torch.randn(5, 80)
+    separate = [Int8Linear.from_linear(getattr(module, name))(x) for name in QKV[1]]
+    fuse_projections(module)
+    assert not hasattr(module, "q_proj") and module.qkv_proj.split_sizes == [96, 32, 32]
+    module.qkv_proj = Int8Linear.from_linear(module.qkv_proj)
+    module.qkv_proj.split_sizes = [96, 32, 32]
+    fused = project(module, x, *QKV)
+    for a, b in zip(fused, separate):
+        assert torch.equal(a, b)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gristmill.model.layers import GatedMLP, PagedAttention, RMSNorm, shared_rotary
+from gristmill.model.layers import QKV, GatedMLP, PagedAttention, RMSNorm, project, shared_rotary
 
 
 class Gemma3Attention(nn.Module):
@@ -30,9 +30,10 @@ class Gemma3Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(n, self.num_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        q, k, v = project(self, x, *QKV)
+        q = self.q_norm(q.view(n, self.num_heads, self.head_dim))
+        k = self.k_norm(k.view(n, self.num_kv_heads, self.head_dim))
+        v = v.view(n, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q), self.rotary(positions, k)
         return self.o_proj(self.attn(q, k, v).reshape(n, -1))
 
