@@ -30,6 +30,9 @@ _FORMAT = "int8-v3"  # bump when the packed layout changes: old cache files are 
 _BLOCK, _PAD, Q = 16, 32, 32  # packing: 16 channels x 4 inputs; N and K padded to 32; blocks of 32
 
 
+_EMPTY = torch.empty(0)
+
+
 def resolve_quantization(quantization: str | None, device: torch.device) -> str | None:
     """What runs: "auto" is int8 on CPU when the kernel builds, float elsewhere."""
     if quantization == "auto":
@@ -91,6 +94,11 @@ class Int8Linear(nn.Module):
         self.register_buffer("qsum", torch.zeros(rows // _BLOCK, cols // Q, _BLOCK, dtype=torch.int16))
         self.register_buffer("bias", torch.zeros(out_features) if bias else None)
         self.isa = None  # None: the best this CPU runs; tests pin a path (kernels.ISA_NAMES)
+        # The LM head writes its (rows, vocab) logits into one reused buffer: a fresh
+        # allocation of that size costs page faults every step (15 ms at 64 x 262k).
+        # Its output is then only valid until the next call.
+        self.reuse_output = False
+        self._out = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "Int8Linear":
@@ -108,8 +116,16 @@ class Int8Linear(nn.Module):
         else:
             isa = ext.best_isa() if self.isa is None else self.isa
             bias = self.bias if self.bias is not None else flat.new_empty(0)
-            out = ext.int8_linear(flat, self.qweight, self.scale, self.qsum, bias, self.out_features, isa)
+            out = ext.int8_linear(flat, self.qweight, self.scale, self.qsum, bias, self.out_features, isa,
+                                  self._output(flat.shape[0]))
         return out.view(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def _output(self, rows: int) -> torch.Tensor:
+        if not self.reuse_output:
+            return _EMPTY
+        if self._out is None or self._out.shape[0] < rows:
+            self._out = torch.empty(rows, self.out_features)
+        return self._out[:rows]
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -179,6 +195,7 @@ def quantize_model(model: nn.Module, cache_file: Path | None = None) -> None:
         else:
             layer = Int8Linear.from_linear(linear)
         layer.split_sizes = getattr(linear, "split_sizes", None)
+        layer.reuse_output = name == "lm_head"
         state.update({f"{name}.{buf}": tensor for buf, tensor in layer.named_buffers(recurse=False)})
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)

@@ -122,7 +122,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, out: SchedulerOutput) -> tuple[torch.Tensor | None, list]:
         """Run the model over a step; returns (logits of the sampled rows, their
-        ScheduledRequests). The KV cache is updated for every scheduled token."""
+        ScheduledRequests). The KV cache is updated for every scheduled token. With int8
+        weights the logits live in the LM head's reused buffer: valid until the next call."""
         if not out.scheduled:
             return None, []
         inputs = self.prepare_inputs(out)

@@ -189,3 +189,27 @@ def test_fused_projections_equal_separate_ones():
     fused = project(module, x, *QKV)
     for a, b in zip(fused, separate):
         assert torch.equal(a, b)
+
+
+def test_lm_head_output_buffer_is_reused_and_correct():
+    linear, layer = _layer(64, 4096)
+    layer.reuse_output = True
+    x = torch.randn(3, 64)
+    first = layer(x)
+    expected = int8_linear_reference(x, layer)
+    torch.testing.assert_close(first, expected, rtol=1e-5, atol=1e-5)
+    second = layer(x[:2] * 2)
+    assert second.data_ptr() == first.data_ptr()  # the same memory, no fresh allocation
+    torch.testing.assert_close(second, int8_linear_reference(x[:2] * 2, layer), rtol=1e-5, atol=1e-5)
+    assert layer(torch.randn(5, 64)).shape == (5, 4096)  # more rows than before: a larger buffer
+
+
+@pytest.mark.parametrize("vocab", [1000, 262144])
+def test_greedy_is_argmax_with_first_index_on_ties(vocab):
+    from gristmill.model.sampler import greedy
+    torch.manual_seed(0)
+    logits = torch.randn(7, vocab)
+    logits[1, [5, vocab - 3]] = 100.0  # a tie: the first index wins, as argmax gives it
+    logits[2] = 0.0
+    assert torch.equal(greedy(logits), logits.argmax(dim=-1))
+    assert greedy(logits)[1] == 5 and greedy(logits)[2] == 0

@@ -260,8 +260,9 @@ int64_t best_isa() {
 // x: (M, K) float32. qweight: (Np / 16, Kp / 4, 16, 4) int8; wscale: (Np / 16, Kp / 32, 16)
 // float16; wsum: the same shape, int16, each block's weight sum. Np % 32 == 0, Kp % 32 == 0,
 // Kp >= K. bias: (N,) float32 or empty. Returns (M, N) float32, N = out_features.
+// out: (M, N) float32 contiguous to write into, or empty to allocate one.
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor wscale, torch::Tensor wsum,
-                          torch::Tensor bias, int64_t out_features, int64_t isa) {
+                          torch::Tensor bias, int64_t out_features, int64_t isa, torch::Tensor out) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "int8_linear: x must be (M, K) float32");
   TORCH_CHECK(qweight.dim() == 4 && qweight.scalar_type() == at::kChar && qweight.size(2) == kBlock &&
                   qweight.size(3) == 4 && qweight.size(0) % (kTileN / kBlock) == 0 &&
@@ -280,7 +281,13 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
   x = x.contiguous();
   const int64_t m_total = x.size(0), k = x.size(1);
   const bool shift = isa == kAvx512Vnni;
-  auto out = torch::empty({m_total, n_out}, x.options());
+  if (out.numel() == 0) {
+    out = torch::empty({m_total, n_out}, x.options());
+  } else {
+    TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2 &&
+                    out.size(0) == m_total && out.size(1) == n_out,
+                "int8_linear: out must be contiguous float32 (M, N)");
+  }
   if (m_total == 0) return out;
 
   std::vector<int8_t> xq(m_total * kp);
