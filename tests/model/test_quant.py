@@ -206,7 +206,7 @@ def test_lm_head_output_buffer_is_reused_and_correct():
 
 @pytest.mark.parametrize("vocab", [1000, 262144])
 def test_greedy_is_argmax_with_first_index_on_ties(vocab):
-    from gristmill.model.sampler import greedy
+    from gristmill.model.sampler import greedy_tokens as greedy
     torch.manual_seed(0)
     logits = torch.randn(7, vocab)
     logits[1, [5, vocab - 3]] = 100.0  # a tie: the first index wins, as argmax gives it
