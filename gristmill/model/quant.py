@@ -135,6 +135,8 @@ def int8_linear_reference(x: torch.Tensor, layer: Int8Linear) -> torch.Tensor:
     """The kernel's arithmetic in plain torch (same rounding, same int32 block sums, float
     accumulation in another order): the fallback without a compiler, and the reference
     the kernel is tested against."""
+    if x.shape[0] > 16:  # bound the (rows, out, blocks) float64 intermediate
+        return torch.cat([int8_linear_reference(part, layer) for part in x.split(16)])
     x = x.float()
     rows, cols = _padded(layer.out_features, layer.in_features)
     xb = torch.nn.functional.pad(x, (0, cols - x.shape[1])).view(x.shape[0], cols // Q, Q)
