@@ -38,12 +38,13 @@ class EngineConfig:
     dtype: str = _field(
         "auto", '"auto" (bfloat16 on CUDA, float32 on CPU), "float32", "bfloat16" or "float16".')
     quantization: str | None = _field(
-        "auto", '"auto" (int8 on CPU, float on CUDA), "int8" (int8 weights of every linear layer, '
-                'the LM head included, activations quantized per token) or None / "none" '
-                "(the exact float path).")
+        "auto", '"auto" (int8 on CPU, float on CUDA), "int8" (every linear layer, the LM head '
+                "included, in int8: weights and each token's activations in blocks of 32 channels) "
+                'or None / "none" (the exact float path).')
     seed: int = _field(
         0, "Seed of the engine's random stream, used by requests without a seed of their own.")
-    cache_dir: str | None = _field(None, "Where converted GGUF models are cached; None = ~/.cache/gristmill.")
+    cache_dir: str | None = _field(
+        None, "Where converted GGUF models and int8 weights are cached; None = ~/.cache/gristmill.")
     max_waiting_requests: int | None = _field(
         None, "Most requests waiting to be scheduled; past it new requests get "
               "EngineOverloadedError. None = unbounded.")

@@ -1,8 +1,8 @@
 """Optional C++ kernels, compiled once per machine on first use.
 
-`paged_decode_attention()` and `int8_linear()` return the compiled op, or None when it
-cannot be built (no compiler, GRISTMILL_KERNELS=0): callers then use a pure-torch path,
-which gives the same results, only slower.
+`paged_decode_attention()` and `int8_extension()` return the compiled op / module, or
+None when it cannot be built (no compiler, GRISTMILL_KERNELS=0): callers then use a
+pure-torch path, which gives the same results, only slower.
 """
 
 from __future__ import annotations
