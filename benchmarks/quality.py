@@ -8,12 +8,10 @@ with float on a set of prompts (tokens before the first difference).
 from __future__ import annotations
 
 import argparse
-import math
 from pathlib import Path
 
-from gristmill import LLM, EngineConfig, SamplingParams
-from gristmill.model.runner import ModelRunner
-from gristmill.tokenizer import load_tokenizer
+from gristmill import LLM, SamplingParams
+from gristmill.model.quality import perplexity, tokens_before_first_difference
 
 TEXT = Path(__file__).parent.parent / "tests" / "data" / "public_domain_english.txt"
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at", "The three primary colors are",
@@ -29,23 +27,15 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     args = parser.parse_args()
 
-    results = {}
-    for quantization in (None, "int8"):
-        runner = ModelRunner(EngineConfig(model=args.model, device="cpu", quantization=quantization,
-                                          max_model_len=4096, num_kv_blocks=4096 // 16))
-        ids = load_tokenizer(runner.model_dir, runner.hf_config.model_type)(TEXT.read_text()).input_ids
-        results[quantization] = math.exp(-runner.score(ids).mean().item())
-        del runner
-    print(f"perplexity over {len(ids)} tokens: float {results[None]:.3f}  int8 {results['int8']:.3f} "
-          f"({results['int8'] / results[None] - 1:+.2%})")
+    results = {q: perplexity(TEXT.read_text(), q, args.model) for q in (None, "int8")}
+    (float_ppl, num_tokens), (int8_ppl, _) = results[None], results["int8"]
+    print(f"perplexity over {num_tokens} tokens: float {float_ppl:.3f}  int8 {int8_ppl:.3f} "
+          f"({int8_ppl / float_ppl - 1:+.2%})")
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     outs = {q: LLM(args.model, device="cpu", quantization=q).generate(PROMPTS, params, use_tqdm=False)
             for q in (None, "int8")}
-    prefixes = []
-    for a, b in zip(outs["int8"], outs[None]):
-        prefixes.append(next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y),
-                             len(b.token_ids)))
+    prefixes = tokens_before_first_difference(outs["int8"], outs[None])
     identical = sum(p == args.max_tokens for p in prefixes)
     print(f"greedy agreement over {len(PROMPTS)} prompts x {args.max_tokens} tokens: "
           f"{sum(prefixes) / (len(PROMPTS) * args.max_tokens):.1%} of tokens before the first difference; "

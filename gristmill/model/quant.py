@@ -25,7 +25,6 @@ from gristmill.model.layers import GATE_UP, QKV
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATIONS = ("auto", "int8")  # and None: float weights
 _FORMAT = "int8-v3"  # bump when the packed layout changes: old cache files are then ignored
 _BLOCK, _PAD, Q = 16, 32, 32  # packing: 16 channels x 4 inputs; N and K padded to 32; blocks of 32
 
@@ -188,20 +187,20 @@ def quantize_model(model: nn.Module, cache_file: Path | None = None) -> None:
             cached = load_file(str(cache_file))
         except Exception as exc:  # noqa: BLE001 - a damaged cache is rebuilt, not fatal
             logger.warning("ignoring unreadable quantized cache %s (%s)", cache_file, exc)
-    state = {}
+    state, quantized_now = {}, False
     for name, linear in linears.items():
         layer = Int8Linear(linear.in_features, linear.out_features, linear.bias is not None)
-        keys = [f"{name}.{buf}" for buf, _ in layer.named_buffers(recurse=False)]
-        if all(k in cached and cached[k].shape == b.shape for k, (_, b) in zip(keys, layer.named_buffers(recurse=False))):
-            layer.load_state_dict({k.rsplit(".", 1)[1]: cached[k] for k in keys})
+        stored = {buf: cached.get(f"{name}.{buf}") for buf, _ in layer.named_buffers(recurse=False)}
+        if all(t is not None and t.shape == getattr(layer, buf).shape for buf, t in stored.items()):
+            layer.load_state_dict(stored)
         else:
-            layer = Int8Linear.from_linear(linear)
+            layer, quantized_now = Int8Linear.from_linear(linear), True
         layer.split_sizes = getattr(linear, "split_sizes", None)
         layer.reuse_output = name == "lm_head"
         state.update({f"{name}.{buf}": tensor for buf, tensor in layer.named_buffers(recurse=False)})
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
-    if cache_file is not None and len(cached) != len(state):
+    if cache_file is not None and (quantized_now or len(cached) != len(state)):
         _save_atomically(state, cache_file, save_file)
 
 

@@ -8,14 +8,10 @@ Prejudice (1813). `benchmarks/quality.py` prints the same figures.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
-import pytest
-
-from gristmill import EngineConfig, SamplingParams
-from gristmill.model.runner import ModelRunner
-from gristmill.tokenizer import load_tokenizer
+from gristmill import SamplingParams
+from gristmill.model.quality import perplexity, tokens_before_first_difference
 
 TEXT = Path(__file__).parent.parent / "data" / "public_domain_english.txt"
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at", "The three primary colors are",
@@ -23,17 +19,9 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at", "T
            "The largest planet in the solar system is"]
 
 
-def perplexity(quantization: str | None) -> tuple[float, int]:
-    runner = ModelRunner(EngineConfig(device="cpu", quantization=quantization, max_model_len=4096,
-                                      num_kv_blocks=4096 // 16))
-    tokenizer = load_tokenizer(runner.model_dir, runner.hf_config.model_type)
-    ids = tokenizer(TEXT.read_text()).input_ids
-    return math.exp(-runner.score(ids).mean().item()), len(ids)
-
-
 def test_int8_perplexity_within_two_percent_of_float():
-    float_ppl, num_tokens = perplexity(None)
-    int8_ppl, _ = perplexity("int8")
+    float_ppl, num_tokens = perplexity(TEXT.read_text(), None)
+    int8_ppl, _ = perplexity(TEXT.read_text(), "int8")
     assert num_tokens > 2500
     assert 1 < float_ppl < 100, f"float perplexity {float_ppl:.2f}: the model or the text is off"
     change = int8_ppl / float_ppl - 1
@@ -45,10 +33,7 @@ def test_int8_greedy_agrees_with_float(default_llm, float_llm):
     params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
     ours = default_llm.generate(PROMPTS, params, use_tqdm=False)
     reference = float_llm.generate(PROMPTS, params, use_tqdm=False)
-    prefix = []
-    for a, b in zip(ours, reference):
-        same = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), len(b.token_ids))
-        prefix.append(same)
+    prefix = tokens_before_first_difference(ours, reference)
     print(f"greedy agreement: {sum(prefix)}/{32 * len(PROMPTS)} tokens before the first difference, {prefix}")
     # Greedy decoding amplifies any numeric change once two tokens are close, so agreement
     # is measured up to the first difference; int8 must keep the first tokens.

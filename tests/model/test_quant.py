@@ -161,14 +161,18 @@ def test_engine_model_is_int8_by_default_and_cached_on_disk(tmp_path):
     written = cache.stat().st_mtime_ns
     second = runner("int8")
     assert cache.stat().st_mtime_ns == written  # loaded, not quantized and written again
+    cache.write_bytes(b"not a safetensors file")  # a damaged cache is rebuilt, not fatal
+    rebuilt = runner("int8")
+    from safetensors.torch import load_file
+    assert len(load_file(str(cache))) == 3 * len(linears)  # qweight, scale, qsum per layer
     reference = runner(None)
     assert any(isinstance(m, nn.Linear) for m in reference.model.modules())
     # The float embedding is untouched by quantizing the tied LM head.
     assert torch.equal(first.model.model.embed_tokens.weight, reference.model.model.embed_tokens.weight)
     ids = list(range(2, 40))
-    scores = [r.score(ids) for r in (first, second, reference)]
-    assert torch.equal(scores[0], scores[1])
-    assert (scores[0] - scores[2]).abs().mean() < 0.1 * scores[2].abs().mean()
+    scores = [r.score(ids) for r in (first, second, rebuilt, reference)]
+    assert torch.equal(scores[0], scores[1]) and torch.equal(scores[0], scores[2])
+    assert (scores[0] - scores[3]).abs().mean() < 0.1 * scores[3].abs().mean()
 
 
 def test_fused_projections_equal_separate_ones():
