@@ -4,8 +4,10 @@ against float, and a quantized model end to end (cache included)."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -217,3 +219,17 @@ def test_greedy_is_argmax_with_first_index_on_ties(vocab):
     logits[2] = 0.0
     assert torch.equal(greedy(logits), logits.argmax(dim=-1))
     assert greedy(logits)[1] == 5 and greedy(logits)[2] == 0
+
+
+def test_a_build_lock_left_by_a_killed_builder_does_not_hang_the_next_start(tmp_path):
+    # torch's build lock is a plain file: a builder killed mid-build leaves it behind, and
+    # torch alone would wait on it forever. Here the built kernel plus such a stale lock
+    # sit in a fresh cache; loading must finish (in seconds: nothing needs rebuilding).
+    built = Path(EXT.__file__).parent
+    shutil.copytree(built, tmp_path / "kernels" / built.name)
+    (tmp_path / "kernels" / built.name / "lock").write_text("")
+    code = "from gristmill.model import kernels; print(kernels.int8_extension() is not None)"
+    env = {**os.environ, "GRISTMILL_CACHE": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "True", done.stderr
+    assert not (tmp_path / "kernels" / built.name / "lock").exists()
