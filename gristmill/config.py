@@ -39,8 +39,9 @@ class EngineConfig:
         "auto", '"auto" (bfloat16 on CUDA, float32 on CPU), "float32", "bfloat16" or "float16".')
     quantization: str | None = _field(
         "auto", '"auto" (int8 on CPU, float on CUDA), "int8" (every linear layer, the LM head '
-                "included, in int8: weights and each token's activations in blocks of 32 channels) "
-                'or None / "none" (the exact float path).')
+                "included, in int8: weights and each token's activations in blocks of 32 channels), "
+                '"q4" (4-bit weights, the LM head int8: fewer bytes a step, more quality lost, see '
+                'docs/performance.md) or None / "none" (the exact float path).')
     seed: int = _field(
         0, "Seed of the engine's random stream, used by requests without a seed of their own.")
     cache_dir: str | None = _field(
@@ -80,8 +81,8 @@ class EngineConfig:
               f"must be 'auto', 'float32', 'bfloat16' or 'float16', got {self.dtype!r}")
         if isinstance(self.quantization, str) and self.quantization.lower() == "none":
             self.quantization = None
-        check(self.quantization in (None, "auto", "int8"), "quantization",
-              f"must be 'auto', 'int8' or None ('none'), got {self.quantization!r}")
+        check(self.quantization in (None, "auto", "int8", "q4"), "quantization",
+              f"must be 'auto', 'int8', 'q4' or None ('none'), got {self.quantization!r}")
         check(self.max_waiting_requests is None or _positive_int(self.max_waiting_requests),
               "max_waiting_requests", f"must be a positive integer or None, got {self.max_waiting_requests!r}")
         for name in ("step_timeout_s", "start_timeout_s"):

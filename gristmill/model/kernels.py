@@ -22,14 +22,16 @@ _CSRC = Path(__file__).parent / "csrc"
 ISA_NAMES = {0: "portable", 1: "avx2", 2: "avx512_vnni"}
 
 
-def _build(source: Path, flags: list[str]):
+def _build(name: str, sources: list[Path], flags: list[str]):
     if os.environ.get("GRISTMILL_KERNELS", "1") == "0":
         return None
     from torch.utils.cpp_extension import load
 
     from gristmill.model.loader import cache_root
 
-    key = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()
+    # Headers count too: a changed header rebuilds every source that includes it.
+    inputs = sorted(sources) + sorted(_CSRC.glob("*.h"))
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in inputs) + " ".join(flags).encode()
                          + torch.__version__.encode()).hexdigest()[:12]
     build_dir = cache_root() / "kernels" / key
     build_dir.mkdir(parents=True, exist_ok=True)
@@ -41,23 +43,24 @@ def _build(source: Path, flags: list[str]):
         with open(build_dir / "gristmill.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             (build_dir / "lock").unlink(missing_ok=True)
-            return load(name=f"gristmill_{source.stem}_{key}", sources=[str(source)],
+            return load(name=f"gristmill_{name}_{key}", sources=[str(p) for p in sources],
                         build_directory=str(build_dir), extra_cflags=flags, verbose=False)
     except Exception as exc:  # noqa: BLE001 - the torch path still works
-        logger.warning("C++ kernel %s unavailable (%s); using the slower pure-torch path", source.name, exc)
+        logger.warning("C++ kernel %s unavailable (%s); using the slower pure-torch path", name, exc)
         return None
 
 
 @functools.cache
 def _attention_extension():
-    return _build(_CSRC / "paged_attention.cpp", ["-O3", "-march=native", "-fopenmp"])
+    return _build("paged_attention", [_CSRC / "paged_attention.cpp"], ["-O3", "-march=native", "-fopenmp"])
 
 
 @functools.cache
 def _int8_extension():
     # No -march=native: the vector paths carry their own target attributes and are picked
     # at run time from what the CPU reports, so the portable path stays portable.
-    return _build(_CSRC / "int8_linear.cpp", ["-O3", "-fopenmp"])
+    sources = ["linear_module.cpp", "int8_linear.cpp", "q4_linear.cpp"]
+    return _build("quantized_linear", [_CSRC / f for f in sources], ["-O3", "-fopenmp"])
 
 
 def paged_decode_attention():
@@ -66,5 +69,5 @@ def paged_decode_attention():
 
 
 def int8_extension():
-    """The int8 linear extension (`int8_linear`, `best_isa`), or None."""
+    """The quantized linear extension (`int8_linear`, `q4_linear`, `best_isa`), or None."""
     return _int8_extension()

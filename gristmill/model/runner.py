@@ -80,8 +80,9 @@ class ModelRunner:
         load_weights(model, self.model_dir)
         model = model.to(device=self.device, dtype=self.dtype).eval()
         _tie_weights(model)
-        if self.quantization == "int8":
-            quant.quantize_model(model, quant.cache_file_for(self.model_dir, cache_root(self.config.cache_dir)))
+        if self.quantization is not None:
+            cache_file = quant.cache_file_for(self.model_dir, cache_root(self.config.cache_dir), self.quantization)
+            quant.quantize_model(model, self.quantization, cache_file)
         return model
 
     def _kv_layers(self) -> list[layers.PagedAttention]:

@@ -1,5 +1,5 @@
-"""int8 weights: the kernel's paths against the reference arithmetic, quantized layers
-against float, and a quantized model end to end (cache included)."""
+"""Quantized weights (int8 and q4): the kernels' paths against the reference arithmetic,
+quantized layers against float, and a quantized model end to end (cache included)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ from torch import nn
 
 from gristmill import EngineConfig, RequestError
 from gristmill.model import kernels
-from gristmill.model.quant import (Int8Linear, int8_linear_reference, quantize_weight, resolve_quantization,
-                                   unpack_blocks, unpack_weight)
+from gristmill.model.qlinear import (Int8Linear, Q4Linear, dequantize_q4, quantize_weight, quantize_weight_q4,
+                                     unpack_blocks, unpack_weight, unpack_weight_q4)
+from gristmill.model.quant import resolve_quantization
 
 EXT = kernels.int8_extension()
 BEST = EXT.best_isa() if EXT is not None else -1
@@ -30,11 +31,15 @@ SHAPES = [(1, 7, 5), (3, 64, 64), (5, 130, 200), (1, 640, 1024), (17, 640, 2048)
           (4, 640, 16384)]
 
 
-def _layer(in_features: int, out_features: int, bias: bool = False, seed: int = 0) -> tuple[nn.Linear, Int8Linear]:
+KINDS = [pytest.param(Int8Linear, id="int8"), pytest.param(Q4Linear, id="q4")]
+
+
+def _layer(in_features: int, out_features: int, bias: bool = False, seed: int = 0,
+           kind=Int8Linear) -> tuple[nn.Linear, Int8Linear | Q4Linear]:
     torch.manual_seed(seed)
     linear = nn.Linear(in_features, out_features, bias=bias)
     nn.init.normal_(linear.weight, std=in_features ** -0.5)
-    return linear, Int8Linear.from_linear(linear)
+    return linear, kind.from_linear(linear)
 
 
 def test_the_kernel_builds_here():
@@ -42,30 +47,37 @@ def test_the_kernel_builds_here():
     assert kernels.ISA_NAMES[BEST] in ("portable", "avx2", "avx512_vnni")
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("isa", PATHS)
 @pytest.mark.parametrize("rows,in_features,out_features", SHAPES)
-def test_kernel_path_equals_reference_arithmetic(isa, rows, in_features, out_features):
-    _, layer = _layer(in_features, out_features, bias=True)
+def test_kernel_path_equals_reference_arithmetic(kind, isa, rows, in_features, out_features):
+    _, layer = _layer(in_features, out_features, bias=True, kind=kind)
     x = torch.randn(rows, in_features) * 3
     x[0, : min(3, in_features)] = 40.0  # an outlier channel drives the row's scale
     layer.isa = isa
     out = layer(x)
-    expected = int8_linear_reference(x, layer)
+    expected = layer.reference(x)
     assert out.shape == (rows, out_features)
     # Same int32 block sums; only the order of the float accumulation differs.
-    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
 
 
+# Relative error against float on Gaussian data, in blocks of 32: int8 rounds weights and
+# activations to 8 bits (under 1%); q4 rounds weights to 16 levels (about 7%). The bounds
+# loosen for tiny inner dimensions, where per-value errors average out less.
+BOUNDS = {Int8Linear: (0.02, 0.04), Q4Linear: (0.09, 0.12)}
+
+
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("rows,in_features,out_features", SHAPES)
-def test_int8_layer_stays_near_float(rows, in_features, out_features):
-    linear, layer = _layer(in_features, out_features, bias=True, seed=1)
+def test_quantized_layer_stays_near_float(kind, rows, in_features, out_features):
+    linear, layer = _layer(in_features, out_features, bias=True, seed=1, kind=kind)
     x = torch.randn(rows, in_features)
     with torch.no_grad():
         expected = linear(x)
     err = (layer(x) - expected).norm() / expected.norm()
-    # Two 8-bit roundings (weights and activations in blocks of 32): under 1% on Gaussian data.
-    # The bound loosens for tiny inner dimensions, where per-value errors average out less.
-    assert err < (0.02 if in_features >= 64 else 0.04), f"relative error {err:.4f}"
+    wide, narrow = BOUNDS[kind]
+    assert err < (wide if in_features >= 64 else narrow), f"relative error {err:.4f}"
 
 
 def test_weights_round_trip_through_the_packed_layout():
@@ -85,8 +97,34 @@ def test_weights_round_trip_through_the_packed_layout():
     assert ((restored - weight).abs() <= step / 2 + 1e-6).all()
 
 
-def test_zero_rows_batch_shape_and_dtype_are_kept():
-    _, layer = _layer(64, 32, bias=True)
+def test_q4_weights_round_trip_through_the_packed_layout():
+    weight = torch.randn(70, 45)
+    weight[3, 7] = 25.0  # an outlier widens its block's range
+    packed, scale, minimum = quantize_weight_q4(weight)
+    assert packed.dtype == torch.uint8 and packed.shape == (96 // 16, 64 // 4, 32)
+    assert scale.dtype == minimum.dtype == torch.float16 and scale.shape == minimum.shape == (96 // 16, 2, 16)
+    q = unpack_weight_q4(packed)
+    assert q.shape == (96, 64) and int(q.max()) <= 15
+    restored = dequantize_q4(packed, scale, minimum)[:70, :45]
+    # Every value within one step of its block (the least-squares fit may trade half a
+    # step at the ends of a block for a closer fit in the middle).
+    step = unpack_blocks(scale).float()[:70].repeat_interleave(32, dim=1)[:, :45]
+    assert ((restored - weight).abs() <= step + 1e-3).all()
+    # Channels 0-7 of a 16-channel block sit in the low nibbles, 8-15 in the high ones.
+    assert torch.equal(packed[0, 0, :4] & 15, q[0, :4].to(torch.uint8))
+    assert torch.equal(packed[0, 0, :4] >> 4, q[8, :4].to(torch.uint8))
+
+
+def test_q4_least_squares_fit_beats_min_max():
+    torch.manual_seed(0)
+    weight = torch.randn(64, 256)
+    errors = [(dequantize_q4(*quantize_weight_q4(weight, refinements=r)) - weight).norm() for r in (0, 4)]
+    assert errors[1] < 0.97 * errors[0], errors
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_zero_rows_batch_shape_and_dtype_are_kept(kind):
+    _, layer = _layer(64, 32, bias=True, kind=kind)
     x = torch.randn(2, 3, 64)
     x[0, 1] = 0.0
     out = layer(x)
@@ -96,10 +134,11 @@ def test_zero_rows_batch_shape_and_dtype_are_kept():
     assert layer(torch.empty(0, 64)).shape == (0, 32)
 
 
-def test_rows_do_not_change_with_the_batch_around_them():
+@pytest.mark.parametrize("kind", KINDS)
+def test_rows_do_not_change_with_the_batch_around_them(kind):
     # Per-token activation scales: a row's output is the same alone or among others,
     # which seeded sampling relies on.
-    _, layer = _layer(640, 1024)
+    _, layer = _layer(640, 1024, kind=kind)
     x = torch.randn(9, 640)
     together = layer(x)
     for i in range(9):
@@ -116,18 +155,22 @@ def test_quantization_option_is_validated_and_resolved():
     assert resolve_quantization("auto", cuda) is None
     assert resolve_quantization("auto", cpu) == ("int8" if EXT is not None else None)
     assert resolve_quantization(None, cpu) is None
-    with pytest.raises(ValueError, match="CPU only"):
-        resolve_quantization("int8", cuda)
+    for scheme in ("int8", "q4"):
+        assert resolve_quantization(scheme, cpu) == scheme
+        with pytest.raises(ValueError, match="CPU only"):
+            resolve_quantization(scheme, cuda)
 
 
 def test_without_a_compiler_auto_is_float_and_int8_still_runs(tmp_path):
     # GRISTMILL_KERNELS=0 is how a machine without a compiler looks to gristmill.
     code = (
         "import torch; from torch import nn\n"
-        "from gristmill.model.quant import Int8Linear, resolve_quantization, int8_linear_reference\n"
+        "from gristmill.model.qlinear import Int8Linear, Q4Linear\n"
+        "from gristmill.model.quant import resolve_quantization\n"
         "assert resolve_quantization('auto', torch.device('cpu')) is None\n"
-        "layer = Int8Linear.from_linear(nn.Linear(40, 24)); x = torch.randn(3, 40)\n"
-        "assert torch.equal(layer(x), int8_linear_reference(x, layer))\n"
+        "for kind in (Int8Linear, Q4Linear):\n"
+        "    layer = kind.from_linear(nn.Linear(40, 24)); x = torch.randn(3, 40)\n"
+        "    assert torch.equal(layer(x), layer.reference(x))\n"
         "print('ok')\n")
     env = {**os.environ, "GRISTMILL_KERNELS": "0", "GRISTMILL_CACHE": str(tmp_path)}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
@@ -138,8 +181,9 @@ def test_cli_takes_quantization_flag():
     from gristmill.cli import build_parser, engine_config
     args = build_parser().parse_args(["generate", "hi", "--quantization", "none"])
     assert engine_config(args).quantization is None
-    args = build_parser().parse_args(["generate", "hi", "--quantization", "int8"])
-    assert engine_config(args).quantization == "int8"
+    for scheme in ("int8", "q4"):
+        args = build_parser().parse_args(["generate", "hi", "--quantization", scheme])
+        assert engine_config(args).quantization == scheme
     with pytest.raises(SystemExit, match="--quantization"):
         engine_config(build_parser().parse_args(["generate", "hi", "--quantization", "q3"]))
 
@@ -177,6 +221,30 @@ def test_engine_model_is_int8_by_default_and_cached_on_disk(tmp_path):
     assert (scores[0] - scores[3]).abs().mean() < 0.1 * scores[3].abs().mean()
 
 
+def test_q4_model_has_4bit_layers_an_int8_lm_head_and_its_own_cache(tmp_path):
+    from gristmill.model.runner import ModelRunner
+
+    def runner(quantization):
+        return ModelRunner(EngineConfig(device="cpu", quantization=quantization, cache_dir=str(tmp_path),
+                                        num_kv_blocks=8, max_model_len=64))
+
+    q4 = runner("q4")
+    assert q4.quantization == "q4"
+    assert sum(isinstance(m, Q4Linear) for m in q4.model.modules()) == 18 * 4
+    assert isinstance(q4.model.lm_head, Int8Linear)  # 4 bits there doubled perplexity
+    assert len(list((tmp_path / "quantized").glob("*.safetensors"))) == 1
+    int8 = runner("int8")  # a cache file of its own, next to q4's
+    assert len(list((tmp_path / "quantized").glob("*.safetensors"))) == 2
+    again, reference = runner("q4"), runner(None)
+    ids = list(range(2, 40))
+    scores = {name: r.score(ids) for name, r in (("q4", q4), ("again", again), ("int8", int8), ("float", reference))}
+    assert torch.equal(scores["q4"], scores["again"])  # loaded from its cache: the same weights
+    # q4 is further from float than int8, but still the same model.
+    q4_error = (scores["q4"] - scores["float"]).abs().mean()
+    int8_error = (scores["int8"] - scores["float"]).abs().mean()
+    assert int8_error < q4_error < 0.5 * scores["float"].abs().mean(), (int8_error, q4_error)
+
+
 def test_fused_projections_equal_separate_ones():
     # Fusing q/k/v (or gate/up) changes nothing in int8: each output channel is its own sum.
     from gristmill.model.layers import QKV, project
@@ -202,11 +270,11 @@ def test_lm_head_output_buffer_is_reused_and_correct():
     layer.reuse_output = True
     x = torch.randn(3, 64)
     first = layer(x)
-    expected = int8_linear_reference(x, layer)
+    expected = layer.reference(x)
     torch.testing.assert_close(first, expected, rtol=1e-5, atol=1e-5)
     second = layer(x[:2] * 2)
     assert second.data_ptr() == first.data_ptr()  # the same memory, no fresh allocation
-    torch.testing.assert_close(second, int8_linear_reference(x[:2] * 2, layer), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(second, layer.reference(x[:2] * 2), rtol=1e-5, atol=1e-5)
     assert layer(torch.randn(5, 64)).shape == (5, 4096)  # more rows than before: a larger buffer
 
 

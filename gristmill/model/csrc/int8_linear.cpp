@@ -20,67 +20,13 @@
 //                sign, so no 16-bit pair sum can saturate (2 * 127 * 127 < 2^15).
 //   portable     plain C++ loops; any CPU.
 // The int32 block sums are identical on every path; only float rounding may differ.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#endif
-
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <vector>
+#include "linear_common.h"
 
 namespace {
 
-enum Isa : int64_t { kPortable = 0, kAvx2 = 1, kAvx512Vnni = 2 };
+using namespace linear;
 
-constexpr int kBlock = 16;       // output channels per packed block
-constexpr int kTileN = 32;       // output channels per tile (2 blocks)
-constexpr int kMaxM = 4;         // activation rows per tile
-constexpr int kQ = 32;           // input channels per quantization block
 constexpr int kGroupBytes = 64;  // one packed block x 4 input channels
-
-int64_t detect_isa() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vnni"))
-    return kAvx512Vnni;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
-    return kAvx2;
-#endif
-  return kPortable;
-}
-
-inline int32_t load4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return v;
-}
-
-float half_to_float(uint16_t h) {
-  const uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
-  uint32_t bits;
-  if (exp == 0) {
-    if (mant == 0) {
-      bits = sign;
-    } else {  // subnormal: value = mant * 2^-24
-      float f = std::ldexp(float(mant), -24);
-      std::memcpy(&bits, &f, 4);
-      bits |= sign;
-    }
-  } else if (exp == 31) {
-    bits = sign | 0x7f800000u | (mant << 13);
-  } else {
-    bits = sign | ((exp + 112) << 23) | (mant << 13);
-  }
-  float out;
-  std::memcpy(&out, &bits, 4);
-  return out;
-}
 
 // What a tile needs: x rows (quantized, `ldx` bytes apart) and their block scales (`ldxs`
 // floats apart); the tile's first packed weight block, with blocks `stride` bytes apart;
@@ -231,31 +177,7 @@ TileFn tile_for(int64_t isa) {
   return tile_portable;
 }
 
-// Quantize one row of x (k values) into q (kp bytes, zero padded) and its block scales.
-// With `shift`, bytes hold x + 128 as uint8 (the vpdpbusd layout); padding then holds
-// 128, which meets zero weights and is taken back out with the block sums.
-void quantize_row(const float* x, int64_t k, int64_t kp, bool shift, int8_t* q, float* scales) {
-  const int offset = shift ? 128 : 0;
-  for (int64_t b0 = 0; b0 < kp; b0 += kQ) {
-    const int64_t b1 = std::min(k, b0 + kQ);
-    float absmax = 0.f;
-    for (int64_t i = b0; i < b1; ++i) absmax = std::max(absmax, std::fabs(x[i]));
-    scales[b0 / kQ] = absmax / 127.f;
-    const float inv = absmax > 0.f ? 127.f / absmax : 0.f;
-    for (int64_t i = b0; i < b1; ++i) {
-      const int v = int(std::nearbyint(x[i] * inv));
-      q[i] = int8_t(uint8_t(std::clamp(v, -127, 127) + offset));
-    }
-    for (int64_t i = std::max(b0, b1); i < b0 + kQ; ++i) q[i] = int8_t(uint8_t(offset));
-  }
-}
-
 }  // namespace
-
-int64_t best_isa() {
-  static const int64_t isa = detect_isa();
-  return isa;
-}
 
 // x: (M, K) float32. qweight: (Np / 16, Kp / 4, 16, 4) int8; wscale: (Np / 16, Kp / 32, 16)
 // float16; wsum: the same shape, int16, each block's weight sum. Np % 32 == 0, Kp % 32 == 0,
@@ -279,59 +201,21 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
               "int8_linear: bias must be float32 (N,)");
   TORCH_CHECK(isa >= kPortable && isa <= best_isa(), "int8_linear: this CPU cannot run isa ", isa);
   x = x.contiguous();
-  const int64_t m_total = x.size(0), k = x.size(1);
-  const bool shift = isa == kAvx512Vnni;
-  if (out.numel() == 0) {
-    out = torch::empty({m_total, n_out}, x.options());
-  } else {
-    TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2 &&
-                    out.size(0) == m_total && out.size(1) == n_out,
-                "int8_linear: out must be contiguous float32 (M, N)");
-  }
-  if (m_total == 0) return out;
+  out = output_for(x, n_out, out);
+  if (x.size(0) == 0) return out;
 
-  std::vector<int8_t> xq(m_total * kp);
-  std::vector<float> xs(m_total * qblocks);
-  const float* x_ptr = x.data_ptr<float>();
-  at::parallel_for(0, m_total, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m)
-      quantize_row(x_ptr + m * k, k, kp, shift, xq.data() + m * kp, xs.data() + m * qblocks);
-  });
-
+  const Rows rows = quantize_rows(x, kp, /*shift=*/isa == kAvx512Vnni, /*with_sums=*/false);
   const int8_t* w_ptr = qweight.data_ptr<int8_t>();
   const auto* ws_ptr = reinterpret_cast<const uint16_t*>(wscale.data_ptr<at::Half>());
   const int16_t* wsum_ptr = wsum.data_ptr<int16_t>();
-  const float* b_ptr = bias.numel() ? bias.data_ptr<float>() : nullptr;
-  float* o_ptr = out.data_ptr<float>();
   const TileFn tile = tile_for(isa);
   const int64_t stride = groups * kGroupBytes, sstride = qblocks * kBlock;
-  const int64_t n_tiles = (n_out + kTileN - 1) / kTileN;
-  // Activation rows in chunks that stay in L2 while every weight tile passes over them.
-  const int64_t m_chunk = std::max<int64_t>(kMaxM, (256 * 1024 / kp) / kMaxM * kMaxM);
-  for (int64_t m0 = 0; m0 < m_total; m0 += m_chunk) {
-    const int64_t m1 = std::min(m_total, m0 + m_chunk);
-    at::parallel_for(0, n_tiles, 4, [&](int64_t t_begin, int64_t t_end) {
-      float acc[kMaxM * kTileN];
-      for (int64_t t = t_begin; t < t_end; ++t) {
-        const int64_t n0 = t * kTileN, blk = n0 / kBlock;
-        const int64_t width = std::min<int64_t>(kTileN, n_out - n0);
-        for (int64_t m = m0; m < m1; m += kMaxM) {
-          const int mb = int(std::min<int64_t>(kMaxM, m1 - m));
-          const Tile tl{xq.data() + m * kp, kp, xs.data() + m * qblocks, qblocks, w_ptr + blk * stride, stride,
-                        ws_ptr + blk * sstride, wsum_ptr + blk * sstride, sstride, qblocks};
-          tile(tl, mb, acc);
-          for (int i = 0; i < mb; ++i) {
-            float* row = o_ptr + (m + i) * n_out + n0;
-            for (int64_t c = 0; c < width; ++c) row[c] = b_ptr ? acc[i * kTileN + c] + b_ptr[n0 + c] : acc[i * kTileN + c];
-          }
-        }
-      }
-    });
-  }
+  for_each_tile(x.size(0), n_out, kp, bias.numel() ? bias.data_ptr<float>() : nullptr, out.data_ptr<float>(),
+                [&](int64_t m, int mb, int64_t blk, float* acc) {
+                  const Tile tl{rows.q.data() + m * kp, kp, rows.scale.data() + m * qblocks, qblocks,
+                                w_ptr + blk * stride, stride, ws_ptr + blk * sstride, wsum_ptr + blk * sstride,
+                                sstride, qblocks};
+                  tile(tl, mb, acc);
+                });
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("int8_linear", &int8_linear, "int8 linear layer: block-quantized weights and activations");
-  m.def("best_isa", &best_isa, "0 portable, 1 avx2, 2 avx512_vnni: the best this CPU runs");
 }
