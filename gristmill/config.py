@@ -34,6 +34,9 @@ class EngineConfig:
     max_num_batched_tokens: int = _field(
         2048, "Most tokens (prefill chunks + decodes) computed in one engine step.")
     max_num_seqs: int = _field(128, "Most requests running at once.")
+    enable_prefix_caching: bool = _field(
+        True, "Reuse the KV cache blocks of a prompt prefix an earlier request computed (full "
+              "blocks only); cached blocks nobody uses are evicted least recently used first.")
     device: str = _field("auto", '"auto" (CUDA when available, else CPU), "cpu" or "cuda[:N]".')
     dtype: str = _field(
         "auto", '"auto" (bfloat16 on CUDA, float32 on CPU), "float32", "bfloat16" or "float16".')
@@ -75,6 +78,8 @@ class EngineConfig:
         check(self.max_num_batched_tokens >= self.max_num_seqs, "max_num_batched_tokens",
               f"must be >= max_num_seqs ({self.max_num_seqs}) so every running request can "
               f"decode in one step, got {self.max_num_batched_tokens}; raise it or lower max_num_seqs")
+        check(isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching",
+              f"must be True or False, got {self.enable_prefix_caching!r}")
         check(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
               "device", f"must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         check(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",

@@ -29,7 +29,8 @@ class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor):
         self.config = config
         self.executor = executor
-        self.block_manager = BlockManager(executor.num_blocks, config.block_size)
+        self.block_manager = BlockManager(executor.num_blocks, config.block_size,
+                                          config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, executor.max_model_len)
         self.capacity = Capacity(executor.max_model_len, executor.num_blocks, config.block_size,
@@ -85,7 +86,13 @@ class EngineCore:
         return self.scheduler.num_unfinished > 0
 
     def stats(self) -> dict:
+        bm = self.block_manager
         return {"num_running": len(self.scheduler.running),
                 "num_waiting": len(self.scheduler.waiting),
-                "num_free_blocks": self.block_manager.num_free_blocks,
-                "num_total_blocks": self.block_manager.num_total_blocks}
+                "num_free_blocks": bm.num_free_blocks,
+                "num_total_blocks": bm.num_total_blocks,
+                "num_cached_blocks": bm.num_cached_blocks,
+                # Since the engine started, in tokens: asked of the prefix cache, and found.
+                "prefix_cache_queries": bm.num_query_tokens,
+                "prefix_cache_hits": bm.num_hit_tokens,
+                "prefix_cache_hit_rate": bm.num_hit_tokens / bm.num_query_tokens if bm.num_query_tokens else 0.0}

@@ -35,6 +35,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
+    #: Hashes of its first full blocks (`kv_blocks.block_hash` chained), filled in by the
+    #: block manager as it needs them; tokens are only appended, so they stay valid.
+    block_hashes: list[bytes] = field(default_factory=list)
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)

@@ -5,6 +5,11 @@ Tokens are scheduled, not phases: each request has `num_computed_tokens` and
 prefill that does not fit the budget is split over steps (chunked prefill). When KV
 blocks run out, the most recently admitted running request is preempted: its blocks
 are freed and it goes back to the front of the waiting queue to be recomputed.
+
+With prefix caching, a waiting request is admitted with the cached blocks that match
+the start of its sequence (`BlockManager.cached_prefix`) and starts at their end:
+`num_computed_tokens` is their token count, so only the rest is scheduled. A preempted
+request comes back the same way and reuses whatever of its own blocks is still cached.
 """
 
 from __future__ import annotations
@@ -88,12 +93,15 @@ class Scheduler:
         while (self.waiting and not out.preempted_request_ids and budget > 0
                and len(self.running) < self.max_num_seqs):
             request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            total = request.num_computed_tokens + num_new
-            if not self.block_manager.can_allocate(request, total):
+            computed = self.block_manager.cached_prefix(request)
+            num_computed = len(computed) * self.block_manager.block_size
+            num_new = min(request.num_tokens - num_computed, budget)
+            total = num_computed + num_new
+            if not self.block_manager.can_allocate(request, total, computed):
                 break
             self.waiting.popleft()
-            self.block_manager.allocate(request, total)
+            request.num_computed_tokens = num_computed
+            self.block_manager.allocate(request, total, computed)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, num_new))
