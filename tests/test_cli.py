@@ -29,11 +29,16 @@ def engine_flag(name: str) -> str:
     return "--engine-seed" if name == "seed" else "--" + name.replace("_", "-")
 
 
-def a_value_of_its_type(config_field):
-    """A value of the field's type (`X | None` -> X) that the flag must parse back."""
+def flag_args_and_value(config_field) -> tuple[list[str], object]:
+    """Command-line arguments setting the field to a value of its type (`X | None` -> X),
+    and the value the flag must parse back. A bool field is a --x / --no-x switch."""
     annotation = typing.get_type_hints(EngineConfig)[config_field.name]
     base = next(t for t in typing.get_args(annotation) or (annotation,) if t is not type(None))
-    return {int: 7, float: 2.5, str: "some-value"}[base]
+    flag = engine_flag(config_field.name)
+    if base is bool:
+        return ["--no-" + flag[2:]], False
+    value = {int: 7, float: 2.5, str: "some-value"}[base]
+    return [flag, str(value)], value
 
 
 def test_help_lists_generate():
@@ -120,7 +125,8 @@ def test_help_documents_a_flag_for_every_engine_config_field(command):
     text = " ".join(result.stdout.split())
     for config_field in ENGINE_FIELDS:
         doc = " ".join(field_doc(config_field).split())
-        entry = re.escape(engine_flag(config_field.name)) + r" \S+ " + re.escape(
+        # `--flag VALUE doc`, or `--flag, --no-flag doc` for a bool field.
+        entry = re.escape(engine_flag(config_field.name)) + r",? \S+ " + re.escape(
             f"{doc} (default: {config_field.default})")
         assert re.search(entry, text), f"{command} --help: no {engine_flag(config_field.name)} with its doc"
 
@@ -138,8 +144,8 @@ def test_engine_options_hold_exactly_the_flags_given(command):
     parser = build_parser()
     assert engine_options(parser.parse_args(command)) == {}
     for config_field in ENGINE_FIELDS:
-        value = a_value_of_its_type(config_field)
-        args = parser.parse_args([*command, engine_flag(config_field.name), str(value)])
+        flag_args, value = flag_args_and_value(config_field)
+        args = parser.parse_args([*command, *flag_args])
         assert engine_options(args) == {config_field.name: value}
 
 
@@ -149,6 +155,14 @@ def test_given_flags_reach_the_config_and_unset_ones_keep_its_defaults():
     config = engine_config(args)
     given = dict(block_size=32, step_timeout_s=5.0, max_waiting_requests=4, max_num_seqs=8)
     assert config == dataclasses.replace(EngineConfig(), **given)
+
+
+@pytest.mark.parametrize("command", [["generate", "x"], ["serve"]])
+def test_no_enable_prefix_caching_turns_prefix_caching_off(command):
+    parser = build_parser()
+    assert engine_config(parser.parse_args(command)).enable_prefix_caching is True
+    assert engine_config(parser.parse_args([*command, "--no-enable-prefix-caching"])).enable_prefix_caching is False
+    assert engine_config(parser.parse_args([*command, "--enable-prefix-caching"])).enable_prefix_caching is True
 
 
 @pytest.mark.parametrize("command", [["generate", "x"], ["serve"]])
