@@ -240,8 +240,8 @@ class Harness:
             r = self.all[rid]
             assert r.num_computed_tokens == 0 and r.block_ids == []
             assert r.output_token_ids == outputs_before[rid], "preemption lost generated tokens"
-        if k:
-            assert [r.request_id for r in sched.waiting][:k] == list(reversed(rec.preempted))
+        back = [rid for rid in reversed(rec.preempted) if rid not in abort_during]
+        assert [r.request_id for r in sched.waiting][:len(back)] == back
 
         # Every running request that was not preempted is scheduled (decodes are never
         # starved), in order, before any waiting request is admitted (FCFS).
