@@ -1,5 +1,6 @@
 """Offline throughput, peers side by side in one run: gristmill `LLM.generate` (default:
-int8 weights on CPU, and `quantization=None`: float32) vs transformers `generate`
+int8 weights on CPU; `quantization="q4"`: 4-bit weights, int8 LM head; and
+`quantization=None`: float32) vs transformers `generate`
 (float32, same weights) vs llama.cpp on the same GGUF (when llama-cpp-python is
 installed: `pip install -e '.[bench]'`).
 
@@ -78,9 +79,9 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--workloads", default="short,mixed", help="short, mixed or both (comma-separated)")
-    parser.add_argument("--peers", default="int8,float,transformers,llama.cpp",
-                        help="which to run: int8 (gristmill default), float (gristmill quantization=None), "
-                             "transformers, llama.cpp")
+    parser.add_argument("--peers", default="int8,q4,float,transformers,llama.cpp",
+                        help="which to run: int8 (gristmill default), q4 (gristmill quantization='q4'), "
+                             "float (gristmill quantization=None), transformers, llama.cpp")
     args = parser.parse_args()
     peers = args.peers.split(",")
 
@@ -92,6 +93,8 @@ def main() -> None:
     llms = {}
     if "int8" in peers:
         llms["int8"] = LLM(args.model, device="cpu", max_num_seqs=args.max_num_seqs)
+    if "q4" in peers:
+        llms["q4"] = LLM(args.model, device="cpu", quantization="q4", max_num_seqs=args.max_num_seqs)
     if "float" in peers:
         llms["float"] = LLM(args.model, device="cpu", quantization=None, max_num_seqs=args.max_num_seqs)
     model_dir = str(next(iter(llms.values())).model_dir)
@@ -116,7 +119,7 @@ def main() -> None:
             return bench_transformers(hf_model, hf_tokenizer, prompts, output_len)
         return llama.generate(prompts, output_len)[0]
 
-    names = [n for n in ("int8", "float") if n in llms] + (["transformers"] if hf_model is not None else []) \
+    names = [n for n in ("int8", "q4", "float") if n in llms] + (["transformers"] if hf_model is not None else []) \
         + (["llama.cpp"] if llama is not None else [])
     for name in names:  # warm up once so first-call costs stay out of the figures
         run(name, make_prompts(2), 4)
@@ -124,9 +127,9 @@ def main() -> None:
     print(f"model: {gguf if llama else model_dir}  output_len: {args.output_len}  threads: {torch.get_num_threads()}")
     print(f"cpu flags: {cpu_flags()}  gristmill default quantization: "
           f"{resolve_quantization('auto', torch.device('cpu'))}")
-    labels = {"int8": "gristmill", "float": "gm float32", "transformers": "transformers", "llama.cpp": "llama.cpp"}
+    labels = {"int8": "gristmill", "q4": "gm q4", "float": "gm float32", "transformers": "transformers", "llama.cpp": "llama.cpp"}
     header = f"{'workload':>8} {'batch':>5} {'prompt toks':>11} " + " ".join(f"{labels[n]:>12}" for n in names)
-    ratios = [(a, b) for a in ("int8", "float") for b in ("transformers", "llama.cpp") if a in names and b in names]
+    ratios = [(a, b) for a in ("int8", "q4", "float") for b in ("transformers", "llama.cpp") if a in names and b in names]
     header += "".join(f" {labels[a].split()[-1] + '/' + labels[b][:5]:>16}" for a, b in ratios)
     print("tok/s of generated tokens; ratios are ours / theirs")
     print(header)

@@ -57,6 +57,10 @@ class EngineServer:
         """{"replica": this replica's process, "core": its engine core's} (to watch them)."""
         return {"replica": os.getpid(), "core": self.engine.core_pid}
 
+    async def stats(self) -> dict:
+        """This replica's engine stats (requests running and waiting, KV blocks, prefix cache)."""
+        return await self.engine.stats()
+
     def check_health(self) -> None:
         """Serve calls this every second; a dead engine makes Serve replace the replica."""
         if self.engine.errored:

@@ -64,10 +64,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
             except EngineDeadError:
                 metrics.engine_dead.set(1)
             else:
-                metrics.running.set(stats["num_running"])
-                metrics.waiting.set(stats["num_waiting"])
-                metrics.free_blocks.set(stats["num_free_blocks"])
-                metrics.total_blocks.set(stats["num_total_blocks"])
+                metrics.engine_stats(stats)
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.exception_handler(RequestValidationError)

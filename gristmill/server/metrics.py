@@ -19,9 +19,20 @@ class ServerMetrics:
                               ["error_type"], registry=r)
         self.running = Gauge("gristmill_num_requests_running", "Requests running in the engine", registry=r)
         self.waiting = Gauge("gristmill_num_requests_waiting", "Requests waiting in the engine", registry=r)
-        self.free_blocks = Gauge("gristmill_kv_free_blocks", "Free KV cache blocks", registry=r)
+        self.free_blocks = Gauge("gristmill_kv_free_blocks",
+                                 "KV cache blocks a new request can take (unused cached prefixes included)",
+                                 registry=r)
         self.total_blocks = Gauge("gristmill_kv_total_blocks", "KV cache blocks in all", registry=r)
         self.engine_dead = Gauge("gristmill_engine_dead", "1 once the engine is dead", registry=r)
+        self.cached_blocks = Gauge("gristmill_prefix_cache_cached_blocks",
+                                   "KV cache blocks holding a prefix a new request can reuse", registry=r)
+        self.prefix_hit_rate = Gauge("gristmill_prefix_cache_hit_rate",
+                                     "Share of looked-up tokens found in the prefix cache", registry=r)
+        self.prefix_queries = Counter("gristmill_prefix_cache_queries",
+                                      "Tokens looked up in the prefix cache (each admitted request's)", registry=r)
+        self.prefix_hits = Counter("gristmill_prefix_cache_hit_tokens",
+                                   "Tokens found in the prefix cache, so not computed", registry=r)
+        self._engine_totals: dict[str, float] = {}
         self.prompt_tokens = Counter("gristmill_prompt_tokens", "Prompt tokens processed", registry=r)
         self.generation_tokens = Counter("gristmill_generation_tokens", "Tokens generated", registry=r)
         self.ttft = Histogram("gristmill_time_to_first_token_seconds", "Time to first token",
@@ -33,6 +44,26 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def engine_stats(self, stats: dict) -> None:
+        """Take the engine's stats, sampled when /metrics is scraped."""
+        self.running.set(stats["num_running"])
+        self.waiting.set(stats["num_waiting"])
+        self.free_blocks.set(stats["num_free_blocks"])
+        self.total_blocks.set(stats["num_total_blocks"])
+        self.cached_blocks.set(stats["num_cached_blocks"])
+        self.prefix_hit_rate.set(stats["prefix_cache_hit_rate"])
+        self._advance(self.prefix_queries, "prefix_cache_queries", stats)
+        self._advance(self.prefix_hits, "prefix_cache_hits", stats)
+
+    def _advance(self, counter: Counter, key: str, stats: dict) -> None:
+        # The engine reports totals; a counter only goes up by what is new. Two scrapes
+        # may finish out of order, so an older total changes nothing.
+        total = stats[key]
+        last = self._engine_totals.get(key, 0)
+        if total > last:
+            counter.inc(total - last)
+            self._engine_totals[key] = total
 
     def request_failed(self, error_type: str) -> None:
         """One request ended in error: the error count of every failure, wherever it happened."""

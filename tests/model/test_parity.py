@@ -9,6 +9,7 @@ the logits that HF computes on the same full sequence without a cache.
 from __future__ import annotations
 
 import math
+import zlib
 
 import pytest
 import torch
@@ -128,14 +129,14 @@ def _reference_logits(reference, token_ids: list[int]) -> torch.Tensor:
 
 def _run_and_compare(runner, reference, prompts: dict[str, list[int]], *, max_num_seqs: int,
                      max_num_batched_tokens: int, max_tokens: int, late: dict | None = None,
-                     seed: int = 0) -> dict:
+                     seed: int = 0, enable_prefix_caching: bool = True) -> dict:
     """Drive the runner through the scheduler until every request finishes, comparing each
     sampled row with HF. `late` maps a step number to prompts added before that step.
-    Returns {request_id: number of compared rows}, plus scheduling facts under "_"."""
-    bm = BlockManager(runner.num_blocks, BLOCK_SIZE)
+    Returns {request_id: number of compared rows}, plus scheduling facts under "_" (with
+    the tokens each request sampled and the prefix cache's hit tokens)."""
+    bm = BlockManager(runner.num_blocks, BLOCK_SIZE, enable_prefix_caching)
     sched = Scheduler(bm, max_num_seqs, max_num_batched_tokens, runner.max_model_len)
     late = dict(late or {})
-    rng = torch.Generator().manual_seed(seed)
 
     def add(batch):
         for rid, ids in batch.items():
@@ -143,7 +144,7 @@ def _run_and_compare(runner, reference, prompts: dict[str, list[int]], *, max_nu
 
     add(prompts)
     compared: dict[str, int] = {}
-    facts = {"steps_without_logits": 0, "mixed_steps": 0, "max_decode_batch": 0, "preemptions": 0}
+    facts = {"steps_without_logits": 0, "mixed_steps": 0, "max_decode_batch": 0, "preemptions": 0, "tokens": {}}
     step = 0
     while sched.num_unfinished or late:
         if step in late:
@@ -166,16 +167,19 @@ def _run_and_compare(runner, reference, prompts: dict[str, list[int]], *, max_nu
                 f"request {request.request_id} at length {request.num_tokens} (step {step}, "
                 f"{request.num_output_tokens} tokens generated): max abs logit diff {diff:.3e} > {ATOL}")
             compared[request.request_id] = compared.get(request.request_id, 0) + 1
-            # Alternate greedy and random next tokens so decode inputs are varied.
+            # Alternate greedy and arbitrary next tokens so decode inputs are varied; the
+            # arbitrary ones depend on the request and position only, not on the schedule.
             if request.num_output_tokens % 2:
                 token = int(logits[row].argmax())
             else:
-                token = int(torch.randint(VOCAB, (1,), generator=rng))
+                token = zlib.crc32(f"{seed}:{request.request_id}:{request.num_tokens}".encode()) % VOCAB
             sampled[request.request_id] = SampledToken(token)
+            facts["tokens"].setdefault(request.request_id, []).append(token)
         sched.update(out, sampled)
         step += 1
         assert step < 500, "scheduler did not finish"
     assert bm.num_free_blocks == runner.num_blocks
+    facts["hit_tokens"] = bm.num_hit_tokens
     return {**compared, "_": facts}
 
 
@@ -221,6 +225,31 @@ def test_preemption_recompute(family):
     facts = result.pop("_")
     assert facts["preemptions"] >= 1, facts
     assert result == {rid: 8 for rid in prompts}
+
+
+def test_prefix_caching_matches_reference_and_uncached_run(family):
+    """Requests that share a prefix with earlier ones reuse its cached blocks: a prefix
+    shorter than a block (nothing to reuse), exactly 2 blocks, 5 blocks (past Gemma 3's
+    sliding window of 8), a prompt sent twice, and a prefix reused while its first user
+    is still decoding. Every sampled row matches HF, and the tokens equal those of the
+    same run with caching off."""
+    name, path, reference = family
+    prefix = {n: _prompt(n, seed=200 + n) for n in (3, 8, 20)}
+    first = {f"first{n}": prefix[n] + _prompt(5, seed=300 + n) for n in prefix}
+    again = {f"again{n}": prefix[n] + _prompt(6, seed=400 + n) for n in prefix}
+    again["same20"] = list(first["first20"])
+    during = {"during8": prefix[8] + _prompt(3, seed=500)}
+    runs = {}
+    for caching in (True, False):
+        result = _run_and_compare(_runner(path), reference, first, max_num_seqs=8, max_num_batched_tokens=256,
+                                  max_tokens=4, late={2: during, 6: again}, enable_prefix_caching=caching)
+        runs[caching] = result.pop("_")
+        assert result == {rid: 4 for rid in [*first, *again, *during]}
+    # Cached tokens: 2 blocks for during8 and again8, 5 for again20; same20 (25 tokens) has
+    # 6 full blocks but keeps its last token's block, and so reuses 6 of them.
+    assert runs[True]["hit_tokens"] == (2 + 2 + 5 + 6) * BLOCK_SIZE, runs[True]["hit_tokens"]
+    assert runs[False]["hit_tokens"] == 0
+    assert runs[True]["tokens"] == runs[False]["tokens"]
 
 
 @pytest.mark.parametrize("family", ["gemma3"], indirect=True)

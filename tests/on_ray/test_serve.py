@@ -160,20 +160,26 @@ def test_a_replica_killed_mid_job_fails_the_job_fast_and_serve_replaces_it(share
     pids = shared.pids.remote().result()
     rows = [{**row, "sampling_params": {**GREEDY, "max_tokens": 40}} for row in story_rows(48)]
     dataset = build_processor(_config(should_continue_on_error=True, batch_size=8))(ray.data.from_items(rows))
-    fired = {}
+    fired, stop = {}, threading.Event()
 
-    def kill():
-        fired["at"] = time.monotonic()
-        os.kill(pids["replica"], signal.SIGKILL)
+    def kill_once_it_runs_rows():
+        # Not on a timer: on a slow machine the job may not have reached the replica yet.
+        while not stop.wait(0.2):
+            if shared.stats.remote().result(timeout_s=10)["num_running"] > 0:
+                fired["at"] = time.monotonic()
+                os.kill(pids["replica"], signal.SIGKILL)
+                return
 
-    killed = threading.Timer(3.0, kill)
-    killed.start()
+    killer = threading.Thread(target=kill_once_it_runs_rows, daemon=True)
+    killer.start()
     try:
         with pytest.raises(Exception) as caught:
             dataset.take_all()
         failed_at = time.monotonic()
     finally:
-        killed.cancel()
+        stop.set()
+        killer.join(timeout=15)
+    assert "at" in fired, "the job ended before the replica ran any row"
     assert is_fatal(caught.value)  # never an error row: a dead replica is the job's failure
     cause = root_cause(caught.value)
     assert isinstance(cause, EngineDeadError) and "is gone: a replica died" in cause.message

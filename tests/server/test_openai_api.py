@@ -142,7 +142,9 @@ def test_models_health_and_metrics(server, auth):
     for name in ("gristmill_requests_total", "gristmill_kv_free_blocks", "gristmill_prompt_tokens_total",
                  "gristmill_generation_tokens_total", "gristmill_time_to_first_token_seconds_bucket",
                  "gristmill_inter_token_latency_seconds_bucket", "gristmill_e2e_request_latency_seconds_count",
-                 "gristmill_num_requests_running", "gristmill_num_requests_waiting"):
+                 "gristmill_num_requests_running", "gristmill_num_requests_waiting",
+                 "gristmill_prefix_cache_hit_tokens_total", "gristmill_prefix_cache_queries_total",
+                 "gristmill_prefix_cache_cached_blocks", "gristmill_prefix_cache_hit_rate"):
         assert name in text, name
 
 
@@ -170,6 +172,23 @@ def wait_all_blocks_free(server, timeout=5.0) -> bool:
             return True
         time.sleep(0.05)
     return False
+
+
+def test_prefix_cache_metrics_move_when_requests_share_a_prefix(server, client):
+    shared = ("You are a careful assistant. Answer in one short sentence, in plain English, "
+              "without lists, and say so when you do not know. The question follows. ")
+    names = ("gristmill_prefix_cache_queries_total", "gristmill_prefix_cache_hit_tokens_total")
+    queries, hits = (metric(server, name) for name in names)
+    prompt_tokens = 0
+    for question in ("What is the capital of France?", "How many legs has a spider?"):
+        result = client.completions.create(model=MODEL, prompt=shared + question, max_tokens=1, temperature=0)
+        prompt_tokens += result.usage.prompt_tokens
+    new_queries, new_hits = (metric(server, name) for name in names)
+    assert new_queries - queries == prompt_tokens
+    # The shared text is over 32 tokens: the second request reuses at least 2 blocks of 16.
+    assert new_hits - hits >= 32 and (new_hits - hits) % 16 == 0
+    assert metric(server, "gristmill_prefix_cache_cached_blocks") >= 2
+    assert 0 < metric(server, "gristmill_prefix_cache_hit_rate") < 1
 
 
 def test_disconnect_frees_blocks(server, auth):
