@@ -46,36 +46,45 @@ class LlamaCppPeer:
         n = self.lib.llama_tokenize(self.vocab, data, len(data), out, len(out), True, False)
         return list(out[:n])
 
-    def generate(self, prompts: list[str], output_len: int) -> tuple[float, list[list[int]]]:
-        """Greedy-generate `output_len` tokens for each prompt; (tok/s, tokens)."""
+    def generate(self, prompts: list[str], output_len: int, shared_prefix: int = 0) -> tuple[float, list[list[int]]]:
+        """Greedy-generate `output_len` tokens for each prompt; (tok/s, tokens).
+
+        `shared_prefix`: the prompts' first tokens are equal up to there; they are decoded
+        once, their KV cells belonging to every sequence (llama.cpp's own way to share a
+        prompt, as its batched example does), and each prompt computes only the rest."""
         lib = self.lib
         lib.llama_memory_clear(lib.llama_get_memory(self.ctx), True)
         start = time.perf_counter()
         seqs = [self.tokenize(p) for p in prompts]
-        # Prefill: every prompt's tokens, in batches of up to 512, logits for each last token.
-        pending = [(s, pos, tok, pos == len(ids) - 1) for s, ids in enumerate(seqs) for pos, tok in enumerate(ids)]
+        every = tuple(range(len(seqs)))
+        # Prefill: the shared tokens once, then every prompt's own, in batches of up to
+        # 512, logits for each last token.
+        pending = [(every, pos, tok, False) for pos, tok in enumerate(seqs[0][:shared_prefix])]
+        pending += [((s,), pos, tok, pos == len(ids) - 1) for s, ids in enumerate(seqs)
+                    for pos, tok in enumerate(ids) if pos >= shared_prefix]
         last_logits = {}
         for i in range(0, len(pending), 512):
             chunk = pending[i:i + 512]
             self._decode(chunk)
             for row, (s, _, _, wants) in enumerate(chunk):
                 if wants:
-                    last_logits[s] = self._argmax(row)
+                    last_logits[s[0]] = self._argmax(row)
         outputs = [[last_logits[s]] for s in range(len(seqs))]
         for step in range(1, output_len):
-            chunk = [(s, len(seqs[s]) + step - 1, outputs[s][-1], True) for s in range(len(seqs))]
+            chunk = [((s,), len(seqs[s]) + step - 1, outputs[s][-1], True) for s in range(len(seqs))]
             self._decode(chunk)
             for row, (s, _, _, _) in enumerate(chunk):
-                outputs[s].append(self._argmax(row))
+                outputs[s[0]].append(self._argmax(row))
         elapsed = time.perf_counter() - start
         return len(prompts) * output_len / elapsed, outputs
 
-    def _decode(self, chunk: list[tuple[int, int, int, bool]]) -> None:
+    def _decode(self, chunk: list[tuple[tuple[int, ...], int, int, bool]]) -> None:
         b = self.batch
         b.n_tokens = len(chunk)
-        for row, (s, pos, tok, wants) in enumerate(chunk):
-            b.token[row], b.pos[row], b.n_seq_id[row], b.logits[row] = tok, pos, 1, wants
-            b.seq_id[row][0] = s
+        for row, (seq_ids, pos, tok, wants) in enumerate(chunk):
+            b.token[row], b.pos[row], b.n_seq_id[row], b.logits[row] = tok, pos, len(seq_ids), wants
+            for j, s in enumerate(seq_ids):
+                b.seq_id[row][j] = s
         code = self.lib.llama_decode(self.ctx, b)
         if code != 0:
             raise RuntimeError(f"llama_decode failed ({code}): raise n_ctx")

@@ -202,3 +202,34 @@ def test_max_new_tokens_is_the_room_a_prompt_leaves(default_llm):
     default_llm.inputs.make_requests("fits", ids, SamplingParams(max_tokens=room))  # does not raise
     [out] = default_llm.generate(prompt, SamplingParams(max_tokens=room + 1))
     assert out.finish_reason == "error" and out.error.startswith("PromptTooLongError")
+
+
+def test_prefix_caching_changes_no_output_on_the_real_model(float_llm):
+    """Prompts sharing a preamble shorter than Gemma 3's sliding window (512) and one past
+    it: greedy tokens and their logprobs equal those of an engine without the cache, both
+    the first time (siblings share in one batch) and again (all preambles cached).
+
+    On the exact float path: int8 activations round each value to one of 255 levels, so
+    a difference in the last float bit (attention over a cached prefix sums in another
+    order) can move a value a whole level and the logprobs by up to ~0.1."""
+    short = "You answer questions about animals briefly and kindly. "
+    long = " ".join(f"Fact {i}: the {w} lives near water." for i, w in
+                    enumerate(["heron", "otter", "frog", "newt", "beaver", "crab"] * 12)) + " "
+    assert len(float_llm.tokenizer.encode(long)) > 600
+    prompts = [pre + q for pre in (short, long) for q in ("What does a fox eat?", "Where do owls sleep?")]
+    params = greedy(6, logprobs=2)
+    off = LLM(device="cpu", quantization=None, enable_prefix_caching=False)
+    uncached = off.generate(prompts, params, use_tqdm=False)
+    before = float_llm.core.stats()
+    for _ in range(2):
+        cached = float_llm.generate(prompts, params, use_tqdm=False)
+        for on, off in zip(cached, uncached):
+            assert on.token_ids == off.token_ids
+            for a, b in zip(on.logprobs, off.logprobs):
+                assert a.keys() == b.keys()
+                assert all(a[t] == pytest.approx(b[t], abs=1e-4) for t in a)
+    after = float_llm.core.stats()
+    prompt_tokens = sum(len(float_llm.tokenizer.encode(p)) for p in prompts)
+    assert after["prefix_cache_queries"] - before["prefix_cache_queries"] == 2 * prompt_tokens
+    # The second round finds nearly every prompt token cached (all but each last block).
+    assert after["prefix_cache_hits"] - before["prefix_cache_hits"] > prompt_tokens

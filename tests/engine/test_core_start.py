@@ -129,7 +129,7 @@ def corrupt_model(tmp_path_factory):
 
 
 def test_a_corrupt_model_fails_at_once_every_time(corrupt_model):
-    for attempt in range(10):
+    for attempt in range(4):  # every start fails at once, not only the first
         start = _Start(EngineConfig(model=str(corrupt_model), device="cpu"))
         pid = wait_for_core_child()
         exited_at = wait_exit(pid)

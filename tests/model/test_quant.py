@@ -189,12 +189,26 @@ def test_cli_takes_quantization_flag():
 
 
 
-def test_engine_model_is_int8_by_default_and_cached_on_disk(tmp_path):
+def _runner_factory(tmp_path: Path):
+    """ModelRunners of the default model with their own quantized-weight cache under
+    `tmp_path`; the GGUF's converted copy is shared with the default cache (converting
+    it takes most of a minute and is not what these tests are about)."""
+    from gristmill.model.loader import cache_root, resolve_model
     from gristmill.model.runner import ModelRunner
+
+    converted = resolve_model(None)
+    if converted.parent == cache_root() / "gguf":
+        (tmp_path / "gguf").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "gguf" / converted.name).symlink_to(converted, target_is_directory=True)
 
     def runner(quantization):
         return ModelRunner(EngineConfig(device="cpu", quantization=quantization, cache_dir=str(tmp_path),
                                         num_kv_blocks=8, max_model_len=64))
+    return runner
+
+
+def test_engine_model_is_int8_by_default_and_cached_on_disk(tmp_path):
+    runner = _runner_factory(tmp_path)
 
     first = runner("auto")
     assert first.quantization == "int8"
@@ -222,11 +236,7 @@ def test_engine_model_is_int8_by_default_and_cached_on_disk(tmp_path):
 
 
 def test_q4_model_has_4bit_layers_an_int8_lm_head_and_its_own_cache(tmp_path):
-    from gristmill.model.runner import ModelRunner
-
-    def runner(quantization):
-        return ModelRunner(EngineConfig(device="cpu", quantization=quantization, cache_dir=str(tmp_path),
-                                        num_kv_blocks=8, max_model_len=64))
+    runner = _runner_factory(tmp_path)
 
     q4 = runner("q4")
     assert q4.quantization == "q4"
