@@ -53,8 +53,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="HF directory or GGUF file (default: bundled Gemma 3 270M)")
     parser.add_argument("--prompts", type=int, default=24)
-    parser.add_argument("--prefix-sentences", type=int, default=30, help="rules in the shared system prompt "
-                        "(30: about 400 tokens with the Gemma 3 tokenizer)")
+    parser.add_argument("--prefix-sentences", type=int, default=20, help="rules in the shared system prompt "
+                        "(20: about 400 tokens with the Gemma 3 tokenizer)")
     parser.add_argument("--output-len", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3, help="runs per peer; the best is shown")
     parser.add_argument("--quantization", default="auto")
@@ -99,7 +99,7 @@ def main() -> None:
                 llama.generate(run_prompts, args.output_len, shared_prefix=llama_shared if share else 0)
                 elapsed = time.perf_counter() - start
                 times[name] = min(times.get(name, elapsed), elapsed)
-    agree = tokens["gristmill, caching on"] == tokens["gristmill, caching off"]
+    agree = sum(a == b for a, b in zip(tokens["gristmill, caching on"], tokens["gristmill, caching off"]))
 
     print(f"model: {gguf}  threads: {torch.get_num_threads()}  cpu flags: {cpu_flags()}")
     print(f"{len(prompts)} prompts of {min(lengths)}-{max(lengths)} tokens sharing the first {shared}; "
@@ -108,7 +108,9 @@ def main() -> None:
     print(f"{'peer':>26} {'seconds':>8} {'prompt tok/s':>12} {'vs caching off':>15}")
     for name, elapsed in times.items():
         print(f"{name:>26} {elapsed:>8.2f} {sum(lengths) / elapsed:>12.0f} {base / elapsed:>14.2f}x")
-    print(f"greedy outputs equal with caching on and off: {agree}")
+    print(f"greedy outputs equal with caching on and off: {agree} of {len(prompts)} prompts "
+          f"(quantization={args.quantization!r}; with int8 activations a last-bit difference in "
+          f"attention can move a value one level, so a near tie may flip)")
     if llama is not None:
         llama.close()
 

@@ -227,12 +227,14 @@ def test_preemption_recompute(family):
     assert result == {rid: 8 for rid in prompts}
 
 
-def test_prefix_caching_matches_reference_and_uncached_run(family):
+@pytest.mark.parametrize("budget", [256, 12], ids=["whole", "chunked"])
+def test_prefix_caching_matches_reference_and_uncached_run(family, budget):
     """Requests that share a prefix with earlier ones reuse its cached blocks: a prefix
     shorter than a block (nothing to reuse), exactly 2 blocks, 5 blocks (past Gemma 3's
     sliding window of 8), a prompt sent twice, and a prefix reused while its first user
-    is still decoding. Every sampled row matches HF, and the tokens equal those of the
-    same run with caching off."""
+    is still decoding; with prompts prefilled whole or in chunks of a 12-token budget.
+    Every sampled row matches HF, and the tokens equal those of the same run with
+    caching off."""
     name, path, reference = family
     prefix = {n: _prompt(n, seed=200 + n) for n in (3, 8, 20)}
     first = {f"first{n}": prefix[n] + _prompt(5, seed=300 + n) for n in prefix}
@@ -241,7 +243,7 @@ def test_prefix_caching_matches_reference_and_uncached_run(family):
     during = {"during8": prefix[8] + _prompt(3, seed=500)}
     runs = {}
     for caching in (True, False):
-        result = _run_and_compare(_runner(path), reference, first, max_num_seqs=8, max_num_batched_tokens=256,
+        result = _run_and_compare(_runner(path), reference, first, max_num_seqs=8, max_num_batched_tokens=budget,
                                   max_tokens=4, late={2: during, 6: again}, enable_prefix_caching=caching)
         runs[caching] = result.pop("_")
         assert result == {rid: 4 for rid in [*first, *again, *during]}
