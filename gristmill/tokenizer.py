@@ -97,9 +97,67 @@ def eos_token_ids(tokenizer, model_dir: Path, config) -> frozenset[int]:
     return frozenset(ids)
 
 
-def convert_gguf_tokenizer(gguf_path: Path, out_dir: Path) -> None:
-    """Build an HF tokenizer from a GGUF file's vocabulary and save it into `out_dir`."""
-    from transformers import AutoTokenizer
+def convert_gguf_tokenizer(metadata: dict, model_type: str, out_dir: Path) -> None:
+    """Build an HF tokenizer from a GGUF file's metadata and save it into `out_dir`.
 
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    `metadata` is `GGUFFile.fields` of the file (gristmill.model.gguf_file). This does
+    what `AutoTokenizer.from_pretrained(dir, gguf_file=name)` does in transformers 5, but
+    from the metadata already read instead of parsing the file again: the tokenizer
+    settings by transformers' GGUF key mapping, the backend tokenizer from
+    `transformers.integrations.gguf.convert_gguf_tokenizer`, and the tokenizer class
+    AutoTokenizer picks for the model type. The saved files are the same.
+    """
+    from transformers.integrations.gguf import convert_gguf_tokenizer as build_backend
+
+    tokenizer_dict, tokenizer_config = gguf_tokenizer_settings(metadata)
+    backend, extra_kwargs = build_backend(metadata["general.architecture"], tokenizer_dict)
+    # is_local / local_files_only: what from_pretrained passes and save_pretrained writes
+    # into tokenizer_config.json; given here too so the saved files are the same.
+    tokenizer = _tokenizer_class(model_type)(
+        tokenizer_object=backend, is_local=True, local_files_only=False,
+        **tokenizer_config, **extra_kwargs)
     tokenizer.save_pretrained(str(out_dir))
+
+
+# tokenizer_config key -> the GGUF key (after "tokenizer.ggml.") holding its token id.
+_GGUF_SPECIAL_TOKENS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id",
+                        "unk_token": "unknown_token_id", "pad_token": "padding_token_id"}
+
+
+def gguf_tokenizer_settings(metadata: dict) -> tuple[dict, dict]:
+    """`(tokenizer_dict, tokenizer_config)` from GGUF metadata, as transformers'
+    `get_gguf_tokenizer` makes them: GGUF "tokenizer.*" keys renamed by its
+    GGUF_TOKENIZER_MAPPING, arrays of numbers as lists, special tokens by id."""
+    from transformers.integrations.gguf import GGUF_TOKENIZER_MAPPING
+
+    tokenizer_dict, tokenizer_config = (
+        {name: _plain(metadata[f"tokenizer.{key}"]) for key, name in GGUF_TOKENIZER_MAPPING[group].items()
+         if f"tokenizer.{key}" in metadata}
+        for group in ("tokenizer", "tokenizer_config"))
+    tokenizer_type = tokenizer_dict.get("tokenizer_type")
+    if tokenizer_type == "llama":  # llama.cpp adds BOS to a sentencepiece vocabulary unless told not to
+        tokenizer_config.setdefault("add_bos_token", True)
+    elif tokenizer_type == "gemma4":  # its chat template writes <bos> itself
+        tokenizer_config["add_bos_token"] = False
+    tokens = tokenizer_dict["tokens"]
+    for name, key in _GGUF_SPECIAL_TOKENS.items():
+        token_id = metadata.get(f"tokenizer.ggml.{key}")
+        if token_id is not None and not 0 <= token_id < len(tokens):
+            raise ValueError(f"GGUF tokenizer.ggml.{key} {token_id} is not a token id "
+                             f"(the vocabulary has {len(tokens)} tokens)")
+        tokenizer_config[name] = tokens[token_id] if token_id is not None else None
+    return tokenizer_dict, tokenizer_config
+
+
+def _plain(value):
+    """A metadata value as transformers' GGUF reader gives it: arrays as lists."""
+    return value.tolist() if hasattr(value, "tolist") else value
+
+
+def _tokenizer_class(model_type: str):
+    """The tokenizer class AutoTokenizer uses for a model type with no tokenizer files."""
+    from transformers import TokenizersBackend
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
+
+    return TOKENIZER_MAPPING.get(CONFIG_MAPPING[model_type], None) or TokenizersBackend

@@ -101,7 +101,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     import gguf
     from safetensors.torch import save_file
 
-    reader = gguf.GGUFReader(str(gguf_path))
+    from gristmill.model.gguf_file import GGUFFile
+
+    reader = GGUFFile(gguf_path)
     arch = _field(reader, "general.architecture")
     model_type = _GGUF_MODEL_TYPES.get(arch)
     if model_type is None:
@@ -118,7 +120,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
                 continue
             raise ValueError(f"GGUF tensor {tensor.name!r} has no place in a {arch} model")
         weights = gguf.dequantize(tensor.data, tensor.tensor_type)
-        weights = np.ascontiguousarray(weights.reshape(tuple(reversed(tensor.shape.tolist()))),
+        weights = np.ascontiguousarray(weights.reshape(tuple(reversed(tensor.shape))),
                                        dtype=np.float32)
         if arch == "gemma3" and name.endswith("norm.weight"):
             weights = weights - 1.0  # llama.cpp stores Gemma norms as (1 + w)
@@ -130,15 +132,13 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     save_file(tensors, str(out_dir / "model.safetensors"))
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     from gristmill.tokenizer import convert_gguf_tokenizer
-    convert_gguf_tokenizer(gguf_path, out_dir)
+    convert_gguf_tokenizer(reader.fields, model_type, out_dir)
 
 
 def _field(reader, key: str, default=None):
-    field = reader.get_field(key)
-    if field is None:
-        return default
-    value = field.contents()
-    return value
+    """A metadata value as plain Python (an array of numbers as a list)."""
+    value = reader.get(key, default)
+    return value.tolist() if isinstance(value, np.ndarray) else value
 
 
 def _gguf_config(reader, arch: str, model_type: str) -> dict:
@@ -147,7 +147,11 @@ def _gguf_config(reader, arch: str, model_type: str) -> dict:
         value = _field(reader, f"{arch}.{key}")
         if value is not None:
             config[hf_key] = value
-    config["vocab_size"] = len(reader.get_field("tokenizer.ggml.tokens").data)
+    tokens = reader.get("tokenizer.ggml.tokens")
+    if tokens is None:
+        raise ValueError(f"{reader.path} has no tokenizer.ggml.tokens: a GGUF without its vocabulary "
+                         f"cannot be converted")
+    config["vocab_size"] = len(tokens)
     theta = _field(reader, f"{arch}.rope.freq_base")
     if arch == "gemma3":
         config["architectures"] = ["Gemma3ForCausalLM"]

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 
-from gristmill.model.loader import _unpermute_rotary, resolve_model
+from gristmill.model.loader import _unpermute_rotary, convert_gguf, resolve_model
+
+TEXT = Path(__file__).parent.parent / "data" / "public_domain_english.txt"
 
 
 def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -58,3 +63,192 @@ def test_resolve_model_directory_without_config(tmp_path):
 def test_resolve_model_accepts_hf_directory(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     assert resolve_model(str(tmp_path)) == tmp_path
+
+
+# -- GGUF conversion of tiny models of each supported family --------------------------------
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN = 64, 2, 1, 32, 128
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def _trained_bpe(byte_level: bool) -> tuple[list[str], list[str]]:
+    """(tokens by id, merges) of a small BPE trained on the test text."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    if byte_level:
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
+    else:
+        tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+        alphabet = []
+    trainer = trainers.BpeTrainer(vocab_size=500, initial_alphabet=alphabet, show_progress=False)
+    tokenizer.train([str(TEXT)], trainer)
+    model = json.loads(tokenizer.to_str())["model"]
+    tokens = sorted(model["vocab"], key=model["vocab"].get)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    return tokens, merges
+
+
+def _add_byte_level_vocab(writer, arch: str) -> int:
+    """A gpt2-style vocabulary (Qwen, Llama 3): byte-level tokens, merges, control tokens."""
+    tokens, merges = _trained_bpe(byte_level=True)
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("llama-bpe" if arch == "llama" else "qwen2")
+    writer.add_token_list(tokens + specials + ["<think>"])
+    writer.add_token_types([1] * len(tokens) + [3] * len(specials) + [4])
+    writer.add_token_merges(merges)
+    writer.add_eos_token_id(len(tokens) + 2)
+    writer.add_pad_token_id(len(tokens))
+    if arch == "llama":
+        writer.add_bos_token_id(len(tokens) + 1)
+        writer.add_add_bos_token(True)
+    else:
+        writer.add_add_bos_token(False)
+    writer.add_chat_template(CHAT_TEMPLATE)
+    return len(tokens) + len(specials) + 1
+
+
+def _add_sentencepiece_vocab(writer, arch: str) -> int:
+    """A sentencepiece-style vocabulary (Llama 2, Gemma): byte tokens, scored pieces, no merges."""
+    pieces, _ = _trained_bpe(byte_level=False)
+    if arch == "gemma3":
+        specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>"]
+        special_types = [3, 3, 3, 2, 4, 3, 3]
+        pieces = ["\n", "  ", "   "] + pieces
+    else:
+        specials, special_types = ["<unk>", "<s>", "</s>"], [2, 3, 3]
+    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
+    tokens = specials + byte_tokens + pieces
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(special_types + [6] * 256 + [1] * len(pieces))
+    writer.add_token_scores([0.0] * (len(specials) + 256) + [-float(i) for i in range(len(pieces))])
+    ids = {t: i for i, t in enumerate(tokens)}
+    writer.add_bos_token_id(ids["<bos>" if arch == "gemma3" else "<s>"])
+    writer.add_eos_token_id(ids["<eos>" if arch == "gemma3" else "</s>"])
+    writer.add_unk_token_id(ids["<unk>"])
+    if arch == "gemma3":
+        writer.add_pad_token_id(ids["<pad>"])
+        writer.add_add_bos_token(True)
+    return len(tokens)
+
+
+def _layer_tensors(arch: str) -> dict[str, tuple[int, ...]]:
+    shapes = {"attn_q.weight": (HEADS * HEAD_DIM, HIDDEN), "attn_k.weight": (KV_HEADS * HEAD_DIM, HIDDEN),
+              "attn_v.weight": (KV_HEADS * HEAD_DIM, HIDDEN), "attn_output.weight": (HIDDEN, HEADS * HEAD_DIM),
+              "ffn_gate.weight": (FFN, HIDDEN), "ffn_up.weight": (FFN, HIDDEN), "ffn_down.weight": (HIDDEN, FFN),
+              "attn_norm.weight": (HIDDEN,), "ffn_norm.weight": (HIDDEN,)}
+    if arch == "qwen2":
+        shapes.update({"attn_q.bias": (HEADS * HEAD_DIM,), "attn_k.bias": (KV_HEADS * HEAD_DIM,),
+                       "attn_v.bias": (KV_HEADS * HEAD_DIM,)})
+    if arch in ("qwen3", "gemma3"):
+        shapes.update({"attn_q_norm.weight": (HEAD_DIM,), "attn_k_norm.weight": (HEAD_DIM,)})
+    if arch == "gemma3":
+        shapes.update({"post_attention_norm.weight": (HIDDEN,), "post_ffw_norm.weight": (HIDDEN,)})
+    return shapes
+
+
+def write_tiny_gguf(path: Path, arch: str, vocab: str) -> Path:
+    """A one-layer `arch` model with a `vocab` ("gpt2" or "llama") vocabulary; the token
+    embedding is Q8_0, the output F16, the rest F32."""
+    import gguf
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(f"tiny-{arch}")
+    writer.add_context_length(256)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_block_count(1)
+    writer.add_feed_forward_length(FFN)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_freq_base(10000.0)
+    if arch != "llama":
+        writer.add_key_length(HEAD_DIM)
+        writer.add_value_length(HEAD_DIM)
+    if arch == "gemma3":
+        writer.add_sliding_window(128)
+    n_vocab = (_add_byte_level_vocab if vocab == "gpt2" else _add_sentencepiece_vocab)(writer, arch)
+    rng = np.random.default_rng(len(arch))
+    embedding = rng.standard_normal((n_vocab, HIDDEN)).astype(np.float32)
+    writer.add_tensor("token_embd.weight", gguf.quantize(embedding, gguf.GGMLQuantizationType.Q8_0),
+                      raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.add_tensor("output_norm.weight", rng.standard_normal(HIDDEN).astype(np.float32))
+    if arch != "gemma3":
+        writer.add_tensor("output.weight", rng.standard_normal((n_vocab, HIDDEN)).astype(np.float16))
+    for name, shape in _layer_tensors(arch).items():
+        writer.add_tensor(f"blk.0.{name}", rng.standard_normal(shape).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+FAMILIES = [("llama", "llama"), ("llama", "gpt2"), ("qwen2", "gpt2"), ("qwen3", "gpt2"), ("gemma3", "llama")]
+
+
+@pytest.mark.parametrize("arch, vocab", FAMILIES)
+def test_convert_gguf_tokenizer_is_what_transformers_builds(tmp_path, arch, vocab):
+    """The tokenizer files convert_gguf writes from its own parse of the file are the ones
+    transformers writes when it reads the file itself."""
+    from transformers import AutoTokenizer
+
+    path = write_tiny_gguf(tmp_path / "src" / "tiny.gguf", arch, vocab)
+    out = tmp_path / "out"
+    out.mkdir()
+    convert_gguf(path, out)
+    reference = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    reference.save_pretrained(str(tmp_path / "ref"))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (out / name).read_text() == (tmp_path / "ref" / name).read_text(), name
+
+
+@pytest.mark.parametrize("arch, vocab", FAMILIES)
+def test_convert_gguf_config_and_weights(tmp_path, arch, vocab):
+    import gguf
+    from safetensors.numpy import load_file
+
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", arch, vocab)
+    out = tmp_path / "out"
+    out.mkdir()
+    convert_gguf(path, out)
+    config = json.loads((out / "config.json").read_text())
+    n_vocab = len(gguf.GGUFReader(str(path)).get_field("tokenizer.ggml.tokens").data)
+    assert config["model_type"] == {"gemma3": "gemma3_text"}.get(arch, arch)
+    assert (config["vocab_size"], config["hidden_size"], config["num_hidden_layers"]) == (n_vocab, HIDDEN, 1)
+    assert config["rms_norm_eps"] == float(np.float32(1e-6))
+    assert config["tie_word_embeddings"] == (arch == "gemma3")
+    weights = load_file(str(out / "model.safetensors"))
+    assert weights["model.embed_tokens.weight"].shape == (n_vocab, HIDDEN)
+    assert weights["model.layers.0.mlp.down_proj.weight"].shape == (HIDDEN, FFN)
+    assert all(w.dtype == np.float32 for w in weights.values())
+    if arch == "qwen2":
+        assert weights["model.layers.0.self_attn.q_proj.bias"].shape == (HEADS * HEAD_DIM,)
+
+
+def test_gguf_special_token_id_out_of_range_is_a_value_error():
+    from gristmill.tokenizer import gguf_tokenizer_settings
+
+    with pytest.raises(ValueError, match="bos_token_id 5 is not a token id"):
+        gguf_tokenizer_settings({"tokenizer.ggml.tokens": ["a", "b"], "tokenizer.ggml.bos_token_id": 5})
+
+
+def test_convert_gguf_without_vocabulary_is_a_value_error(tmp_path):
+    import gguf
+
+    path = tmp_path / "novocab.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_embedding_length(HIDDEN)
+    writer.add_tensor("output_norm.weight", np.ones(HIDDEN, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="no tokenizer.ggml.tokens"):
+        convert_gguf(path, tmp_path)
