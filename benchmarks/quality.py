@@ -1,8 +1,8 @@
-"""What int8 costs in quality: perplexity on the fixed public-domain English text the tests
-ship (tests/data/public_domain_english.txt), float vs int8, and greedy agreement of int8
-with float on a set of prompts (tokens before the first difference).
+"""What quantization costs in quality: perplexity on the fixed public-domain English text
+the tests ship (tests/data/public_domain_english.txt), float vs int8 vs q4, and greedy
+agreement of each with float on a set of prompts (tokens before the first difference).
 
-    python benchmarks/quality.py [--model PATH] [--max-tokens 32]
+    python benchmarks/quality.py [--model PATH] [--max-tokens 32] [--schemes int8,q4]
 """
 
 from __future__ import annotations
@@ -25,22 +25,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None)
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--schemes", default="int8,q4", help="quantizations to compare with float")
     args = parser.parse_args()
 
-    results = {q: perplexity(TEXT.read_text(), q, args.model) for q in (None, "int8")}
-    (float_ppl, num_tokens), (int8_ppl, _) = results[None], results["int8"]
-    print(f"perplexity over {num_tokens} tokens: float {float_ppl:.3f}  int8 {int8_ppl:.3f} "
-          f"({int8_ppl / float_ppl - 1:+.2%})")
+    schemes = [s for s in args.schemes.split(",") if s]
+    results = {q: perplexity(TEXT.read_text(), q, args.model) for q in [None, *schemes]}
+    float_ppl, num_tokens = results[None]
+    print(f"perplexity over {num_tokens} tokens: float {float_ppl:.3f}  " + "  ".join(
+        f"{q} {results[q][0]:.3f} ({results[q][0] / float_ppl - 1:+.2%})" for q in schemes))
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     outs = {q: LLM(args.model, device="cpu", quantization=q).generate(PROMPTS, params, use_tqdm=False)
-            for q in (None, "int8")}
-    prefixes = tokens_before_first_difference(outs["int8"], outs[None])
-    identical = sum(p == args.max_tokens for p in prefixes)
-    print(f"greedy agreement over {len(PROMPTS)} prompts x {args.max_tokens} tokens: "
-          f"{sum(prefixes) / (len(PROMPTS) * args.max_tokens):.1%} of tokens before the first difference; "
-          f"{identical}/{len(PROMPTS)} prompts identical; first differences at {prefixes}")
-
+            for q in [None, *schemes]}
+    for q in schemes:
+        prefixes = tokens_before_first_difference(outs[q], outs[None])
+        identical = sum(p == args.max_tokens for p in prefixes)
+        print(f"{q}: greedy agreement over {len(PROMPTS)} prompts x {args.max_tokens} tokens: "
+              f"{sum(prefixes) / (len(PROMPTS) * args.max_tokens):.1%} of tokens before the first difference; "
+              f"{identical}/{len(PROMPTS)} prompts identical; first differences at {prefixes}")
 
 if __name__ == "__main__":
     main()

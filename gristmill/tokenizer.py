@@ -97,7 +97,7 @@ def eos_token_ids(tokenizer, model_dir: Path, config) -> frozenset[int]:
     return frozenset(ids)
 
 
-def convert_gguf_tokenizer(metadata: dict, model_type: str, out_dir: Path) -> None:
+def convert_gguf_tokenizer(metadata: dict, model_type: str, out_dir: Path, gguf_path: Path | None = None) -> None:
     """Build an HF tokenizer from a GGUF file's metadata and save it into `out_dir`.
 
     `metadata` is `GGUFFile.fields` of the file (gristmill.model.gguf_file). This does
@@ -107,8 +107,14 @@ def convert_gguf_tokenizer(metadata: dict, model_type: str, out_dir: Path) -> No
     `transformers.integrations.gguf.convert_gguf_tokenizer`, and the tokenizer class
     AutoTokenizer picks for the model type. The saved files are the same.
     """
-    from transformers.integrations.gguf import convert_gguf_tokenizer as build_backend
-
+    try:
+        from transformers.integrations.gguf import convert_gguf_tokenizer as build_backend
+    except ImportError:  # another transformers layout: let it read the file itself (slower)
+        if gguf_path is None:
+            raise
+        from transformers import AutoTokenizer
+        AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name).save_pretrained(str(out_dir))
+        return
     tokenizer_dict, tokenizer_config = gguf_tokenizer_settings(metadata)
     backend, extra_kwargs = build_backend(metadata["general.architecture"], tokenizer_dict)
     # is_local / local_files_only: what from_pretrained passes and save_pretrained writes

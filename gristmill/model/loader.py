@@ -132,7 +132,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     save_file(tensors, str(out_dir / "model.safetensors"))
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     from gristmill.tokenizer import convert_gguf_tokenizer
-    convert_gguf_tokenizer(reader.fields, model_type, out_dir)
+    convert_gguf_tokenizer(reader.fields, model_type, out_dir, gguf_path)
 
 
 def _field(reader, key: str, default=None):
