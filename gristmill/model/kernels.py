@@ -1,8 +1,8 @@
 """Optional C++ kernels, compiled once per machine on first use.
 
-`paged_decode_attention()` and `int8_extension()` return the compiled op / module, or
-None when it cannot be built (no compiler, GRISTMILL_KERNELS=0): callers then use a
-pure-torch path, which gives the same results, only slower.
+`paged_decode_attention()`, `fused_ops()` and `int8_extension()` return the compiled op /
+module, or None when it cannot be built (no compiler, GRISTMILL_KERNELS=0): callers then
+use a pure-torch path, which gives the same results, only slower.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def _build(name: str, sources: list[Path], flags: list[str]):
     # Headers count too: a changed header rebuilds every source that includes it.
     inputs = sorted(sources) + sorted(_CSRC.glob("*.h"))
     key = hashlib.sha256(b"".join(p.read_bytes() for p in inputs) + " ".join(flags).encode()
-                         + torch.__version__.encode()).hexdigest()[:12]
+                         + torch.__version__.encode() + _cpu_identity(flags)).hexdigest()[:12]
     build_dir = cache_root() / "kernels" / key
     build_dir.mkdir(parents=True, exist_ok=True)
     try:
@@ -50,9 +50,24 @@ def _build(name: str, sources: list[Path], flags: list[str]):
         return None
 
 
+def _cpu_identity(flags: list[str]) -> bytes:
+    """What a -march=native build depends on: the CPU's model and feature flags, so a
+    cache shared between machines never hands one a binary built for another."""
+    if "-march=native" not in flags:
+        return b""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        import platform
+        return platform.processor().encode()
+    wanted = [line for line in lines if line.startswith(("model name", "flags"))]
+    return "\n".join(dict.fromkeys(wanted)).encode()
+
+
 @functools.cache
-def _attention_extension():
-    return _build("paged_attention", [_CSRC / "paged_attention.cpp"], ["-O3", "-march=native", "-fopenmp"])
+def _cpu_ops_extension():
+    sources = [_CSRC / "fused_ops.cpp", _CSRC / "paged_attention.cpp"]
+    return _build("cpu_ops", sources, ["-O3", "-march=native", "-fopenmp"])
 
 
 @functools.cache
@@ -64,8 +79,14 @@ def _int8_extension():
 
 
 def paged_decode_attention():
-    ext = _attention_extension()
+    ext = _cpu_ops_extension()
     return None if ext is None else ext.paged_decode_attention
+
+
+def fused_ops():
+    """The extension with the fused CPU float32 ops (`rms_norm`, `residual_norm`,
+    `qkv_rotary`; see csrc/fused_ops.cpp), or None."""
+    return _cpu_ops_extension()
 
 
 def int8_extension():

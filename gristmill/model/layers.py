@@ -9,8 +9,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gristmill.model import kernels
 from gristmill.model.context import get_context
 from gristmill.model.kernels import paged_decode_attention
+
+_EMPTY = torch.empty(0)
+
+
+def cpu_ops(x: torch.Tensor, fused: bool = True):
+    """The fused-op extension (csrc/fused_ops.cpp) when x can use it (CPU, float32) and
+    `fused`, else None: callers then spell the same arithmetic out in torch (the
+    reference the fused ops are tested against)."""
+    if not fused or x.device.type != "cpu" or x.dtype != torch.float32:
+        return None
+    return kernels.fused_ops()
 
 
 class RMSNorm(nn.Module):
@@ -22,10 +34,19 @@ class RMSNorm(nn.Module):
         self.offset = offset
         self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def float_weight(self) -> torch.Tensor:
+        """The weight as the fused ops take it: float32, contiguous (it already is, in a
+        float32 model)."""
+        weight = self._parameters["weight"]
+        if weight.dtype != torch.float32 or not weight.is_contiguous():
+            weight = weight.float().contiguous()
+        return weight
+
+    def forward(self, x: torch.Tensor, fused: bool = True) -> torch.Tensor:
+        ops = cpu_ops(x, fused)
+        if ops is not None:
+            return ops.rms_norm(x, self.float_weight(), self.offset, self.eps)
         dtype = x.dtype
-        # One fused op for x * rsqrt(mean(x^2) + eps): 4x faster than spelling it out, which
-        # counts at batch 1 (108 norms a step in Gemma 3 270M).
         x = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         if self.offset:
             return (x * (self.offset + self.weight.float())).to(dtype)
@@ -176,6 +197,44 @@ class PagedAttention(nn.Module):
             out = F.scaled_dot_product_attention(query, keys, values, is_causal=True,
                                                  scale=self.scale, enable_gqa=True)
         return out[0].transpose(0, 1)  # (num_new, num_heads, head_dim)
+
+
+def residual_norm(x: torch.Tensor, delta: torch.Tensor, delta_norm: RMSNorm | None,
+                  out_norm: RMSNorm | None, fused: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The residual stream around a sublayer: x + delta_norm(delta) (x + delta without a
+    delta_norm), and out_norm of that, the next sublayer's input (None without out_norm)."""
+    ops = cpu_ops(x, fused)
+    if delta_norm and out_norm and (delta_norm.offset, delta_norm.eps) != (out_norm.offset, out_norm.eps):
+        ops = None  # the fused op takes one offset and eps for both
+    if ops is not None:
+        norm = delta_norm or out_norm
+        x, h = ops.residual_norm(x, delta, delta_norm.float_weight() if delta_norm else _EMPTY,
+                                 out_norm.float_weight() if out_norm else _EMPTY,
+                                 norm.offset if norm else 0.0, norm.eps if norm else 0.0)
+        return x, h if out_norm else None
+    x = x + (delta_norm(delta, fused=False) if delta_norm else delta)
+    return x, out_norm(x, fused=False) if out_norm else None
+
+
+def attention_inputs(module: nn.Module, positions: torch.Tensor, x: torch.Tensor,
+                     q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None, fused: bool = True):
+    """q (n, num_heads, head_dim), k and v (n, num_kv_heads, head_dim) of an attention
+    module (num_heads, num_kv_heads, head_dim, rotary, q/k/v projections): projected,
+    q and k normed per head when the family does, rotated."""
+    n, heads, kv_heads, dim = x.shape[0], module.num_heads, module.num_kv_heads, module.head_dim
+    q, k, v = project(module, x, *QKV)
+    ops = cpu_ops(q, fused)
+    if ops is not None:
+        has_norm = q_norm is not None
+        return ops.qkv_rotary(q, k, v, heads, kv_heads, dim,
+                              q_norm.float_weight() if has_norm else _EMPTY,
+                              k_norm.float_weight() if has_norm else _EMPTY,
+                              q_norm.offset if has_norm else 0.0, q_norm.eps if has_norm else 0.0,
+                              module.rotary.cos, module.rotary.sin, positions)
+    q, k, v = q.view(n, heads, dim), k.view(n, kv_heads, dim), v.view(n, kv_heads, dim)
+    if q_norm is not None:
+        q, k = q_norm(q, fused=False), k_norm(k, fused=False)
+    return module.rotary(positions, q), module.rotary(positions, k), v
 
 
 def project(module: nn.Module, x: torch.Tensor, fused: str, parts: tuple[str, ...]) -> list[torch.Tensor]:

@@ -153,18 +153,42 @@ class QuantizedLinear(nn.Module):
             layer.bias = linear.bias.detach().float().clone()
         return layer
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).float()
+    def __setattr__(self, name: str, value) -> None:
+        super().__setattr__(name, value)
+        object.__setattr__(self, "_call", None)  # a buffer or the isa changed: bind again
+
+    def _apply(self, *args, **kwargs):
+        object.__setattr__(self, "_call", None)  # .to() and friends replace the buffers
+        return super()._apply(*args, **kwargs)
+
+    def _bind(self):
+        """The function of one (rows, in_features) float32 input and an output buffer that
+        runs this layer: the kernel with its weights, bias and code path bound (a batch-1
+        step makes ~70 of these calls, so looking each of them up every time counts)."""
         ext = kernels.int8_extension()
         if ext is None:
-            out = self.reference(flat)
+            call = lambda flat, out: self.reference(flat)  # noqa: E731
         else:
+            kernel = getattr(ext, self.kernel)
             isa = ext.best_isa() if self.isa is None else self.isa
-            bias = self.bias if self.bias is not None else flat.new_empty(0)
+            bias = self.bias if self.bias is not None else _EMPTY
             weights = [getattr(self, name) for name in self._buffers_of_kernel]
-            out = getattr(ext, self.kernel)(flat, *weights, bias, self.out_features, isa,
-                                            self._output(flat.shape[0]))
-        return out.view(*x.shape[:-1], self.out_features).to(x.dtype)
+            n = self.out_features
+
+            def call(flat, out):
+                return kernel(flat, *weights, bias, n, isa, out)
+        object.__setattr__(self, "_call", call)
+        return call
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        call = self._call or self._bind()
+        flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        if flat.dtype != torch.float32:
+            flat = flat.float()
+        out = call(flat, self._output(flat.shape[0]) if self.reuse_output else _EMPTY)
+        if x.dim() != 2:
+            out = out.view(*x.shape[:-1], self.out_features)
+        return out if out.dtype == x.dtype else out.to(x.dtype)
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """The kernel's arithmetic in plain torch (same rounding, same int32 block sums,
@@ -180,8 +204,6 @@ class QuantizedLinear(nn.Module):
         return out if self.bias is None else out + self.bias
 
     def _output(self, rows: int) -> torch.Tensor:
-        if not self.reuse_output:
-            return _EMPTY
         if self._out is None or self._out.shape[0] < rows:
             self._out = torch.empty(rows, self.out_features)
         return self._out[:rows]

@@ -1,13 +1,16 @@
-"""The compiled paged decode attention against the pure-torch path."""
+"""The compiled CPU ops against the pure-torch paths: paged decode attention, and the
+fused norms, residual adds and q/k/v preparation."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
+from gristmill.model import kernels
 from gristmill.model.context import AttentionMetadata
 from gristmill.model.kernels import paged_decode_attention
-from gristmill.model.layers import PagedAttention
+from gristmill.model.layers import PagedAttention, RMSNorm, RotaryEmbedding, attention_inputs, residual_norm
 
 
 @pytest.mark.parametrize("window", [None, 5])
@@ -34,3 +37,88 @@ def test_compiled_decode_matches_torch_path(heads, kv_heads, window):
     expected = attn.decode_reference(q, ctx)
     got = kernel(q, attn.k_cache, attn.v_cache, tables, lens, attn.scale, window or 0)
     assert (got - expected).abs().max().item() < 1e-5
+
+
+# -- the fused CPU ops (csrc/fused_ops.cpp) against the torch arithmetic they replace ----
+
+def _fused_ops_or_skip():
+    if kernels.fused_ops() is None:
+        pytest.skip("C++ kernels could not be built on this machine")
+
+
+def _norm(dim: int, offset: float, seed: int) -> RMSNorm:
+    norm = RMSNorm(dim, 1e-6, offset=offset)
+    norm.weight.data = torch.randn(dim, generator=torch.Generator().manual_seed(seed)) * 0.5 + (0 if offset else 1)
+    return norm
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+@pytest.mark.parametrize("shape", [(1, 640), (3, 4, 32), (300, 96)])  # 300 rows: split across threads
+def test_fused_rms_norm_matches_torch(offset, shape):
+    _fused_ops_or_skip()
+    norm = _norm(shape[-1], offset, seed=1)
+    x = torch.randn(*shape) * 3
+    with torch.inference_mode():
+        torch.testing.assert_close(norm(x), norm(x, fused=False), rtol=1e-5, atol=1e-5)
+        norm.weight.data.mul_(2)  # an in-place change to the weight is seen
+        torch.testing.assert_close(norm(x), norm(x, fused=False), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("delta_norm", [False, True])
+@pytest.mark.parametrize("out_norm", [False, True])
+def test_fused_residual_norm_matches_torch(delta_norm, out_norm):
+    _fused_ops_or_skip()
+    dim = 64
+    norms = (_norm(dim, 1.0, seed=2) if delta_norm else None, _norm(dim, 1.0, seed=3) if out_norm else None)
+    for rows in (1, 700):
+        x, delta = torch.randn(rows, dim), torch.randn(rows, dim) * 4
+        with torch.inference_mode():
+            got_x, got_h = residual_norm(x, delta, *norms)
+            want_x, want_h = residual_norm(x, delta, *norms, fused=False)
+        torch.testing.assert_close(got_x, want_x, rtol=1e-5, atol=1e-5)
+        assert (got_h is None) == (want_h is None) == (not out_norm)
+        if out_norm:
+            torch.testing.assert_close(got_h, want_h, rtol=1e-5, atol=1e-5)
+
+
+class _Attention(nn.Module):
+    """The attributes attention_inputs reads: head counts, rotary, q/k/v projections
+    (one fused projection, as quantization makes it, or three)."""
+
+    def __init__(self, heads: int, kv_heads: int, head_dim: int, fused_qkv: bool):
+        super().__init__()
+        hidden = 48
+        self.num_heads, self.num_kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.rotary = RotaryEmbedding(head_dim, 64, {"rope_theta": 10000.0})
+        sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+        if fused_qkv:
+            self.qkv_proj = nn.Linear(hidden, sum(sizes))
+            self.qkv_proj.split_sizes = sizes
+        else:
+            self.q_proj, self.k_proj, self.v_proj = (nn.Linear(hidden, n) for n in sizes)
+
+
+@pytest.mark.parametrize("fused_qkv", [False, True])
+@pytest.mark.parametrize("qk_norm", [None, 0.0, 1.0])  # none (Llama), Qwen3's, Gemma's (1 + w)
+@pytest.mark.parametrize("heads,kv_heads", [(4, 1), (4, 4)])
+def test_fused_attention_inputs_match_torch(fused_qkv, qk_norm, heads, kv_heads):
+    _fused_ops_or_skip()
+    torch.manual_seed(0)
+    head_dim = 16
+    module = _Attention(heads, kv_heads, head_dim, fused_qkv)
+    norms = (None, None) if qk_norm is None else (_norm(head_dim, qk_norm, 4), _norm(head_dim, qk_norm, 5))
+    positions = torch.tensor([0, 7, 3, 63, 12])  # scattered, up to the table's last row
+    x = torch.randn(len(positions), 48)
+    with torch.inference_mode():
+        got = attention_inputs(module, positions, x, *norms)
+        want = attention_inputs(module, positions, x, *norms, fused=False)
+    for name, g, w in zip("qkv", got, want):
+        assert g.shape == w.shape, name
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_fused_attention_inputs_refuse_a_position_past_the_table():
+    _fused_ops_or_skip()
+    module = _Attention(2, 1, 16, fused_qkv=True)
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="position 64 is past the rotary table"):
+        attention_inputs(module, torch.tensor([3, 64]), torch.randn(2, 48))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gristmill.model.layers import QKV, GatedMLP, PagedAttention, RMSNorm, project, shared_rotary
+from gristmill.model.layers import GatedMLP, PagedAttention, RMSNorm, attention_inputs, residual_norm, shared_rotary
 
 
 class Gemma3Attention(nn.Module):
@@ -29,13 +29,8 @@ class Gemma3Attention(nn.Module):
                                    sliding_window=config.sliding_window if sliding else None)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        n = x.shape[0]
-        q, k, v = project(self, x, *QKV)
-        q = self.q_norm(q.view(n, self.num_heads, self.head_dim))
-        k = self.k_norm(k.view(n, self.num_kv_heads, self.head_dim))
-        v = v.view(n, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q), self.rotary(positions, k)
-        return self.o_proj(self.attn(q, k, v).reshape(n, -1))
+        q, k, v = attention_inputs(self, positions, x, self.q_norm, self.k_norm)
+        return self.o_proj(self.attn(q, k, v).reshape(x.shape[0], -1))
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -50,8 +45,9 @@ class Gemma3DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = RMSNorm(dim, eps, offset=1.0)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(x)))
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        attn = self.self_attn(positions, self.input_layernorm(x))
+        x, h = residual_norm(x, attn, self.post_attention_layernorm, self.pre_feedforward_layernorm)
+        return residual_norm(x, self.mlp(h), self.post_feedforward_layernorm, None)[0]
 
 
 class Gemma3TextModel(nn.Module):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gristmill.model.layers import QKV, GatedMLP, PagedAttention, RMSNorm, project, shared_rotary
+from gristmill.model.layers import GatedMLP, PagedAttention, RMSNorm, attention_inputs, residual_norm, shared_rotary
 
 
 class LlamaAttention(nn.Module):
@@ -28,15 +28,8 @@ class LlamaAttention(nn.Module):
                                    self.head_dim ** -0.5)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        n = x.shape[0]
-        q, k, v = project(self, x, *QKV)
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q), self.rotary(positions, k)
-        return self.o_proj(self.attn(q, k, v).reshape(n, -1))
+        q, k, v = attention_inputs(self, positions, x, self.q_norm, self.k_norm)
+        return self.o_proj(self.attn(q, k, v).reshape(x.shape[0], -1))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -49,8 +42,9 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, h = residual_norm(x, self.self_attn(positions, self.input_layernorm(x)), None,
+                             self.post_attention_layernorm)
+        return x + self.mlp(h)
 
 
 class LlamaModel(nn.Module):
