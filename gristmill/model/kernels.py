@@ -66,15 +66,18 @@ def _cpu_identity(flags: list[str]) -> bytes:
 
 @functools.cache
 def _cpu_ops_extension():
-    sources = [_CSRC / "fused_ops.cpp", _CSRC / "paged_attention.cpp"]
-    return _build("cpu_ops", sources, ["-O3", "-march=native", "-fopenmp"])
+    # The decode stack runs the quantized linear kernels too, so they are compiled in here
+    # as well (their vector paths are still picked at run time).
+    sources = ["fused_ops.cpp", "paged_attention.cpp", "decode_stack.cpp", "int8_linear.cpp", "q4_linear.cpp",
+               "isa.cpp"]
+    return _build("cpu_ops", [_CSRC / f for f in sources], ["-O3", "-march=native", "-fopenmp"])
 
 
 @functools.cache
 def _int8_extension():
     # No -march=native: the vector paths carry their own target attributes and are picked
     # at run time from what the CPU reports, so the portable path stays portable.
-    sources = ["linear_module.cpp", "int8_linear.cpp", "q4_linear.cpp"]
+    sources = ["linear_module.cpp", "int8_linear.cpp", "q4_linear.cpp", "isa.cpp"]
     return _build("quantized_linear", [_CSRC / f for f in sources], ["-O3", "-fopenmp"])
 
 

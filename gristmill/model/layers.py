@@ -265,8 +265,93 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation {activation!r} is not supported ({sorted(ACTIVATIONS)} are)")
+        self.activation = activation
         self.act = ACTIVATIONS[activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = project(self, x, *GATE_UP)
         return self.down_proj(self.act(gate) * up)
+
+
+_STACK_ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu": 2}
+
+
+class DecodeStack:
+    """A model's decoder layers as one C++ call (csrc/decode_stack.cpp), for steps where
+    every token is a decode: the same ops the layers' forward runs, without the Python
+    between them, which at batch 1 costs as much as the matmuls of a small model.
+
+    Used only where it applies: CPU float32 activations, q/k/v and gate/up fused into
+    int8 or q4 layers (as quantization makes them), and no prefill in the step. Each
+    decoder layer names its norms with `stack_norms()`: (in, attn_out, mlp_in, mlp_out),
+    None for those its family lacks."""
+
+    def __init__(self, layers: nn.ModuleList):
+        from gristmill.model import qlinear
+
+        kinds = {qlinear.Int8Linear: 1, qlinear.Q4Linear: 2}
+        ext = kernels.int8_extension()
+        tensors, ints, scales = [], [], []
+        first = layers[0]
+        for layer in layers:
+            attn_module, mlp = layer.self_attn, layer.mlp
+            linears = [getattr(attn_module, "qkv_proj", None), getattr(attn_module, "o_proj", None),
+                       getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None)]
+            if any(type(lin) not in kinds for lin in linears) or mlp.activation not in _STACK_ACTIVATIONS:
+                raise ValueError("the decode stack needs fused int8 or q4 projections")
+            norms = list(layer.stack_norms()) + [getattr(attn_module, "q_norm", None),
+                                                 getattr(attn_module, "k_norm", None)]
+            tensors += [n.float_weight() if n is not None else _EMPTY for n in norms]
+            for lin in linears:
+                tensors += [getattr(lin, name) for name in lin._buffers_of_kernel]
+                tensors.append(lin.bias if lin.bias is not None else _EMPTY)
+            rotary, attn = attn_module.rotary, attn_module.attn
+            tensors += [rotary.cos, rotary.sin, attn.k_cache, attn.v_cache]
+            isa = {lin.isa for lin in linears} - {None}
+            ints += [kinds[type(lin)] for lin in linears] + [lin.out_features for lin in linears]
+            ints += [attn.sliding_window or 0, isa.pop() if isa else ext.best_isa()]
+            scales.append(attn.scale)
+        norm = first.stack_norms()[0]
+        attn = first.self_attn
+        self.args = (tensors, ints, scales, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                     _STACK_ACTIVATIONS[first.mlp.activation], norm.offset, norm.eps)
+        self.key = self.key_of(layers)
+
+    @staticmethod
+    def key_of(layers: nn.ModuleList) -> tuple:
+        # What replacing the quantized layers or the KV cache changes.
+        attn = layers[0].self_attn
+        return id(getattr(attn, "qkv_proj", None)), id(attn.attn.k_cache), id(layers[-1].self_attn.attn.k_cache)
+
+    @classmethod
+    def of(cls, layers: nn.ModuleList, x: torch.Tensor) -> "DecodeStack | None":
+        """The stack for this step, or None where the layers must run one by one."""
+        ctx = get_context()
+        if ctx is None or ctx.prefills or ctx.num_decodes != x.shape[0] or cpu_ops(x) is None \
+                or kernels.int8_extension() is None:
+            return None
+        stack = layers.__dict__.get("_decode_stack", False)
+        if stack is not False and (stack is None or stack.key == cls.key_of(layers)):
+            return stack
+        try:
+            stack = cls(layers)
+        except ValueError:  # float projections, an unsupported activation: the layers run one by one
+            stack = None
+        layers.__dict__["_decode_stack"] = stack
+        return stack
+
+    def __call__(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        ctx = get_context()
+        return kernels.fused_ops().decode_stack(x, positions, ctx.slot_mapping, ctx.decode_block_tables,
+                                                ctx.decode_context_lens, *self.args)
+
+
+def run_layers(layers: nn.ModuleList, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """x through every decoder layer: in one C++ call when the step allows it (see
+    DecodeStack), else one layer after another."""
+    stack = DecodeStack.of(layers, x)
+    if stack is not None:
+        return stack(positions, x)
+    for layer in layers:
+        x = layer(positions, x)
+    return x

@@ -21,6 +21,8 @@ from gristmill.engine.kv_blocks import BlockManager  # noqa: E402
 from gristmill.engine.request import Request  # noqa: E402
 from gristmill.engine.messages import SampledToken
 from gristmill.engine.scheduler import Scheduler  # noqa: E402
+from gristmill.model.context import set_context  # noqa: E402
+from gristmill.model.layers import DecodeStack  # noqa: E402
 from gristmill.model.runner import ModelRunner  # noqa: E402
 from gristmill.sampling import SamplingParams  # noqa: E402
 
@@ -291,3 +293,42 @@ def test_large_vocab_many_rows(tmp_path):
                               max_tokens=3)
     facts = result.pop("_")
     assert result == {rid: 3 for rid in prompts} and facts["max_decode_batch"] == 9, facts
+
+
+@pytest.mark.parametrize("quantization", ["int8", "q4"])
+def test_decode_stack_equals_layer_by_layer(family, quantization):
+    """Quantized models run decode-only steps as one C++ call (layers.DecodeStack). At
+    every such step, with 1 to 3 sequences of different lengths decoding (past Gemma 3's
+    sliding window too), its hidden states are bit-identical to the layers run one by
+    one, so a request's tokens do not depend on whether a prefill shares its step."""
+    name, path, _ = family
+    runner = ModelRunner(EngineConfig(
+        model=str(path), device="cpu", dtype="float32", quantization=quantization, block_size=BLOCK_SIZE,
+        num_kv_blocks=64, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64))
+    bm = BlockManager(runner.num_blocks, BLOCK_SIZE, True)
+    sched = Scheduler(bm, 4, 64, runner.max_model_len)
+    for rid, n in (("a", 3), ("b", 12), ("c", 7)):
+        sched.add_request(Request(rid, _prompt(n, seed=n), SamplingParams(max_tokens=6 + n, temperature=0)))
+    layers = runner.model.model.layers
+    stacked_steps = 0
+    while sched.num_unfinished:
+        out = sched.schedule()
+        inputs = runner.prepare_inputs(out)
+        set_context(inputs.metadata)
+        try:
+            x = runner.model.model.embed_tokens(inputs.input_ids)
+            if name.startswith("gemma"):
+                x = x * torch.tensor(runner.model.model.embed_scale)
+            stack = DecodeStack.of(layers, x)
+            one_by_one = x
+            for layer in layers:
+                one_by_one = layer(inputs.positions, one_by_one)
+            if stack is not None:
+                stacked_steps += 1
+                assert torch.equal(stack(inputs.positions, x), one_by_one), f"step {stacked_steps}"
+        finally:
+            set_context(None)
+        logits = runner.model.compute_logits(runner.model.model.norm(one_by_one)[inputs.sample_indices])
+        sched.update(out, {item.request.request_id: SampledToken(int(logits[row].argmax()))
+                           for row, item in enumerate(inputs.sample_items)})
+    assert stacked_steps >= 10

@@ -3,7 +3,8 @@
 // Spelled out in torch each is 5-12 small ops; at batch 1 their dispatch, not their
 // arithmetic, is what costs (a decode step of Gemma 3 270M runs ~1000 of them).
 // Rows run in parallel only when there are enough of them to pay for waking threads.
-#include <torch/extension.h>
+#include "cpu_ops.h"
+
 #include <ATen/Parallel.h>
 
 #include <cmath>
@@ -174,16 +175,13 @@ std::vector<torch::Tensor> qkv_rotary(torch::Tensor q_in, torch::Tensor k_in, to
   return {q, k, v};
 }
 
-// paged_attention.cpp
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor context_lens,
-                                     double scale, int64_t window);
-
-// The CPU float32 extension: these fused ops and the paged decode attention.
+// The CPU float32 extension: these fused ops, the paged decode attention, and the decode
+// stack that runs a step's layers with them.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "decode attention over a paged KV cache (CPU, float32)");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension");
   m.def("residual_norm", &residual_norm, "x + norm(delta) * w, and the norm of that for the next sublayer");
   m.def("qkv_rotary", &qkv_rotary, "split fused qkv into heads, q/k norm, rotary");
+  m.def("decode_stack", &decode_stack, "a decode-only step's decoder layers in one call");
 }

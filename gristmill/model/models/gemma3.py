@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gristmill.model.layers import GatedMLP, PagedAttention, RMSNorm, attention_inputs, residual_norm, shared_rotary
+from gristmill.model.layers import GatedMLP, PagedAttention, RMSNorm, attention_inputs, residual_norm, run_layers, shared_rotary
 
 
 class Gemma3Attention(nn.Module):
@@ -44,6 +44,10 @@ class Gemma3DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = RMSNorm(dim, eps, offset=1.0)
         self.post_feedforward_layernorm = RMSNorm(dim, eps, offset=1.0)
 
+    def stack_norms(self) -> tuple:
+        """(in, attn_out, mlp_in, mlp_out) norms, for the decode stack (layers.DecodeStack)."""
+        return self.input_layernorm, self.post_attention_layernorm, self.pre_feedforward_layernorm, self.post_feedforward_layernorm
+
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         attn = self.self_attn(positions, self.input_layernorm(x))
         x, h = residual_norm(x, attn, self.post_attention_layernorm, self.pre_feedforward_layernorm)
@@ -63,9 +67,7 @@ class Gemma3TextModel(nn.Module):
         x = self.embed_tokens(input_ids)  # (num_tokens, hidden)
         # The scale is rounded to the activation dtype first, as the reference does.
         x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
-        for layer in self.layers:
-            x = layer(positions, x)
-        return self.norm(x)
+        return self.norm(run_layers(self.layers, positions, x))
 
 
 class Gemma3ForCausalLM(nn.Module):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gristmill.model.layers import GatedMLP, PagedAttention, RMSNorm, attention_inputs, residual_norm, shared_rotary
+from gristmill.model.layers import GatedMLP, PagedAttention, RMSNorm, attention_inputs, residual_norm, run_layers, shared_rotary
 
 
 class LlamaAttention(nn.Module):
@@ -41,6 +41,10 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
+    def stack_norms(self) -> tuple:
+        """(in, attn_out, mlp_in, mlp_out) norms, for the decode stack (layers.DecodeStack)."""
+        return self.input_layernorm, None, self.post_attention_layernorm, None
+
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         x, h = residual_norm(x, self.self_attn(positions, self.input_layernorm(x)), None,
                              self.post_attention_layernorm)
@@ -57,9 +61,7 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # (num_tokens, hidden)
-        for layer in self.layers:
-            x = layer(positions, x)
-        return self.norm(x)
+        return self.norm(run_layers(self.layers, positions, x))
 
 
 class LlamaForCausalLM(nn.Module):

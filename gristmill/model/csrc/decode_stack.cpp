@@ -1,0 +1,99 @@
+// A decode step's decoder layers in one call: for steps where every token is a decode
+// (batch 1 in particular), the ~20 Python-level calls a layer makes between its matmuls
+// cost as much as the matmuls of a small model. This runs the same ops, in the same
+// order, from C++: the fused norms and rotary, the quantized (or float) linears, the
+// KV cache write and the paged decode attention.
+//
+// Per layer, `tensors` holds kTensorsPerLayer entries (an empty tensor for what the
+// family lacks): the norms in, attn_out, mlp_in, mlp_out, q, k (Llama: in and mlp_in
+// only); the qkv, o, gate_up and down linears, 4 tensors each (for int8 / q4: packed
+// weight, scales, sums / minimums, bias; for float: weight, -, -, bias); the rotary cos
+// and sin tables; the layer's k and v cache. `ints` holds kIntsPerLayer: each linear's
+// kind (0 float, 1 int8, 2 q4) and out_features, the sliding window (0: none), and the
+// code path of the quantized kernels. `scales`: each layer's attention scale.
+#include "cpu_ops.h"
+#include "linear_common.h"
+
+#include <ATen/ATen.h>
+
+namespace {
+
+constexpr int64_t kTensorsPerLayer = 26;
+constexpr int64_t kIntsPerLayer = 10;
+enum Kind : int64_t { kFloat = 0, kInt8 = 1, kQ4 = 2 };
+
+torch::Tensor linear_of(const torch::Tensor& x, const torch::Tensor* t, int64_t kind, int64_t out_features,
+                        int64_t isa) {
+  static const torch::Tensor none;
+  switch (kind) {
+    case kInt8: return int8_linear(x, t[0], t[1], t[2], t[3], out_features, isa, torch::empty({0}));
+    case kQ4: return q4_linear(x, t[0], t[1], t[2], t[3], out_features, isa, torch::empty({0}));
+    default: return at::linear(x, t[0], t[3].numel() ? c10::optional<torch::Tensor>(t[3]) : c10::nullopt);
+  }
+}
+
+torch::Tensor act_mul(const torch::Tensor& gate_up, int64_t activation) {
+  const int64_t half = gate_up.size(1) / 2;
+  auto gate = gate_up.narrow(1, 0, half), up = gate_up.narrow(1, half, half);
+  torch::Tensor a;
+  if (activation == 0) a = at::silu(gate);
+  else if (activation == 1) a = at::gelu(gate, "tanh");
+  else a = at::gelu(gate);
+  return a.mul_(up);
+}
+
+// k, v: (n, kv_heads, head_dim) into their slots of the (blocks, block_size, kv_heads,
+// head_dim) caches.
+void write_cache(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_cache, torch::Tensor& v_cache,
+                 const int64_t* slots, int64_t n) {
+  const int64_t row = k.size(1) * k.size(2), num_slots = k_cache.numel() / row;
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(slots[i] >= 0 && slots[i] < num_slots, "slot ", slots[i], " is outside the KV cache");
+    std::copy(kp + i * row, kp + (i + 1) * row, kc + slots[i] * row);
+    std::copy(vp + i * row, vp + (i + 1) * row, vc + slots[i] * row);
+  }
+}
+
+}  // namespace
+
+torch::Tensor decode_stack(torch::Tensor x, torch::Tensor positions, torch::Tensor slot_mapping,
+                           torch::Tensor block_tables, torch::Tensor context_lens,
+                           std::vector<torch::Tensor> tensors, std::vector<int64_t> ints,
+                           std::vector<double> scales, int64_t num_heads, int64_t num_kv_heads,
+                           int64_t head_dim, int64_t activation, double norm_offset, double eps) {
+  const int64_t num_layers = static_cast<int64_t>(scales.size());
+  TORCH_CHECK(static_cast<int64_t>(tensors.size()) == num_layers * kTensorsPerLayer &&
+                  static_cast<int64_t>(ints.size()) == num_layers * kIntsPerLayer,
+              "decode_stack: ", kTensorsPerLayer, " tensors and ", kIntsPerLayer, " ints per layer");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "decode_stack: x must be (n, hidden) float32");
+  slot_mapping = slot_mapping.contiguous();
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == x.size(0),
+              "decode_stack: one int64 slot per token");
+  const int64_t n = x.size(0), q_width = num_heads * head_dim, kv_width = num_kv_heads * head_dim;
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  x = x.contiguous();
+  for (int64_t l = 0; l < num_layers; ++l) {
+    const torch::Tensor* t = tensors.data() + l * kTensorsPerLayer;
+    const int64_t* li = ints.data() + l * kIntsPerLayer;
+    const int64_t isa = li[9];
+    torch::Tensor k_cache = t[24], v_cache = t[25];
+
+    auto h = rms_norm(x, t[0], norm_offset, eps);
+    auto qkv = linear_of(h, t + 6, li[0], li[4], isa);
+    auto heads = qkv_rotary(qkv.narrow(1, 0, q_width), qkv.narrow(1, q_width, kv_width),
+                            qkv.narrow(1, q_width + kv_width, kv_width), num_heads, num_kv_heads, head_dim,
+                            t[4], t[5], norm_offset, eps, t[22], t[23], positions);
+    write_cache(heads[1], heads[2], k_cache, v_cache, slots, n);
+    auto attn = paged_decode_attention(heads[0], k_cache, v_cache, block_tables, context_lens, scales[l], li[8]);
+    auto o = linear_of(attn.view({n, q_width}), t + 10, li[1], li[5], isa);
+    auto res = residual_norm(x, o, t[1], t[2], norm_offset, eps);
+    auto gate_up = linear_of(res[1], t + 14, li[2], li[6], isa);
+    auto down = linear_of(act_mul(gate_up, activation), t + 18, li[3], li[7], isa);
+    x = residual_norm(res[0], down, t[3], torch::empty({0}), norm_offset, eps)[0];
+  }
+  return x;
+}
