@@ -315,13 +315,12 @@ class DecodeStack:
         attn = first.self_attn
         self.args = (tensors, ints, scales, attn.num_heads, attn.num_kv_heads, attn.head_dim,
                      _STACK_ACTIVATIONS[first.mlp.activation], norm.offset, norm.eps)
-        self.key = self.key_of(layers)
 
     @staticmethod
     def key_of(layers: nn.ModuleList) -> tuple:
-        # What replacing the quantized layers or the KV cache changes.
+        # What quantizing the model or reallocating the KV cache replaces (compared by identity).
         attn = layers[0].self_attn
-        return id(getattr(attn, "qkv_proj", None)), id(attn.attn.k_cache), id(layers[-1].self_attn.attn.k_cache)
+        return getattr(attn, "qkv_proj", None), attn.attn.k_cache, layers[-1].self_attn.attn.k_cache
 
     @classmethod
     def of(cls, layers: nn.ModuleList, x: torch.Tensor) -> "DecodeStack | None":
@@ -330,14 +329,15 @@ class DecodeStack:
         if ctx is None or ctx.prefills or ctx.num_decodes != x.shape[0] or cpu_ops(x) is None \
                 or kernels.int8_extension() is None:
             return None
-        stack = layers.__dict__.get("_decode_stack", False)
-        if stack is not False and (stack is None or stack.key == cls.key_of(layers)):
-            return stack
+        key = cls.key_of(layers)
+        cached = layers.__dict__.get("_decode_stack")
+        if cached is not None and all(old is new for old, new in zip(cached[0], key)):
+            return cached[1]
         try:
             stack = cls(layers)
         except ValueError:  # float projections, an unsupported activation: the layers run one by one
             stack = None
-        layers.__dict__["_decode_stack"] = stack
+        layers.__dict__["_decode_stack"] = (key, stack)
         return stack
 
     def __call__(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

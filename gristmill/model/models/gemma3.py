@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gristmill.model.layers import GatedMLP, PagedAttention, RMSNorm, attention_inputs, residual_norm, run_layers, shared_rotary
+from gristmill.model.layers import (GatedMLP, PagedAttention, RMSNorm, attention_inputs, residual_norm,
+                                    run_layers, shared_rotary)
 
 
 class Gemma3Attention(nn.Module):
@@ -46,7 +47,8 @@ class Gemma3DecoderLayer(nn.Module):
 
     def stack_norms(self) -> tuple:
         """(in, attn_out, mlp_in, mlp_out) norms, for the decode stack (layers.DecodeStack)."""
-        return self.input_layernorm, self.post_attention_layernorm, self.pre_feedforward_layernorm, self.post_feedforward_layernorm
+        return (self.input_layernorm, self.post_attention_layernorm, self.pre_feedforward_layernorm,
+                self.post_feedforward_layernorm)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         attn = self.self_attn(positions, self.input_layernorm(x))

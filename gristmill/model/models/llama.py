@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gristmill.model.layers import GatedMLP, PagedAttention, RMSNorm, attention_inputs, residual_norm, run_layers, shared_rotary
+from gristmill.model.layers import (GatedMLP, PagedAttention, RMSNorm, attention_inputs, residual_norm,
+                                    run_layers, shared_rotary)
 
 
 class LlamaAttention(nn.Module):
