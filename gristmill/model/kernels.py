@@ -87,8 +87,8 @@ def paged_decode_attention():
 
 
 def fused_ops():
-    """The extension with the fused CPU float32 ops (`rms_norm`, `residual_norm`,
-    `qkv_rotary`; see csrc/fused_ops.cpp), or None."""
+    """The CPU float32 extension: the fused ops (`rms_norm`, `residual_norm`, `qkv_rotary`;
+    csrc/fused_ops.cpp), `paged_decode_attention` and `decode_stack`; or None."""
     return _cpu_ops_extension()
 
 
