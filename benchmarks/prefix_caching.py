@@ -63,7 +63,7 @@ def main() -> None:
 
     from throughput import cpu_flags
 
-    from gristmill.model.loader import default_model_path
+    from gristmill.paths import default_model_path
 
     prompts = make_prompts(args.prompts, args.prefix_sentences)
     llms = {caching: LLM(args.model, device="cpu", quantization=args.quantization,

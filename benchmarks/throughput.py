@@ -9,6 +9,7 @@ this machine. Prints generated tokens per second per peer and the ratios.
 
     python benchmarks/throughput.py                      # default model, batch 1, 16, 64
     python benchmarks/throughput.py --batch-sizes 64 --workloads short
+    python benchmarks/throughput.py --device cuda --model DIR   # on a GPU: benchmarks/throughput_cuda.py
 """
 
 from __future__ import annotations
@@ -73,6 +74,13 @@ def cpu_flags() -> str:
 
 
 def main() -> None:
+    import sys
+    if "--device" in sys.argv:  # --device cuda: the GPU benchmark (benchmarks/throughput_cuda.py)
+        i = sys.argv.index("--device")
+        if sys.argv[i + 1].startswith("cuda"):
+            import throughput_cuda
+            sys.argv[i:i + 2] = []
+            return throughput_cuda.main()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="HF directory or GGUF file (default: bundled Gemma 3 270M)")
     parser.add_argument("--batch-sizes", default="1,16,64")
@@ -87,8 +95,8 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from gristmill.model.loader import default_model_path
-    from gristmill.model.quant import resolve_quantization
+    from gristmill.paths import default_model_path
+    from gristmill.model.cpu.quant import resolve_quantization
 
     llms = {}
     if "int8" in peers:

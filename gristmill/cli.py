@@ -205,7 +205,7 @@ def cmd_serve(args) -> int:
 
     from gristmill.engine.async_engine import AsyncEngine
     from gristmill.errors import EngineDeadError
-    from gristmill.model.loader import DEFAULT_MODEL_NAME
+    from gristmill.paths import DEFAULT_MODEL_NAME
     from gristmill.server.app import build_app
 
     config = engine_config(args)

@@ -28,8 +28,12 @@ class EngineConfig:
     model: str | None = _field(None, "HF model directory or GGUF file; None = the bundled Gemma 3 270M.")
     max_model_len: int | None = _field(None, "Longest prompt + output, in tokens; None = the model's own limit.")
     block_size: int = _field(16, "Tokens per KV cache block.")
-    kv_cache_memory_gb: float = _field(
-        1.0, "Memory given to the KV cache, in GiB; ignored when num_kv_blocks is set.")
+    kv_cache_memory_gb: float | None = _field(
+        None, "Memory given to the KV cache, in GiB; ignored when num_kv_blocks is set. None = 1 GiB on "
+              "CPU; on CUDA, what gpu_memory_utilization leaves after the weights and activations.")
+    gpu_memory_utilization: float = _field(
+        0.9, "Fraction of the GPU's memory the engine may use, weights included; the KV cache gets what "
+             "is left of it (CUDA only, when kv_cache_memory_gb and num_kv_blocks are unset).")
     num_kv_blocks: int | None = _field(None, "Exact number of KV cache blocks (overrides kv_cache_memory_gb).")
     max_num_batched_tokens: int = _field(
         2048, "Most tokens (prefill chunks + decodes) computed in one engine step.")
@@ -45,6 +49,9 @@ class EngineConfig:
                 "included, in int8: weights and each token's activations in blocks of 32 channels), "
                 '"q4" (4-bit weights, the LM head int8: fewer bytes a step, more quality lost, see '
                 'docs/performance.md) or None / "none" (the exact float path).')
+    enforce_eager: bool = _field(
+        False, "CUDA: run every step eagerly instead of replaying decode steps from CUDA graphs "
+               "(captured at start for batch sizes up to max_num_seqs).")
     seed: int = _field(
         0, "Seed of the engine's random stream, used by requests without a seed of their own.")
     cache_dir: str | None = _field(
@@ -67,8 +74,10 @@ class EngineConfig:
               f"must be a positive integer or None, got {self.max_model_len!r}")
         check(_positive_int(self.block_size) and self.block_size & (self.block_size - 1) == 0,
               "block_size", f"must be a positive power of two, got {self.block_size!r}")
-        check(isinstance(self.kv_cache_memory_gb, (int, float)) and self.kv_cache_memory_gb > 0,
-              "kv_cache_memory_gb", f"must be > 0, got {self.kv_cache_memory_gb!r}")
+        check(self.kv_cache_memory_gb is None or _positive_number(self.kv_cache_memory_gb),
+              "kv_cache_memory_gb", f"must be > 0 or None, got {self.kv_cache_memory_gb!r}")
+        check(_positive_number(self.gpu_memory_utilization) and self.gpu_memory_utilization <= 1,
+              "gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization!r}")
         check(self.num_kv_blocks is None or _positive_int(self.num_kv_blocks), "num_kv_blocks",
               f"must be a positive integer or None, got {self.num_kv_blocks!r}")
         check(_positive_int(self.max_num_seqs), "max_num_seqs",
@@ -92,7 +101,7 @@ class EngineConfig:
               "max_waiting_requests", f"must be a positive integer or None, got {self.max_waiting_requests!r}")
         for name in ("step_timeout_s", "start_timeout_s"):
             value = getattr(self, name)
-            check(isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0, name,
+            check(_positive_number(value), name,
                   f"must be a number of seconds > 0, got {value!r}")
 
     @classmethod
@@ -104,6 +113,10 @@ class EngineConfig:
             raise RequestError(f"unknown engine option(s) {unknown}; valid options: {sorted(known)}",
                                param=unknown[0])
         return cls(**kwargs)
+
+
+def _positive_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
 
 
 def _positive_int(value) -> bool:

@@ -170,7 +170,7 @@ class _Job:
 
     @functools.cached_property
     def model_name(self) -> str:
-        from gristmill.model.loader import DEFAULT_MODEL_NAME
+        from gristmill.paths import DEFAULT_MODEL_NAME
 
         return self.args.deployment_url if self.args.deployment_url else (
             self.config.engine.model or DEFAULT_MODEL_NAME)

@@ -1,67 +1,47 @@
-"""Attention metadata for one forward pass, reachable from every attention layer.
+"""What one forward pass runs with, reachable from every layer: the step's metadata
+(where its tokens go in the paged KV cache) and the backend whose arithmetic runs.
 
-The runner sets it before the forward and clears it after, so model `forward`
-signatures stay `(input_ids, positions)`.
-
-Token order contract: the first `num_decodes` tokens are one decode token each of
-`num_decodes` sequences; then each prefill chunk's tokens, contiguous, in the order of
-`prefills`. KV slot of a token = block_table[pos // block_size] * block_size
-+ pos % block_size, and `slot_mapping` holds that slot for every token of the step.
+The model runner sets both around each forward, so model `forward` signatures stay
+`(input_ids, positions)`. Outside a forward (unit tests calling a module directly),
+layers run the torch reference backend and attention has no metadata.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    from gristmill.model.backends.metadata import StepMetadata
+    from gristmill.model.backends.reference import Backend
 
-
-@dataclass
-class PrefillChunk:
-    start: int          # first token of the chunk in the step's token order
-    end: int            # one past its last token
-    context_len: int    # tokens of this sequence in the cache once the chunk is written
-    block_table: torch.Tensor  # (num_blocks_of_seq,) long
-
-    @property
-    def has_prior_context(self) -> bool:
-        return self.context_len > self.end - self.start
+_metadata: "StepMetadata | None" = None
+_backend: "Backend | None" = None
+_reference: "Backend | None" = None
 
 
-@dataclass
-class AttentionMetadata:
-    slot_mapping: torch.Tensor              # (num_tokens,) long
-    num_decodes: int
-    decode_block_tables: torch.Tensor | None  # (num_decodes, max_blocks) long
-    decode_context_lens: torch.Tensor | None  # (num_decodes,) long
-    prefills: list[PrefillChunk]
-    block_size: int
-    _decode_masks: dict = field(default_factory=dict)
-
-    def decode_mask(self, sliding_window: int | None) -> torch.Tensor:
-        """(num_decodes, 1, 1, max_len) bool: which cached keys each decode token sees."""
-        mask = self._decode_masks.get(sliding_window)
-        if mask is None:
-            max_len = self.decode_block_tables.shape[1] * self.block_size
-            key_pos = torch.arange(max_len, device=self.slot_mapping.device)
-            lens = self.decode_context_lens[:, None]
-            mask = key_pos[None, :] < lens
-            if sliding_window is not None:
-                mask &= key_pos[None, :] >= lens - sliding_window
-            mask = mask[:, None, None, :]
-            self._decode_masks[sliding_window] = mask
-        return mask
+@contextmanager
+def forward_context(metadata: "StepMetadata | None", backend: "Backend"):
+    global _metadata, _backend
+    saved = _metadata, _backend
+    _metadata, _backend = metadata, backend
+    try:
+        yield
+    finally:
+        _metadata, _backend = saved
 
 
-_context: AttentionMetadata | None = None
-
-
-def set_context(metadata: AttentionMetadata | None) -> None:
-    global _context
-    _context = metadata
-
-
-def get_context() -> AttentionMetadata:
-    if _context is None:
+def get_metadata() -> "StepMetadata":
+    if _metadata is None:
         raise RuntimeError("attention metadata is not set: run the model through ModelRunner")
-    return _context
+    return _metadata
+
+
+def current_backend() -> "Backend":
+    global _reference
+    if _backend is not None:
+        return _backend
+    if _reference is None:
+        from gristmill.model.backends.reference import Backend
+        _reference = Backend()
+    return _reference

@@ -1,4 +1,9 @@
-"""ModelRunner: owns the model and the KV cache, turns a SchedulerOutput into tokens."""
+"""ModelRunner: owns the model and the KV cache, turns a SchedulerOutput into tokens.
+
+At start it picks one backend (model/backends) from the device and dtype, and on CUDA
+sizes the KV cache from `gpu_memory_utilization` and captures decode steps as CUDA
+graphs (model/cuda/graphs.py). Each step: the scheduled tokens as one `HostStep`
+(numpy), uploaded once, one forward, the LM head over the sampled rows, the sampler."""
 
 from __future__ import annotations
 
@@ -11,11 +16,15 @@ import torch
 
 from gristmill.config import EngineConfig
 from gristmill.engine.messages import SampledToken, SchedulerOutput
-from gristmill.model import kernels, layers, quant
-from gristmill.model.context import AttentionMetadata, PrefillChunk, set_context
-from gristmill.model.loader import cache_root, load_config, load_weights, resolve_model
+from gristmill.model.backends import pick_backend
+from gristmill.model.backends.metadata import HostStep, StepMetadata, build_host_step
+from gristmill.model.context import forward_context
+from gristmill.model.cpu import quant
+from gristmill.model.layers import PagedAttention, RotaryEmbedding, clear_rotary_cache
+from gristmill.model.loader import load_config, load_weights, resolve_model
 from gristmill.model.models import model_class
 from gristmill.model.sampler import Sampler, SamplerRow
+from gristmill.paths import cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -44,57 +53,90 @@ def _tie_weights(model: torch.nn.Module) -> None:
 class StepInputs:
     input_ids: torch.Tensor       # (num_tokens,)
     positions: torch.Tensor       # (num_tokens,)
-    metadata: AttentionMetadata
+    metadata: StepMetadata
     sample_indices: torch.Tensor  # (num_samples,) rows of the hidden states to sample from
     sample_items: list            # the ScheduledRequest of each sampled row
+    host: HostStep
 
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: Path | None = None):
         self.config = config
         self.device = pick_device(config.device)
+        if self.device.type == "cuda":
+            self._check_cuda()
         self.dtype = pick_dtype(config.dtype, self.device)
         self.model_dir = model_dir or resolve_model(config.model, config.cache_dir)
         self.hf_config = load_config(self.model_dir)
         self.max_model_len = config.max_model_len or self.hf_config.max_position_embeddings
         self.vocab_size = self.hf_config.vocab_size
         self.quantization = quant.resolve_quantization(config.quantization, self.device)
+        self.backend = pick_backend(self.device, self.dtype)
+        free_at_start = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0
         self.model = self._build_model()
+        self.backend.prepare(self.model)
         self.block_size = config.block_size
-        self.num_blocks = self._num_kv_blocks()
+        self.num_blocks = self._num_kv_blocks(free_at_start)
         self._allocate_kv_cache()
-        if self.device.type == "cpu" and self.dtype == torch.float32:
-            kernels.paged_decode_attention()  # build it now, not inside the first step
         self.sampler = Sampler(config.seed, self.device)
         self.generators: dict[str, torch.Generator] = {}
+        self.graphs = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            from gristmill.model.cuda.graphs import CudaGraphs
+            self.graphs = CudaGraphs(self.model, self.backend, config.max_num_seqs, self.max_model_len,
+                                     self.block_size)
+            self.graphs.capture()
+
+    def _check_cuda(self) -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"device={self.config.device!r}, but torch sees no CUDA GPU (torch "
+                               f"{torch.__version__}); use device='cpu' or 'auto'")
+        if self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(self.device)
 
     def _build_model(self) -> torch.nn.Module:
-        layers.clear_rotary_cache()
+        clear_rotary_cache()
         with torch.device("meta"):
             model = model_class(self.hf_config)(self.hf_config, self.max_model_len)
         model = model.to_empty(device="cpu")
         for module in model.modules():
-            if isinstance(module, layers.RotaryEmbedding):
+            if isinstance(module, RotaryEmbedding):
                 module.reset()
         _tie_weights(model)
         load_weights(model, self.model_dir)
         model = model.to(device=self.device, dtype=self.dtype).eval()
         _tie_weights(model)
+        for module in model.modules():  # rotary tables stay float32 whatever the dtype
+            if isinstance(module, RotaryEmbedding):
+                module.cos, module.sin = module.cos.float(), module.sin.float()
         if self.quantization is not None:
             cache_file = quant.cache_file_for(self.model_dir, cache_root(self.config.cache_dir), self.quantization)
             quant.quantize_model(model, self.quantization, cache_file)
         return model
 
-    def _kv_layers(self) -> list[layers.PagedAttention]:
-        return [m for m in self.model.modules() if isinstance(m, layers.PagedAttention)]
+    # -- the KV cache ----------------------------------------------------------------
 
-    def _num_kv_blocks(self) -> int:
-        if self.config.num_kv_blocks:
-            return self.config.num_kv_blocks
-        attn = self._kv_layers()
-        bytes_per_block = sum(2 * self.block_size * a.num_kv_heads * a.head_dim for a in attn)
-        bytes_per_block *= torch.finfo(self.dtype).bits // 8
-        return max(1, int(self.config.kv_cache_memory_gb * 2**30) // bytes_per_block)
+    def _kv_layers(self) -> list[PagedAttention]:
+        return [m for m in self.model.modules() if isinstance(m, PagedAttention)]
+
+    def _bytes_per_block(self) -> int:
+        per_token = sum(2 * a.num_kv_heads * a.head_dim for a in self._kv_layers())
+        return per_token * self.block_size * (torch.finfo(self.dtype).bits // 8)
+
+    def _num_kv_blocks(self, free_at_start: int) -> int:
+        config, per_block = self.config, self._bytes_per_block()
+        if self.device.type == "cuda":
+            from gristmill.model.cuda.memory import kv_cache_blocks
+            blocks = kv_cache_blocks(self, free_at_start, per_block)
+        elif config.num_kv_blocks:
+            blocks = config.num_kv_blocks
+        else:
+            gb = config.kv_cache_memory_gb if config.kv_cache_memory_gb is not None else 1.0
+            blocks = max(1, int(gb * 2**30) // per_block)
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB) on %s", blocks, self.block_size,
+                    blocks * self.block_size, blocks * per_block / 2**30, self.device)
+        return blocks
 
     def _allocate_kv_cache(self) -> None:
         attn = self._kv_layers()
@@ -123,19 +165,37 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, out: SchedulerOutput) -> tuple[torch.Tensor | None, list]:
         """Run the model over a step; returns (logits of the sampled rows, their
-        ScheduledRequests). The KV cache is updated for every scheduled token. With int8
-        weights the logits live in the LM head's reused buffer: valid until the next call."""
+        ScheduledRequests). The KV cache is updated for every scheduled token. The logits
+        may live in a reused buffer (a CUDA graph's, the int8 LM head's): valid until
+        the next call."""
         if not out.scheduled:
             return None, []
-        inputs = self.prepare_inputs(out)
-        set_context(inputs.metadata)
-        try:
-            hidden = self.model(inputs.input_ids, inputs.positions)
-        finally:
-            set_context(None)
-        if not inputs.sample_items:
-            return None, []
-        return self.model.compute_logits(hidden[inputs.sample_indices]), inputs.sample_items
+        host, items = self.host_step(out)
+        if self.graphs is not None and self.graphs.can_run(host):
+            logits = self.graphs.run(host)
+            if len(items) < host.num_tokens:
+                logits = logits[torch.from_numpy(host.sample_indices).to(self.device)]
+            return logits, items
+        input_ids, positions, metadata, sample_indices = self.backend.upload(host)
+        with forward_context(metadata, self.backend):
+            hidden = self.model(input_ids, positions)
+            if not items:
+                return None, []
+            return self.model.compute_logits(hidden[sample_indices]), items
+
+    def host_step(self, out: SchedulerOutput) -> tuple[HostStep, list]:
+        """The step's inputs in numpy, decodes first, and the ScheduledRequest of each
+        sampled row."""
+        ordered = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)  # stable: decodes first
+        sequences = [(s.request.token_ids, s.request.num_computed_tokens, s.num_new_tokens, s.request.block_ids,
+                      s.samples) for s in ordered]
+        return build_host_step(sequences, self.block_size), [s for s in ordered if s.samples]
+
+    def prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
+        """A step's inputs on the device, as the eager forward takes them."""
+        host, items = self.host_step(out)
+        input_ids, positions, metadata, sample_indices = self.backend.upload(host)
+        return StepInputs(input_ids, positions, metadata, sample_indices, items, host)
 
     @torch.inference_mode()
     def score(self, token_ids: list[int], chunk_size: int = 512) -> torch.Tensor:
@@ -149,22 +209,16 @@ class ModelRunner:
             raise ValueError(f"scoring {len(token_ids)} tokens needs {needed} KV blocks and "
                              f"max_model_len >= {len(token_ids)}; this runner has {self.num_blocks} "
                              f"and {self.max_model_len}")
-        table = torch.arange(needed, device=self.device)
-        to = dict(device=self.device, dtype=torch.long)
+        blocks = list(range(needed))
         scores = []
         for start in range(0, len(token_ids) - 1, chunk_size):
             end = min(start + chunk_size, len(token_ids) - 1)
-            positions = torch.arange(start, end, **to)
-            set_context(AttentionMetadata(
-                slot_mapping=table[positions // bs] * bs + positions % bs, num_decodes=0,
-                decode_block_tables=None, decode_context_lens=None,
-                prefills=[PrefillChunk(0, end - start, end, table)], block_size=bs))
-            try:
-                hidden = self.model(torch.tensor(token_ids[start:end], **to), positions)
-            finally:
-                set_context(None)
+            host = build_host_step([(token_ids, start, end - start, blocks, False)], bs)
+            input_ids, positions, metadata, _ = self.backend.upload(host)
+            with forward_context(metadata, self.backend):
+                hidden = self.model(input_ids, positions)
             logprobs = self.model.compute_logits(hidden).float().log_softmax(dim=-1)
-            targets = torch.tensor(token_ids[start + 1:end + 1], **to)
+            targets = torch.tensor(token_ids[start + 1:end + 1], device=self.device, dtype=torch.long)
             scores.append(logprobs.gather(1, targets[:, None])[:, 0])
         return torch.cat(scores)
 
@@ -177,46 +231,3 @@ class ModelRunner:
             generator = self.generators[request.request_id] = torch.Generator(device=self.device)
             generator.manual_seed(seed)
         return generator
-
-    def prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
-        # Decodes (one new token) first, batched; then each prefill chunk.
-        decodes = [s for s in out.scheduled if s.num_new_tokens == 1]
-        prefills = [s for s in out.scheduled if s.num_new_tokens > 1]
-        bs = self.block_size
-        ids, positions, slots, sample_rows, sample_items, chunks = [], [], [], [], [], []
-        offset = 0
-        for item in decodes + prefills:
-            request, n = item.request, item.num_new_tokens
-            start = request.num_computed_tokens
-            pos = np.arange(start, start + n)
-            table = np.asarray(request.block_ids)
-            ids.append(request.token_ids[start:start + n])
-            positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
-            if n > 1:
-                chunks.append(PrefillChunk(offset, offset + n, start + n,
-                                           torch.as_tensor(table, device=self.device)))
-            if item.samples:
-                sample_rows.append(offset + n - 1)
-                sample_items.append(item)
-            offset += n
-
-        to = dict(device=self.device, dtype=torch.long)
-        decode_tables = decode_lens = None
-        if decodes:
-            width = max(len(s.request.block_ids) for s in decodes)
-            tables = np.zeros((len(decodes), width), dtype=np.int64)
-            for row, s in enumerate(decodes):
-                tables[row, :len(s.request.block_ids)] = s.request.block_ids
-            decode_tables = torch.as_tensor(tables, **to)
-            decode_lens = torch.tensor([s.request.num_computed_tokens + 1 for s in decodes], **to)
-        metadata = AttentionMetadata(
-            slot_mapping=torch.as_tensor(np.concatenate(slots), **to),
-            num_decodes=len(decodes), decode_block_tables=decode_tables,
-            decode_context_lens=decode_lens, prefills=chunks, block_size=bs)
-        return StepInputs(
-            input_ids=torch.tensor([t for chunk in ids for t in chunk], **to),
-            positions=torch.as_tensor(np.concatenate(positions), **to),
-            metadata=metadata,
-            sample_indices=torch.tensor(sample_rows, **to),
-            sample_items=sample_items)

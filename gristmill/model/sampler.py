@@ -19,7 +19,7 @@ def greedy_tokens(logits: torch.Tensor, pieces: int = 64) -> torch.Tensor:
     two passes (the max of each of `pieces` slices, then the best slice): 2-4x faster than
     one `argmax` over a 262k vocabulary on CPU, which reduces each row on one thread."""
     rows, vocab = logits.shape
-    if vocab % pieces or vocab < 4096:
+    if logits.device.type != "cpu" or vocab % pieces or vocab < 4096:
         return logits.argmax(dim=-1)
     values, within = logits.view(rows, pieces, vocab // pieces).max(dim=-1)
     best = values.argmax(dim=-1)
@@ -38,13 +38,14 @@ class Sampler:
         self.generator.manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplerRow]):
-        """logits: (num_rows, vocab). Returns (token ids list, logprobs list of dict|None)."""
-        logits = logits.float()
+        """logits: (num_rows, vocab). Returns (token ids list, logprobs list of dict|None).
+        One device-to-host copy of the sampled ids (and one of the logprobs asked for)."""
         greedy = [i for i, row in enumerate(rows) if row.params.greedy]
         random = [i for i, row in enumerate(rows) if not row.params.greedy]
-        if not random:  # all greedy: no copy of the (rows, vocab) logits
+        if not random:  # all greedy: argmax of the logits as they are (exact in any float dtype)
             tokens = greedy_tokens(logits).tolist()
             return tokens, self._logprobs(logits, rows, tokens)
+        logits = logits.float()
         tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
         if greedy:
             index = torch.tensor(greedy, device=logits.device)
@@ -100,7 +101,7 @@ class Sampler:
         if not wanted:
             return result
         index = torch.tensor(wanted, device=logits.device)
-        logprobs = logits[index].log_softmax(dim=-1)
+        logprobs = logits[index].float().log_softmax(dim=-1)
         k = max(rows[i].params.logprobs for i in wanted)
         top_values, top_ids = logprobs.topk(max(k, 1), dim=-1)
         chosen = logprobs.gather(1, torch.tensor([tokens[i] for i in wanted], device=logits.device)[:, None])

@@ -33,7 +33,7 @@ class EngineServer:
 
     def __init__(self, engine: EngineConfig, model_name: str | None = None, threads: int | None = None):
         from gristmill.engine.async_engine import AsyncEngine
-        from gristmill.model.loader import DEFAULT_MODEL_NAME
+        from gristmill.paths import DEFAULT_MODEL_NAME
         from gristmill.server.metrics import ServerMetrics
         from gristmill.server.openai_serving import OpenAIServing
 

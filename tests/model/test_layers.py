@@ -1,5 +1,5 @@
-"""The compiled CPU ops against the pure-torch paths: paged decode attention, and the
-fused norms, residual adds and q/k/v preparation."""
+"""The compiled CPU ops against the torch reference backend: paged decode attention, and
+the fused norms, residual adds and q/k/v preparation."""
 
 from __future__ import annotations
 
@@ -7,18 +7,25 @@ import pytest
 import torch
 from torch import nn
 
-from gristmill.model import kernels
-from gristmill.model.context import AttentionMetadata
-from gristmill.model.kernels import paged_decode_attention
-from gristmill.model.layers import PagedAttention, RMSNorm, RotaryEmbedding, attention_inputs, residual_norm
+from gristmill.model.backends.cpu import CpuBackend
+from gristmill.model.backends.metadata import StepMetadata
+from gristmill.model.backends.reference import Backend
+from gristmill.model.layers import PagedAttention, RMSNorm, RotaryEmbedding
+
+REFERENCE = Backend()
+
+
+def _cpu_backend() -> CpuBackend:
+    backend = CpuBackend()
+    if backend.ops is None:
+        pytest.skip("C++ kernels could not be built on this machine")
+    return backend
 
 
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (4, 1)])
 def test_compiled_decode_matches_torch_path(heads, kv_heads, window):
-    kernel = paged_decode_attention()
-    if kernel is None:
-        pytest.skip("C++ kernels could not be built on this machine")
+    backend = _cpu_backend()
     torch.manual_seed(0)
     head_dim, block_size, num_blocks = 32, 4, 40
     attn = PagedAttention(heads, kv_heads, head_dim, head_dim ** -0.5, sliding_window=window)
@@ -30,21 +37,15 @@ def test_compiled_decode_matches_torch_path(heads, kv_heads, window):
     for row, n in enumerate(lens.tolist()):
         for i in range(-(-n // block_size)):
             tables[row, i] = free.pop()
-    ctx = AttentionMetadata(slot_mapping=torch.zeros(len(lens), dtype=torch.long), num_decodes=len(lens),
-                            decode_block_tables=tables, decode_context_lens=lens, prefills=[],
-                            block_size=block_size)
+    md = StepMetadata(slot_mapping=torch.zeros(len(lens), dtype=torch.long), query_start=torch.arange(len(lens) + 1),
+                      seq_lens=lens, block_tables=tables, num_decodes=len(lens), block_size=block_size)
     q = torch.randn(len(lens), heads, head_dim)
-    expected = attn.decode_reference(q, ctx)
-    got = kernel(q, attn.k_cache, attn.v_cache, tables, lens, attn.scale, window or 0)
+    expected = REFERENCE.decode_attention(attn, q, md)
+    got = backend.decode_attention(attn, q, md)
     assert (got - expected).abs().max().item() < 1e-5
 
 
 # -- the fused CPU ops (csrc/fused_ops.cpp) against the torch arithmetic they replace ----
-
-def _fused_ops_or_skip():
-    if kernels.fused_ops() is None:
-        pytest.skip("C++ kernels could not be built on this machine")
-
 
 def _norm(dim: int, offset: float, seed: int) -> RMSNorm:
     norm = RMSNorm(dim, 1e-6, offset=offset)
@@ -55,26 +56,26 @@ def _norm(dim: int, offset: float, seed: int) -> RMSNorm:
 @pytest.mark.parametrize("offset", [0.0, 1.0])
 @pytest.mark.parametrize("shape", [(1, 640), (3, 4, 32), (300, 96)])  # 300 rows: split across threads
 def test_fused_rms_norm_matches_torch(offset, shape):
-    _fused_ops_or_skip()
+    backend = _cpu_backend()
     norm = _norm(shape[-1], offset, seed=1)
     x = torch.randn(*shape) * 3
     with torch.inference_mode():
-        torch.testing.assert_close(norm(x), norm(x, fused=False), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(backend.rms_norm(x, norm), REFERENCE.rms_norm(x, norm), rtol=1e-5, atol=1e-5)
         norm.weight.data.mul_(2)  # an in-place change to the weight is seen
-        torch.testing.assert_close(norm(x), norm(x, fused=False), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(backend.rms_norm(x, norm), REFERENCE.rms_norm(x, norm), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("delta_norm", [False, True])
 @pytest.mark.parametrize("out_norm", [False, True])
 def test_fused_residual_norm_matches_torch(delta_norm, out_norm):
-    _fused_ops_or_skip()
+    backend = _cpu_backend()
     dim = 64
     norms = (_norm(dim, 1.0, seed=2) if delta_norm else None, _norm(dim, 1.0, seed=3) if out_norm else None)
     for rows in (1, 700):
         x, delta = torch.randn(rows, dim), torch.randn(rows, dim) * 4
         with torch.inference_mode():
-            got_x, got_h = residual_norm(x, delta, *norms)
-            want_x, want_h = residual_norm(x, delta, *norms, fused=False)
+            got_x, got_h = backend.residual_norm(x, delta, *norms)
+            want_x, want_h = REFERENCE.residual_norm(x, delta, *norms)
         torch.testing.assert_close(got_x, want_x, rtol=1e-5, atol=1e-5)
         assert (got_h is None) == (want_h is None) == (not out_norm)
         if out_norm:
@@ -102,7 +103,7 @@ class _Attention(nn.Module):
 @pytest.mark.parametrize("qk_norm", [None, 0.0, 1.0])  # none (Llama), Qwen3's, Gemma's (1 + w)
 @pytest.mark.parametrize("heads,kv_heads", [(4, 1), (4, 4)])
 def test_fused_attention_inputs_match_torch(fused_qkv, qk_norm, heads, kv_heads):
-    _fused_ops_or_skip()
+    backend = _cpu_backend()
     torch.manual_seed(0)
     head_dim = 16
     module = _Attention(heads, kv_heads, head_dim, fused_qkv)
@@ -110,15 +111,15 @@ def test_fused_attention_inputs_match_torch(fused_qkv, qk_norm, heads, kv_heads)
     positions = torch.tensor([0, 7, 3, 63, 12])  # scattered, up to the table's last row
     x = torch.randn(len(positions), 48)
     with torch.inference_mode():
-        got = attention_inputs(module, positions, x, *norms)
-        want = attention_inputs(module, positions, x, *norms, fused=False)
+        got = backend.attention_inputs(module, positions, x, *norms)
+        want = REFERENCE.attention_inputs(module, positions, x, *norms)
     for name, g, w in zip("qkv", got, want):
         assert g.shape == w.shape, name
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
 def test_fused_attention_inputs_refuse_a_position_past_the_table():
-    _fused_ops_or_skip()
+    backend = _cpu_backend()
     module = _Attention(2, 1, 16, fused_qkv=True)
     with torch.inference_mode(), pytest.raises(RuntimeError, match="position 64 is past the rotary table"):
-        attention_inputs(module, torch.tensor([3, 64]), torch.randn(2, 48))
+        backend.attention_inputs(module, torch.tensor([3, 64]), torch.randn(2, 48), None, None)

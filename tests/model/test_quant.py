@@ -14,10 +14,10 @@ import torch
 from torch import nn
 
 from gristmill import EngineConfig, RequestError
-from gristmill.model import kernels
-from gristmill.model.qlinear import (Int8Linear, Q4Linear, dequantize_q4, quantize_weight, quantize_weight_q4,
+from gristmill.model.cpu import kernels
+from gristmill.model.cpu.qlinear import (Int8Linear, Q4Linear, dequantize_q4, quantize_weight, quantize_weight_q4,
                                      unpack_blocks, unpack_weight, unpack_weight_q4)
-from gristmill.model.quant import resolve_quantization
+from gristmill.model.cpu.quant import resolve_quantization
 
 EXT = kernels.int8_extension()
 BEST = EXT.best_isa() if EXT is not None else -1
@@ -165,8 +165,8 @@ def test_without_a_compiler_auto_is_float_and_int8_still_runs(tmp_path):
     # GRISTMILL_KERNELS=0 is how a machine without a compiler looks to gristmill.
     code = (
         "import torch; from torch import nn\n"
-        "from gristmill.model.qlinear import Int8Linear, Q4Linear\n"
-        "from gristmill.model.quant import resolve_quantization\n"
+        "from gristmill.model.cpu.qlinear import Int8Linear, Q4Linear\n"
+        "from gristmill.model.cpu.quant import resolve_quantization\n"
         "assert resolve_quantization('auto', torch.device('cpu')) is None\n"
         "for kind in (Int8Linear, Q4Linear):\n"
         "    layer = kind.from_linear(nn.Linear(40, 24)); x = torch.randn(3, 40)\n"
@@ -258,7 +258,7 @@ def test_q4_model_has_4bit_layers_an_int8_lm_head_and_its_own_cache(tmp_path):
 def test_fused_projections_equal_separate_ones():
     # Fusing q/k/v (or gate/up) changes nothing in int8: each output channel is its own sum.
     from gristmill.model.layers import QKV, project
-    from gristmill.model.quant import fuse_projections
+    from gristmill.model.layers import fuse_projections
 
     torch.manual_seed(0)
     module = nn.Module()
@@ -306,7 +306,7 @@ def test_a_build_lock_left_by_a_killed_builder_does_not_hang_the_next_start(tmp_
     built = Path(EXT.__file__).parent
     shutil.copytree(built, tmp_path / "kernels" / built.name)
     (tmp_path / "kernels" / built.name / "lock").write_text("")
-    code = "from gristmill.model import kernels; print(kernels.int8_extension() is not None)"
+    code = "from gristmill.model.cpu import kernels; print(kernels.int8_extension() is not None)"
     env = {**os.environ, "GRISTMILL_CACHE": str(tmp_path)}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "True", done.stderr

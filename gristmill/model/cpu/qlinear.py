@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gristmill.model import kernels
+from gristmill.model.cpu import kernels
 
 _BLOCK, _PAD, Q = 16, 32, 32  # packing: 16 output channels a block; N and K padded to 32; blocks of 32
 _EMPTY = torch.empty(0)

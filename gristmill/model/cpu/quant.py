@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from gristmill.model import kernels
-from gristmill.model.layers import GATE_UP, QKV
-from gristmill.model.qlinear import LAYERS
+from gristmill.model.cpu import kernels
+from gristmill.model.cpu.qlinear import LAYERS
+from gristmill.model.layers.linear import fuse_projections
 
 logger = logging.getLogger(__name__)
 
@@ -42,30 +42,6 @@ def resolve_quantization(quantization: str | None, device: torch.device) -> str 
     if quantization in LAYERS and device.type != "cpu":
         raise ValueError(f"quantization={quantization!r} runs on CPU only; use quantization=None (or 'auto') on CUDA")
     return quantization
-
-
-def fuse_projections(model: nn.Module) -> None:
-    """Concatenate q/k/v and gate/up projections that read the same input into one layer
-    each (`layers.project` splits the output again): fewer, larger matmuls, and the input
-    is quantized once instead of three times. Exact for int8, where every output channel
-    is computed on its own."""
-    for module in list(model.modules()):
-        for fused, parts in (QKV, GATE_UP):
-            linears = [getattr(module, name, None) for name in parts]
-            if not all(isinstance(lin, nn.Linear) for lin in linears):
-                continue
-            has_bias = {lin.bias is not None for lin in linears}
-            if len({lin.in_features for lin in linears}) != 1 or len(has_bias) != 1:
-                continue
-            layer = nn.Linear(linears[0].in_features, sum(lin.out_features for lin in linears),
-                              bias=has_bias.pop(), device="meta")
-            layer.weight = nn.Parameter(torch.cat([lin.weight.detach() for lin in linears]), requires_grad=False)
-            if layer.bias is not None:
-                layer.bias = nn.Parameter(torch.cat([lin.bias.detach() for lin in linears]), requires_grad=False)
-            for name in parts:
-                delattr(module, name)
-            setattr(module, fused, layer)
-            layer.split_sizes = [lin.out_features for lin in linears]
 
 
 def quantize_model(model: nn.Module, scheme: str = "int8", cache_file: Path | None = None) -> None:

@@ -1,0 +1,133 @@
+"""The torch reference backend: every op spelled in plain torch, on any device and
+dtype. It is the oracle the CPU and CUDA backends are tested against, and what runs
+where they do not apply."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gristmill.model.backends.metadata import HostStep, StepMetadata
+from gristmill.model.layers.linear import GATE_UP, QKV, project
+
+
+class Backend:
+    """One implementation of the model's arithmetic, picked once by the model runner:
+    norms, q/k/v preparation, the MLP activation, paged attention, how decoder layers
+    run, and how a step's inputs reach the device."""
+
+    name = "torch"
+
+    def __init__(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+        self.device = torch.device(device)
+        self.dtype = dtype
+
+    def prepare(self, model: nn.Module) -> None:
+        """Fit the model to this backend once, before the first step (nothing here)."""
+
+    # -- inputs ---------------------------------------------------------------------
+
+    #: dtype of token ids, positions, slots and block tables on the device
+    index_dtype = torch.long
+
+    def upload(self, step: HostStep) -> tuple[torch.Tensor, torch.Tensor, StepMetadata, torch.Tensor]:
+        """(input_ids, positions, metadata, sample_indices) of a step, on the device."""
+        def put(array: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(array).to(device=self.device, dtype=self.index_dtype)
+
+        metadata = StepMetadata(slot_mapping=put(step.slot_mapping), query_start=put(step.query_start),
+                                seq_lens=put(step.seq_lens), block_tables=put(step.block_tables),
+                                num_decodes=step.num_decodes, block_size=step.block_size,
+                                query_start_host=step.query_start.tolist(), seq_lens_host=step.seq_lens.tolist())
+        return put(step.input_ids), put(step.positions), metadata, put(step.sample_indices)
+
+    # -- ops ------------------------------------------------------------------------
+
+    def rms_norm(self, x: torch.Tensor, norm) -> torch.Tensor:
+        dtype = x.dtype
+        out = F.rms_norm(x.float(), (x.shape[-1],), eps=norm.eps)
+        if norm.offset:
+            return (out * (norm.offset + norm.weight.float())).to(dtype)
+        return norm.weight * out.to(dtype)
+
+    def residual_norm(self, x, delta, delta_norm, out_norm):
+        x = x + (self.rms_norm(delta, delta_norm) if delta_norm else delta)
+        return x, self.rms_norm(x, out_norm) if out_norm else None
+
+    def attention_inputs(self, module: nn.Module, positions, x, q_norm, k_norm):
+        n, heads, kv_heads, dim = x.shape[0], module.num_heads, module.num_kv_heads, module.head_dim
+        q, k, v = project(module, x, *QKV)
+        q, k, v = q.view(n, heads, dim), k.view(n, kv_heads, dim), v.view(n, kv_heads, dim)
+        if q_norm is not None:
+            q, k = self.rms_norm(q, q_norm), self.rms_norm(k, k_norm)
+        return module.rotary(positions, q), module.rotary(positions, k), v
+
+    def gated_activation(self, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        gate, up = project(mlp, x, *GATE_UP)
+        return mlp.act(gate) * up
+
+    def run_layers(self, layers: nn.ModuleList, positions, x):
+        for layer in layers:
+            x = layer(positions, x)
+        return x
+
+    # -- attention ------------------------------------------------------------------
+
+    def attention(self, layer, q, k, v, md: StepMetadata) -> torch.Tensor:
+        """Write this step's k, v into `layer`'s cache, then attend: (num_tokens, heads, dim)."""
+        self.write_kv(layer, k, v, md)
+        out = torch.empty_like(q)
+        if md.num_decodes:
+            out[:md.num_decodes] = self.decode_attention(layer, q[:md.num_decodes], md)
+        for start, end, context_len, table in md.prefills():
+            out[start:end] = self.prefill_attention(layer, q[start:end], k[start:end], v[start:end],
+                                                    context_len, table, md.block_size)
+        return out
+
+    def write_kv(self, layer, k, v, md: StepMetadata) -> None:
+        flat_k = layer.k_cache.view(-1, layer.num_kv_heads, layer.head_dim)
+        flat_v = layer.v_cache.view(-1, layer.num_kv_heads, layer.head_dim)
+        flat_k.index_copy_(0, md.slot_mapping, k)
+        flat_v.index_copy_(0, md.slot_mapping, v)
+
+    @staticmethod
+    def _gather(layer, cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+        # block_tables: (batch, max_blocks) -> (batch, num_kv_heads, max_blocks * block_size, head_dim)
+        batch = block_tables.shape[0]
+        return cache[block_tables].view(batch, -1, layer.num_kv_heads, layer.head_dim).transpose(1, 2)
+
+    def decode_attention(self, layer, q: torch.Tensor, md: StepMetadata) -> torch.Tensor:
+        """Gather each sequence's keys and values, then SDPA: (num_decodes, heads, dim)."""
+        keys = self._gather(layer, layer.k_cache, md.decode_block_tables)
+        values = self._gather(layer, layer.v_cache, md.decode_block_tables)
+        mask = md.decode_mask(layer.sliding_window)
+        out = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=mask,
+                                             scale=layer.scale, enable_gqa=True)
+        return out[:, :, 0, :]
+
+    def prefill_attention(self, layer, q, k, v, context_len: int, table: torch.Tensor,
+                          block_size: int) -> torch.Tensor:
+        """One prefill chunk of n tokens, the last n of `context_len`: (n, heads, dim)."""
+        num_new = q.shape[0]
+        query = q.transpose(0, 1)[None]  # (1, num_heads, num_new, head_dim)
+        has_prior = context_len > num_new
+        if has_prior:
+            keys = self._gather(layer, layer.k_cache, table[None])[:, :, :context_len]
+            values = self._gather(layer, layer.v_cache, table[None])[:, :, :context_len]
+        else:
+            keys, values = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+        window = layer.sliding_window
+        if has_prior or (window is not None and context_len > window):
+            q_pos = torch.arange(context_len - num_new, context_len, device=q.device)[:, None]
+            k_pos = torch.arange(context_len, device=q.device)[None, :]
+            mask = k_pos <= q_pos
+            if window is not None:
+                mask &= k_pos > q_pos - window
+            out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask,
+                                                 scale=layer.scale, enable_gqa=True)
+        else:
+            out = F.scaled_dot_product_attention(query, keys, values, is_causal=True,
+                                                 scale=layer.scale, enable_gqa=True)
+        return out[0].transpose(0, 1)

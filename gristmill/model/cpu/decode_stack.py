@@ -1,0 +1,76 @@
+"""A model's decoder layers as one C++ call (csrc/decode_stack.cpp), for CPU steps where
+every token is a decode: the same ops the layers' forward runs, without the Python
+between them, which at batch 1 costs as much as the matmuls of a small model."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gristmill.model.cpu import kernels
+
+_EMPTY = torch.empty(0)
+_STACK_ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu": 2}
+
+
+class DecodeStack:
+    """Applies where activations are float32 and q/k/v and gate/up are fused into int8 or
+    q4 layers (as quantization makes them). Each decoder layer names its norms with
+    `stack_norms()`: (in, attn_out, mlp_in, mlp_out), None for those its family lacks."""
+
+    def __init__(self, layers: nn.ModuleList):
+        from gristmill.model.cpu import qlinear
+
+        kinds = {qlinear.Int8Linear: 1, qlinear.Q4Linear: 2}
+        ext = kernels.int8_extension()
+        tensors, ints, scales = [], [], []
+        first = layers[0]
+        for layer in layers:
+            attn_module, mlp = layer.self_attn, layer.mlp
+            linears = [getattr(attn_module, "qkv_proj", None), getattr(attn_module, "o_proj", None),
+                       getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None)]
+            if any(type(lin) not in kinds for lin in linears) or mlp.activation not in _STACK_ACTIVATIONS:
+                raise ValueError("the decode stack needs fused int8 or q4 projections")
+            norms = list(layer.stack_norms()) + [getattr(attn_module, "q_norm", None),
+                                                 getattr(attn_module, "k_norm", None)]
+            tensors += [n.float_weight() if n is not None else _EMPTY for n in norms]
+            for lin in linears:
+                tensors += [getattr(lin, name) for name in lin._buffers_of_kernel]
+                tensors.append(lin.bias if lin.bias is not None else _EMPTY)
+            rotary, attn = attn_module.rotary, attn_module.attn
+            tensors += [rotary.cos, rotary.sin, attn.k_cache, attn.v_cache]
+            isa = {lin.isa for lin in linears} - {None}
+            ints += [kinds[type(lin)] for lin in linears] + [lin.out_features for lin in linears]
+            ints += [attn.sliding_window or 0, isa.pop() if isa else ext.best_isa()]
+            scales.append(attn.scale)
+        norm = first.stack_norms()[0]
+        attn = first.self_attn
+        self.args = (tensors, ints, scales, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                     _STACK_ACTIVATIONS[first.mlp.activation], norm.offset, norm.eps)
+
+    @staticmethod
+    def key_of(layers: nn.ModuleList) -> tuple:
+        # What quantizing the model or reallocating the KV cache replaces (compared by identity).
+        attn = layers[0].self_attn
+        return getattr(attn, "qkv_proj", None), attn.attn.k_cache, layers[-1].self_attn.attn.k_cache
+
+    @classmethod
+    def of(cls, layers: nn.ModuleList) -> "DecodeStack | None":
+        """The stack of these layers, or None where they must run one by one (float
+        projections, an unsupported activation, no quantized-linear extension)."""
+        if kernels.int8_extension() is None:
+            return None
+        key = cls.key_of(layers)
+        cached = layers.__dict__.get("_decode_stack")
+        if cached is not None and all(old is new for old, new in zip(cached[0], key)):
+            return cached[1]
+        try:
+            stack = cls(layers)
+        except ValueError:
+            stack = None
+        layers.__dict__["_decode_stack"] = (key, stack)
+        return stack
+
+    def __call__(self, ops, positions: torch.Tensor, x: torch.Tensor, md) -> torch.Tensor:
+        return ops.decode_stack(x, positions, md.slot_mapping, md.decode_block_tables,
+                                md.decode_context_lens, *self.args)

@@ -1,0 +1,128 @@
+"""Decode steps replayed from CUDA graphs.
+
+At start, the whole decode forward (embedding, every layer, final norm, LM head) is
+captured once per batch size of a ladder up to max_num_seqs, reading its inputs from
+static device buffers. A decode-only step of n sequences is padded to the next size of
+the ladder: padding rows write no KV (slot -1) and attend to nothing (length 0). Each
+step then costs two copies into the buffers and one graph launch, instead of hundreds of
+kernel launches from Python.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+
+import numpy as np
+import torch
+
+from gristmill.model.backends.metadata import HostStep, StepMetadata
+from gristmill.model.context import forward_context
+
+logger = logging.getLogger(__name__)
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """The ladder: 1, 2, 4, 8, then every 16 up to max_num_seqs, which is always on it."""
+    sizes = {s for s in (1, 2, 4, 8) if s < max_num_seqs}
+    sizes.update(range(16, max_num_seqs, 16))
+    sizes.add(max_num_seqs)
+    return sorted(sizes)
+
+
+def padded_batch_size(n: int, sizes: list[int]) -> int | None:
+    """The smallest size of the ladder that holds n rows, or None past its top."""
+    i = bisect.bisect_left(sizes, n)
+    return sizes[i] if i < len(sizes) else None
+
+
+class StaticInputs:
+    """The buffers every captured graph reads, as views of one int32 device tensor laid
+    out like a host mirror, so one copy fills them: ids, positions, slots, sequence
+    lengths, query starts (0..n, never rewritten), then the step's block tables packed
+    to its own width; one device copy spreads those into the full-width table."""
+
+    def __init__(self, max_rows: int, max_blocks: int, device, pin: bool = True):
+        self.max_rows, self.max_blocks = max_rows, max_blocks
+        self.vector_size = 5 * max_rows + 1
+        size = self.vector_size + max_rows * max_blocks
+        self.device_buffer = torch.zeros(size, dtype=torch.int32, device=device)
+        self.host_buffer = torch.zeros(size, dtype=torch.int32, pin_memory=pin)
+        self.block_tables = torch.zeros(max_rows, max_blocks, dtype=torch.int32, device=device)
+        (self.input_ids, self.positions, self.slot_mapping, self.seq_lens,
+         self.query_start) = self.device_buffer[:self.vector_size].split([max_rows] * 4 + [max_rows + 1])
+        host = self.host_buffer.numpy()
+        host[4 * max_rows:self.vector_size] = np.arange(max_rows + 1)
+        host[2 * max_rows:3 * max_rows] = -1
+        self.device_buffer.copy_(self.host_buffer)
+
+    def metadata(self, rows: int, block_size: int) -> StepMetadata:
+        return StepMetadata(slot_mapping=self.slot_mapping[:rows], query_start=self.query_start[:rows + 1],
+                            seq_lens=self.seq_lens[:rows], block_tables=self.block_tables[:rows],
+                            num_decodes=rows, block_size=block_size, extras={"programs": None})
+
+    def fill(self, step: HostStep, rows: int) -> None:
+        """Write a decode-only step of n <= rows sequences, padded to `rows`."""
+        n, width = step.num_tokens, step.block_tables.shape[1]
+        if width > self.max_blocks:
+            raise ValueError(f"a sequence has {width} KV blocks, more than the {self.max_blocks} "
+                             f"the graphs were captured for")
+        m, host = self.max_rows, self.host_buffer.numpy()
+        for k, part in enumerate((step.input_ids, step.positions, step.slot_mapping, step.seq_lens)):
+            host[k * m:k * m + n] = part
+            host[k * m + n:k * m + rows] = -1 if k == 2 else 0
+        packed = host[self.vector_size:self.vector_size + rows * width].reshape(rows, width)
+        packed[:n] = step.block_tables
+        packed[n:] = 0
+        used = self.vector_size + rows * width
+        self.device_buffer[:used].copy_(self.host_buffer[:used], non_blocking=True)
+        self.block_tables[:rows, :width].copy_(self.device_buffer[self.vector_size:used].view(rows, width))
+
+
+class CudaGraphs:
+    """Captured decode forwards, one per batch size of the ladder."""
+
+    def __init__(self, model: torch.nn.Module, backend, max_num_seqs: int, max_model_len: int, block_size: int):
+        self.model, self.backend, self.block_size = model, backend, block_size
+        self.sizes = graph_batch_sizes(max_num_seqs)
+        max_blocks = -(-max_model_len // block_size)
+        self.inputs = StaticInputs(self.sizes[-1], max_blocks, backend.device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._copied: torch.cuda.Event | None = None
+
+    def _forward(self, rows: int) -> torch.Tensor:
+        inputs = self.inputs
+        hidden = self.model(inputs.input_ids[:rows], inputs.positions[:rows])
+        return self.model.compute_logits(hidden)
+
+    def capture(self) -> None:
+        start = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        torch.cuda.synchronize()
+        for rows in reversed(self.sizes):  # the largest first: the smaller reuse its memory
+            with forward_context(self.inputs.metadata(rows, self.block_size), self.backend):
+                self._forward(rows)  # compiles kernels, picks cuBLAS algorithms
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    logits = self._forward(rows)
+            self.graphs[rows] = (graph, logits)
+        torch.cuda.synchronize()
+        logger.info("captured CUDA graphs for decode batch sizes %s in %.1f s", self.sizes,
+                    time.perf_counter() - start)
+
+    def can_run(self, step: HostStep) -> bool:
+        return (step.is_decode_only and step.num_tokens <= self.sizes[-1]
+                and step.block_tables.shape[1] <= self.inputs.max_blocks)
+
+    def run(self, step: HostStep) -> torch.Tensor:
+        """Logits (n, vocab) of a decode-only step's rows, valid until the next run."""
+        rows = padded_batch_size(step.num_tokens, self.sizes)
+        if self._copied is not None:
+            self._copied.synchronize()  # the pinned buffer is read by the last step's copy
+        self.inputs.fill(step, rows)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+        graph, logits = self.graphs[rows]
+        graph.replay()
+        return logits[:step.num_tokens]

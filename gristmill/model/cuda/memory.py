@@ -1,0 +1,82 @@
+"""How many KV cache blocks fit on the GPU: `gpu_memory_utilization` of its memory, the
+weights included, less a worst-case step's activations (measured by running one) and
+room for the sampler. An explicit size that does not fit is refused at start, naming
+the option to change, so a CUDA out-of-memory never happens mid-run."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from gristmill.model.backends.metadata import build_host_step
+from gristmill.model.context import forward_context
+
+logger = logging.getLogger(__name__)
+
+GIB = 2**30
+
+
+def profile_step(runner) -> int:
+    """Peak bytes torch allocates while running a prefill of max_num_batched_tokens
+    tokens (as sequences of at most max_model_len, each sampled), the weights included.
+    Also compiles the prefill kernels before the first real step."""
+    config, bs, device = runner.config, runner.config.block_size, runner.device
+    lengths, left = [], config.max_num_batched_tokens
+    while left > 0 and len(lengths) < config.max_num_seqs:
+        lengths.append(min(left, runner.max_model_len))
+        left -= lengths[-1]
+    sequences, next_block = [], 0
+    for n in lengths:
+        count = -(-n // bs)
+        sequences.append(([0] * n, 0, n, list(range(next_block, next_block + count)), True))
+        next_block += count
+    runner.num_blocks = next_block
+    runner._allocate_kv_cache()
+    kv_bytes = runner.kv_cache.numel() * runner.kv_cache.element_size()
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    with torch.inference_mode():
+        input_ids, positions, metadata, samples = runner.backend.upload(build_host_step(sequences, bs))
+        with forward_context(metadata, runner.backend):
+            hidden = runner.model(input_ids, positions)
+        runner.model.compute_logits(hidden[samples])
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - kv_bytes
+    runner.kv_cache = None
+    for layer in runner._kv_layers():
+        layer.k_cache = layer.v_cache = None
+    torch.cuda.empty_cache()
+    return peak
+
+
+def kv_cache_blocks(runner, free_at_start: int, bytes_per_block: int) -> int:
+    config, device = runner.config, runner.device
+    peak = profile_step(runner)
+    # Sampling a full batch: its logits (the graphs' output), float copies and masks.
+    reserve = config.max_num_seqs * runner.vocab_size * (torch.finfo(runner.dtype).bits // 8 + 16)
+    free_now, total = torch.cuda.mem_get_info(device)
+    if config.num_kv_blocks or config.kv_cache_memory_gb is not None:
+        blocks = config.num_kv_blocks or max(1, int(config.kv_cache_memory_gb * GIB) // bytes_per_block)
+        room = free_now - max(0, peak - torch.cuda.memory_allocated(device)) - reserve
+        if blocks * bytes_per_block > room:
+            option = "num_kv_blocks" if config.num_kv_blocks else "kv_cache_memory_gb"
+            raise ValueError(
+                f"a KV cache of {blocks} blocks ({blocks * bytes_per_block / GIB:.2f} GiB) does not fit on "
+                f"{device}: {max(room, 0) / GIB:.2f} GiB are free after the weights and a step's activations; "
+                f"lower {option}, or leave num_kv_blocks and kv_cache_memory_gb unset to size the cache "
+                f"from gpu_memory_utilization")
+        return blocks
+    others = total - free_at_start  # the CUDA context and other processes, before the weights loaded
+    budget = config.gpu_memory_utilization * total - others - peak - reserve
+    blocks = int(budget // bytes_per_block)
+    if blocks < 1:
+        raise ValueError(
+            f"gpu_memory_utilization={config.gpu_memory_utilization} of {device}'s {total / GIB:.1f} GiB leaves "
+            f"no room for a KV cache: other processes and the CUDA context hold {others / GIB:.2f} GiB, the "
+            f"weights and a step's activations {peak / GIB:.2f} GiB, sampling {reserve / GIB:.2f} GiB; raise "
+            f"gpu_memory_utilization, lower max_num_batched_tokens or max_num_seqs, or free the GPU")
+    if blocks * config.block_size < runner.max_model_len:
+        logger.warning("the KV cache holds %d tokens, fewer than max_model_len=%d: longer requests are refused",
+                       blocks * config.block_size, runner.max_model_len)
+    return blocks

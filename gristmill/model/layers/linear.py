@@ -1,0 +1,42 @@
+"""Projections that read the same input, fused into one matmul (q/k/v, gate/up)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+QKV = ("qkv_proj", ("q_proj", "k_proj", "v_proj"))
+GATE_UP = ("gate_up_proj", ("gate_proj", "up_proj"))
+
+
+def project(module: nn.Module, x: torch.Tensor, fused: str, parts: tuple[str, ...]) -> list[torch.Tensor]:
+    """The outputs of `module`'s projections `parts` (e.g. q_proj, k_proj, v_proj) of x:
+    one matmul when they were fused into `fused` (see fuse_projections), else one each."""
+    layer = getattr(module, fused, None)
+    if layer is None:
+        return [getattr(module, name)(x) for name in parts]
+    return list(layer(x).split(layer.split_sizes, dim=-1))
+
+
+def fuse_projections(model: nn.Module) -> None:
+    """Concatenate q/k/v and gate/up projections that read the same input into one layer
+    each (`project` splits the output again): fewer, larger matmuls, and a quantized
+    input is quantized once instead of three times. Each output channel is still its own
+    dot product of the same numbers."""
+    for module in list(model.modules()):
+        for fused, parts in (QKV, GATE_UP):
+            linears = [getattr(module, name, None) for name in parts]
+            if not all(isinstance(lin, nn.Linear) for lin in linears):
+                continue
+            has_bias = {lin.bias is not None for lin in linears}
+            if len({lin.in_features for lin in linears}) != 1 or len(has_bias) != 1:
+                continue
+            layer = nn.Linear(linears[0].in_features, sum(lin.out_features for lin in linears),
+                              bias=has_bias.pop(), device="meta")
+            layer.weight = nn.Parameter(torch.cat([lin.weight.detach() for lin in linears]), requires_grad=False)
+            if layer.bias is not None:
+                layer.bias = nn.Parameter(torch.cat([lin.bias.detach() for lin in linears]), requires_grad=False)
+            for name in parts:
+                delattr(module, name)
+            setattr(module, fused, layer)
+            layer.split_sizes = [lin.out_features for lin in linears]

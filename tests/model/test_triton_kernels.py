@@ -1,0 +1,201 @@
+"""The CUDA backend's Triton kernels against the torch reference backend. Without a GPU
+they run under TRITON_INTERPRET=1 on CPU tensors (float32); on a GPU machine, on it.
+
+Also the CUDA-graph bookkeeping that needs no GPU: the batch-size ladder and how a
+decode step fills the static input buffers."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from gristmill.model.backends.cuda import CudaBackend  # noqa: E402
+from gristmill.model.backends.metadata import build_host_step  # noqa: E402
+from gristmill.model.backends.reference import Backend  # noqa: E402
+from gristmill.model.cuda import triton_kernels  # noqa: E402
+from gristmill.model.cuda.graphs import StaticInputs, graph_batch_sizes, padded_batch_size  # noqa: E402
+from gristmill.model.layers import PagedAttention, RMSNorm, RotaryEmbedding  # noqa: E402
+from gristmill.model.layers.linear import fuse_projections  # noqa: E402
+from gristmill.model.layers.mlp import GatedMLP  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+REFERENCE = Backend(DEVICE)
+
+
+def _backend(heads=4, kv_heads=2, head_dim=32) -> CudaBackend:
+    backend = CudaBackend(DEVICE, torch.float32)
+    backend.shape = triton_kernels.AttentionShape(heads, kv_heads, head_dim, torch.float32)
+    return backend
+
+
+def _norm(dim: int, offset: float, seed: int) -> RMSNorm:
+    norm = RMSNorm(dim, 1e-6, offset=offset)
+    norm.weight.data = torch.randn(dim, generator=torch.Generator().manual_seed(seed)) * 0.5 + (0 if offset else 1)
+    return norm.to(DEVICE)
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_rms_norm(offset):
+    norm = _norm(96, offset, seed=1)
+    x = torch.randn(5, 96, device=DEVICE) * 3
+    torch.testing.assert_close(_backend().rms_norm(x, norm), REFERENCE.rms_norm(x, norm), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("delta_norm,out_norm", [(False, True), (True, True), (True, False)])
+def test_residual_norm(delta_norm, out_norm):
+    norms = (_norm(80, 1.0, 2) if delta_norm else None, _norm(80, 1.0, 3) if out_norm else None)
+    x, delta = torch.randn(7, 80, device=DEVICE), torch.randn(7, 80, device=DEVICE) * 4
+    got_x, got_h = _backend().residual_norm(x, delta, *norms)
+    want_x, want_h = REFERENCE.residual_norm(x, delta, *norms)
+    torch.testing.assert_close(got_x, want_x, rtol=1e-5, atol=1e-5)
+    assert (got_h is None) == (want_h is None) == (not out_norm)
+    if out_norm:
+        torch.testing.assert_close(got_h, want_h, rtol=1e-5, atol=1e-5)
+
+
+class _Attention(nn.Module):
+    def __init__(self, heads: int, kv_heads: int, head_dim: int):
+        super().__init__()
+        hidden = 48
+        self.num_heads, self.num_kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.rotary = RotaryEmbedding(head_dim, 64, {"rope_theta": 10000.0})
+        self.q_proj = nn.Linear(hidden, heads * head_dim)
+        self.k_proj = nn.Linear(hidden, kv_heads * head_dim)
+        self.v_proj = nn.Linear(hidden, kv_heads * head_dim)
+
+
+@pytest.mark.parametrize("qk_norm", [None, 0.0, 1.0])  # none (Llama), Qwen3's, Gemma's (1 + w)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 1, 16), (4, 4, 24)])
+def test_qkv_rotary(qk_norm, heads, kv_heads, head_dim):
+    torch.manual_seed(0)
+    module = _Attention(heads, kv_heads, head_dim).to(DEVICE)
+    norms = (None, None) if qk_norm is None else (_norm(head_dim, qk_norm, 4), _norm(head_dim, qk_norm, 5))
+    positions = torch.tensor([0, 7, 3, 63, 12], device=DEVICE)
+    x = torch.randn(len(positions), 48, device=DEVICE)
+    with torch.inference_mode():
+        want = REFERENCE.attention_inputs(module, positions, x, *norms)
+        fuse_projections(module)
+        got = _backend().attention_inputs(module, positions.int(), x, *norms)
+    for name, g, w in zip("qkv", got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh", "gelu"])
+def test_gated_activation(activation):
+    torch.manual_seed(0)
+    mlp = GatedMLP(32, 80, activation).to(DEVICE)
+    x = torch.randn(6, 32, device=DEVICE)
+    with torch.inference_mode():
+        want = REFERENCE.gated_activation(mlp, x)
+        fuse_projections(mlp)
+        got = _backend().gated_activation(mlp, x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _scattered_tables(lens, block_size, num_blocks, seed=0):
+    free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+    return [[free.pop() for _ in range(-(-n // block_size))] for n in lens]
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 32), (4, 1, 24), (2, 2, 16)])
+def test_paged_attention_mixed_step(heads, kv_heads, head_dim, window):
+    """Decodes of 1 to 17 tokens of context, a prefill chunk after 9 cached tokens, and a
+    fresh 13-token prompt, in one step: the KV write and both attention launches give
+    the reference's outputs and cache contents."""
+    torch.manual_seed(0)
+    block_size, num_blocks = 4, 64
+    # (cached tokens before the step, new tokens this step)
+    shape = [(0, 1), (2, 1), (8, 1), (16, 1), (9, 6), (0, 13)]
+    lens = [cached + new for cached, new in shape]
+    tables = _scattered_tables(lens, block_size, num_blocks)
+    sequences = [([0] * n, cached, new, table, True) for (cached, new), n, table in zip(shape, lens, tables)]
+    host = build_host_step(sequences, block_size)
+    assert host.num_decodes == 4
+    layer = PagedAttention(heads, kv_heads, head_dim, head_dim ** -0.5, sliding_window=window)
+    caches = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, device=DEVICE)
+    n = host.num_tokens
+    q = torch.randn(n, heads, head_dim, device=DEVICE)
+    k, v = torch.randn(n, kv_heads, head_dim, device=DEVICE), torch.randn(n, kv_heads, head_dim, device=DEVICE)
+
+    results = {}
+    for name, backend in (("reference", REFERENCE), ("triton", _backend(heads, kv_heads, head_dim))):
+        layer.k_cache, layer.v_cache = caches[0].clone(), caches[1].clone()
+        _, _, md, _ = backend.upload(host)
+        results[name] = (backend.attention(layer, q, k, v, md), layer.k_cache, layer.v_cache)
+    for want, got, what in zip(results["reference"], results["triton"], ("output", "k cache", "v cache")):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=lambda m: f"{what}: {m}")
+
+
+def test_prefill_programs_cover_every_query_block():
+    # decodes (sequences 0, 1) are not in the prefill launch; 33 tokens in blocks of 16 -> 3.
+    seqs, blocks = triton_kernels.prefill_programs([0, 1, 2, 35, 36, 52], 2, 16)
+    assert seqs == [2, 2, 2, 3, 4] and blocks == [0, 1, 2, 0, 0]
+
+
+# -- CUDA-graph bookkeeping ------------------------------------------------------------
+
+def test_graph_batch_sizes_ladder():
+    assert graph_batch_sizes(1) == [1]
+    assert graph_batch_sizes(8) == [1, 2, 4, 8]
+    assert graph_batch_sizes(128) == [1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 112, 128]
+    assert graph_batch_sizes(100)[-3:] == [80, 96, 100]
+    sizes = graph_batch_sizes(100)
+    assert [padded_batch_size(n, sizes) for n in (1, 3, 8, 9, 17, 96, 97, 100)] == [1, 4, 8, 16, 32, 96, 100, 100]
+    assert padded_batch_size(101, sizes) is None
+
+
+def test_static_inputs_hold_a_padded_decode_step():
+    inputs = StaticInputs(max_rows=8, max_blocks=6, device="cpu", pin=False)
+    step = build_host_step([([5, 6, 7], 2, 1, [3], True), ([1] * 9, 8, 1, [4, 9, 2], True),
+                            ([2] * 5, 4, 1, [7, 8], True)], block_size=4)
+    inputs.fill(step, rows=4)
+    assert inputs.input_ids[:4].tolist() == [7, 1, 2, 0]
+    assert inputs.positions[:4].tolist() == [2, 8, 4, 0]
+    assert inputs.slot_mapping[:4].tolist() == [3 * 4 + 2, 2 * 4 + 0, 8 * 4 + 0, -1]  # padding writes nothing
+    assert inputs.seq_lens[:4].tolist() == [3, 9, 5, 0]  # and attends to nothing
+    assert inputs.query_start[:5].tolist() == [0, 1, 2, 3, 4]
+    assert inputs.block_tables[:4, :3].tolist() == [[3, 0, 0], [4, 9, 2], [7, 8, 0], [0, 0, 0]]
+    md = inputs.metadata(4, 4)
+    assert md.num_decodes == md.num_seqs == 4 and md.block_tables.shape == (4, 6)
+    # A smaller step next: the rows past it are padding again, whatever the last step left.
+    inputs.fill(build_host_step([([3, 4], 1, 1, [5], True)], block_size=4), rows=2)
+    assert inputs.slot_mapping[:2].tolist() == [5 * 4 + 1, -1] and inputs.seq_lens[:2].tolist() == [2, 0]
+    too_wide = build_host_step([([0] * 30, 29, 1, list(range(8)), True)], block_size=4)
+    with pytest.raises(ValueError, match="8 KV blocks, more than the 6"):
+        inputs.fill(too_wide, rows=1)
+    assert np.array_equal(inputs.host_buffer.numpy()[:2], [4, 0])  # a refused step writes nothing
+
+
+# -- the whole model through the real scheduler ------------------------------------------
+
+from tests.model.test_parity import _prompt, _run_and_compare, _runner, family  # noqa: E402,F401
+
+
+@pytest.mark.parametrize("family", ["gemma3"], indirect=True)
+def test_model_parity_through_the_scheduler(family):
+    """Gemma 3 (sliding window, q/k norms, softcap: the most the kernels must get right)
+    on the Triton backend, q/k/v and gate/up fused as on CUDA, gives HF's logits at every
+    sampled row: prompts prefilled in chunks of a 12-token budget sharing steps with
+    decodes, a late request, a prefix cache hit. (Interpreted on CPU, so kept small;
+    tests/cuda runs every family on a GPU.)"""
+    name, path, reference = family
+    runner = _runner(path)
+    runner.backend = _backend(runner.hf_config.num_attention_heads, runner.hf_config.num_key_value_heads, 16)
+    runner.backend.prepare(runner.model)
+    assert hasattr(runner.model.model.layers[0].self_attn, "qkv_proj")
+    prompts = {f"r{n}": _prompt(n, seed=n) for n in (5, 19)}
+    late = {1: {"shares19": prompts["r19"][:12] + _prompt(3, seed=77)}}
+    result = _run_and_compare(runner, reference, prompts, max_num_seqs=8, max_num_batched_tokens=12,
+                              max_tokens=3, late=late)
+    facts = result.pop("_")
+    assert result == {rid: 3 for rid in [*prompts, "shares19"]}
+    assert facts["mixed_steps"] >= 1 and facts["hit_tokens"] == 12, facts
