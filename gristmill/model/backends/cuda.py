@@ -65,17 +65,19 @@ class CudaBackend(Backend):
                  step.sample_indices, step.block_tables.ravel(), np.asarray(prog_seq, dtype=np.int64),
                  np.asarray(prog_block, dtype=np.int64)]
         sizes = [len(p) for p in parts]
-        total = sum(sizes)
+        spans = [-(-size // 4) * 4 for size in sizes]  # each part 16-byte aligned (see triton_kernels)
+        total = sum(spans)
         staging = self.staging(total)
         host = staging.numpy()
         offset = 0
-        for part, size in zip(parts, sizes):
+        for part, size, span in zip(parts, sizes, spans):
             host[offset:offset + size] = part
-            offset += size
+            offset += span
         flat = staging[:total]
         flat = flat.to(self.device, non_blocking=True) if self.device.type == "cuda" else flat.clone()
         self.copied()
-        ids, positions, slots, query_start, seq_lens, samples, tables, seqs, blocks = flat.split(sizes)
+        ids, positions, slots, query_start, seq_lens, samples, tables, seqs, blocks = (
+            part[:size] for part, size in zip(flat.split(spans), sizes))
         metadata = StepMetadata(
             slot_mapping=slots, query_start=query_start, seq_lens=seq_lens,
             block_tables=tables.view(step.block_tables.shape), num_decodes=step.num_decodes,

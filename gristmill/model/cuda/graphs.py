@@ -45,16 +45,18 @@ class StaticInputs:
 
     def __init__(self, max_rows: int, max_blocks: int, device, pin: bool = True):
         self.max_rows, self.max_blocks = max_rows, max_blocks
-        self.vector_size = 5 * max_rows + 1
+        self.span = span = -(-(max_rows + 1) // 4) * 4  # each vector 16-byte aligned
+        self.vector_size = 5 * span
         size = self.vector_size + max_rows * max_blocks
         self.device_buffer = torch.zeros(size, dtype=torch.int32, device=device)
         self.host_buffer = torch.zeros(size, dtype=torch.int32, pin_memory=pin)
         self.block_tables = torch.zeros(max_rows, max_blocks, dtype=torch.int32, device=device)
-        (self.input_ids, self.positions, self.slot_mapping, self.seq_lens,
-         self.query_start) = self.device_buffer[:self.vector_size].split([max_rows] * 4 + [max_rows + 1])
+        vectors = self.device_buffer[:self.vector_size].split(span)
+        self.input_ids, self.positions, self.slot_mapping, self.seq_lens = (v[:max_rows] for v in vectors[:4])
+        self.query_start = vectors[4][:max_rows + 1]
         host = self.host_buffer.numpy()
-        host[4 * max_rows:self.vector_size] = np.arange(max_rows + 1)
-        host[2 * max_rows:3 * max_rows] = -1
+        host[4 * span:4 * span + max_rows + 1] = np.arange(max_rows + 1)
+        host[2 * span:2 * span + max_rows] = -1
         self.device_buffer.copy_(self.host_buffer)
 
     def metadata(self, rows: int, block_size: int) -> StepMetadata:
@@ -68,7 +70,7 @@ class StaticInputs:
         if width > self.max_blocks:
             raise ValueError(f"a sequence has {width} KV blocks, more than the {self.max_blocks} "
                              f"the graphs were captured for")
-        m, host = self.max_rows, self.host_buffer.numpy()
+        m, host = self.span, self.host_buffer.numpy()
         for k, part in enumerate((step.input_ids, step.positions, step.slot_mapping, step.seq_lens)):
             host[k * m:k * m + n] = part
             host[k * m + n:k * m + rows] = -1 if k == 2 else 0

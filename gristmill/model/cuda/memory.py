@@ -67,15 +67,21 @@ def kv_cache_blocks(runner, free_at_start: int, bytes_per_block: int) -> int:
                 f"lower {option}, or leave num_kv_blocks and kv_cache_memory_gb unset to size the cache "
                 f"from gpu_memory_utilization")
         return blocks
-    others = total - free_at_start  # the CUDA context and other processes, before the weights loaded
-    budget = config.gpu_memory_utilization * total - others - peak - reserve
-    blocks = int(budget // bytes_per_block)
+    # As vLLM users expect: this engine may use gpu_memory_utilization of the GPU, its
+    # weights, activations and memory outside torch's allocator (CUDA context, cuBLAS)
+    # included; other processes' memory is not charged to it, but must leave room.
+    requested = config.gpu_memory_utilization * total
+    outside_torch = max(0, (free_at_start - free_now) - torch.cuda.memory_reserved(device))
+    budget = requested - peak - reserve - outside_torch
+    room = free_now - max(0, peak - torch.cuda.memory_allocated(device)) - reserve
+    blocks = int(min(budget, room) // bytes_per_block)
     if blocks < 1:
         raise ValueError(
             f"gpu_memory_utilization={config.gpu_memory_utilization} of {device}'s {total / GIB:.1f} GiB leaves "
-            f"no room for a KV cache: other processes and the CUDA context hold {others / GIB:.2f} GiB, the "
-            f"weights and a step's activations {peak / GIB:.2f} GiB, sampling {reserve / GIB:.2f} GiB; raise "
-            f"gpu_memory_utilization, lower max_num_batched_tokens or max_num_seqs, or free the GPU")
+            f"no room for a KV cache: the weights and a step's activations take {peak / GIB:.2f} GiB, sampling "
+            f"{reserve / GIB:.2f} GiB, and {(total - free_now) / GIB:.2f} GiB of the GPU are in use (other "
+            f"processes included); raise gpu_memory_utilization, lower max_num_batched_tokens or "
+            f"max_num_seqs, or free the GPU")
     if blocks * config.block_size < runner.max_model_len:
         logger.warning("the KV cache holds %d tokens, fewer than max_model_len=%d: longer requests are refused",
                        blocks * config.block_size, runner.max_model_len)

@@ -197,7 +197,11 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                                         v.stride(0), v.stride(1), kv_heads, DIM=dim, DIM_P=_pow2(dim))
 
 
-@triton.jit
+# Triton compiles a variant per argument "shape" it sees: ints equal to 1 or divisible by
+# 16, pointers 16-byte aligned or not. Arguments that change from step to step are not
+# specialized (and the step's index buffers are uploaded 16-byte aligned), so a new
+# batch never stalls on a compile mid-run.
+@triton.jit(do_not_specialize=["stride_bt", "window"])
 def _paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_ptr, seq_lens_ptr, block_tables_ptr,
         prog_seq_ptr, prog_block_ptr, scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
