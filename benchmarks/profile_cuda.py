@@ -33,10 +33,18 @@ def main() -> None:
         llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - start
         print(f"batch {args.batch}, run {i}: {args.batch * 128 / elapsed:,.0f} tok/s, {elapsed / 128 * 1e3:.2f} ms/step")
+    import cProfile
+    import pstats
+    profiler = cProfile.Profile()
+    profiler.enable()
+    llm.generate(prompts, params, use_tqdm=False)
+    profiler.disable()
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(args.rows)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), use_tqdm=False)
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.rows))
+    if args.prefill_prompts == 0:
+        return
     long = [[rng.randrange(100, vocab) for _ in range(1000)] for _ in range(args.prefill_prompts)]
     one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     llm.generate(long[:2], one, use_tqdm=False)

@@ -37,6 +37,10 @@ def get_metadata() -> "StepMetadata":
     return _metadata
 
 
+def has_metadata() -> bool:
+    return _metadata is not None
+
+
 def current_backend() -> "Backend":
     global _reference
     if _backend is not None:

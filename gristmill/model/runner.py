@@ -81,6 +81,7 @@ class ModelRunner:
         self.sampler = Sampler(config.seed, self.device)
         self.generators: dict[str, torch.Generator] = {}
         self.graphs = None
+        self._greedy: torch.Tensor | None = None  # argmax of the last forward's logits, when it came with them
         if self.device.type == "cuda" and not config.enforce_eager:
             from gristmill.model.cuda.graphs import CudaGraphs
             self.graphs = CudaGraphs(self.model, self.backend, config.max_num_seqs, self.max_model_len,
@@ -158,7 +159,7 @@ class ModelRunner:
             return {}
         rows = [SamplerRow(item.request.sampling_params, self._generator(item.request))
                 for item in items]
-        tokens, logprobs = self.sampler(logits, rows)
+        tokens, logprobs = self.sampler(logits, rows, self._greedy)
         return {item.request.request_id: SampledToken(token, lp)
                 for item, token, lp in zip(items, tokens, logprobs)}
 
@@ -168,13 +169,15 @@ class ModelRunner:
         ScheduledRequests). The KV cache is updated for every scheduled token. The logits
         may live in a reused buffer (a CUDA graph's, the int8 LM head's): valid until
         the next call."""
+        self._greedy = None
         if not out.scheduled:
             return None, []
         host, items = self.host_step(out)
         if self.graphs is not None and self.graphs.can_run(host):
-            logits = self.graphs.run(host)
+            logits, self._greedy = self.graphs.run(host)
             if len(items) < host.num_tokens:
-                logits = logits[torch.from_numpy(host.sample_indices).to(self.device)]
+                rows = torch.from_numpy(host.sample_indices).to(self.device)
+                logits, self._greedy = logits[rows], self._greedy[rows]
             return logits, items
         input_ids, positions, metadata, sample_indices = self.backend.upload(host)
         with forward_context(metadata, self.backend):

@@ -37,13 +37,14 @@ class Sampler:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplerRow]):
-        """logits: (num_rows, vocab). Returns (token ids list, logprobs list of dict|None).
-        One device-to-host copy of the sampled ids (and one of the logprobs asked for)."""
+    def __call__(self, logits: torch.Tensor, rows: list[SamplerRow], argmax: torch.Tensor | None = None):
+        """logits: (num_rows, vocab); argmax: their argmax when the forward computed it.
+        Returns (token ids list, logprobs list of dict|None). One device-to-host copy of
+        the sampled ids (and one of the logprobs asked for)."""
         greedy = [i for i, row in enumerate(rows) if row.params.greedy]
         random = [i for i, row in enumerate(rows) if not row.params.greedy]
         if not random:  # all greedy: argmax of the logits as they are (exact in any float dtype)
-            tokens = greedy_tokens(logits).tolist()
+            tokens = (argmax if argmax is not None else greedy_tokens(logits)).tolist()
             return tokens, self._logprobs(logits, rows, tokens)
         logits = logits.float()
         tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)

@@ -88,6 +88,43 @@ def test_qkv_rotary(qk_norm, heads, kv_heads, head_dim):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
+def test_qkv_rotary_writes_k_and_v_into_the_paged_cache():
+    """Within a forward the CUDA backend writes k, v straight into the cache (slot -1, a
+    padding row, writes nothing): the cache then holds what the reference writes."""
+    torch.manual_seed(0)
+    heads, kv_heads, dim, n = 4, 2, 16, 5
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * dim, device=DEVICE)
+    positions = torch.tensor([0, 7, 3, 63, 12], device=DEVICE, dtype=torch.int32)
+    slots = torch.tensor([5, 0, 17, -1, 9], device=DEVICE, dtype=torch.int32)
+    rotary = RotaryEmbedding(dim, 64, {"rope_theta": 10000.0}).to(DEVICE)
+    norm = (torch.randn(dim, device=DEVICE), 1.0, 1e-6)
+    args = (qkv, positions, heads, kv_heads, dim, norm, norm, rotary.cos, rotary.sin)
+    q, k, v = triton_kernels.qkv_rotary(*args)
+    caches = torch.zeros(2, 5, 4, kv_heads, dim, device=DEVICE)
+    q2, k2, v2 = triton_kernels.qkv_rotary(*args, kv_cache=(slots, caches[0], caches[1]))
+    assert k2 is None and v2 is None and torch.equal(q2, q)
+    flat = caches.view(2, -1, kv_heads, dim)
+    written = [0, 1, 2, 4]
+    torch.testing.assert_close(flat[0, slots[written].long()], k[written])
+    torch.testing.assert_close(flat[1, slots[written].long()], v[written])
+    assert flat[:, [s for s in range(20) if s not in (5, 0, 17, 9)]].abs().sum() == 0
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_small_linear(rows):
+    """The few-rows linear of bf16 / fp16 decoder layers (q/k/v, o, gate/up, down) on CUDA.
+    (fp16 on CPU: the Triton interpreter's tl.dot mishandles bf16.)"""
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float16
+    x = torch.randn(rows, 200, device=DEVICE).to(dtype)
+    weight = (torch.randn(100, 200, device=DEVICE) / 14).to(dtype)
+    bias = torch.randn(100, device=DEVICE).to(dtype)
+    want = torch.nn.functional.linear(x.float(), weight.float(), bias.float())
+    for b in (bias, None):
+        got = triton_kernels.small_linear(x, weight, b).float()
+        torch.testing.assert_close(got, want if b is not None else want - bias.float(), rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh", "gelu"])
 def test_gated_activation(activation):
     torch.manual_seed(0)

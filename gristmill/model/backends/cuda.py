@@ -13,12 +13,25 @@ import torch
 
 from gristmill.model.backends.metadata import HostStep, StepMetadata
 from gristmill.model.backends.reference import Backend
+from gristmill.model.context import get_metadata, has_metadata
 from gristmill.model.layers.attention import PagedAttention
 from gristmill.model.layers.linear import fuse_projections
+
+SMALL_LINEAR_ROWS = 16  # as gristmill.model.cuda.triton_kernels, which imports triton
 
 
 def _norm(norm):
     return None if norm is None else (norm.weight, float(norm.offset), float(norm.eps))
+
+
+class SmallBatchLinear(torch.nn.Linear):
+    """nn.Linear whose forward runs the Triton small-batch kernel for a few rows."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] <= SMALL_LINEAR_ROWS:
+            from gristmill.model.cuda.triton_kernels import small_linear
+            return small_linear(x, self.weight, self.bias)
+        return super().forward(x)
 
 
 class CudaBackend(Backend):
@@ -34,8 +47,14 @@ class CudaBackend(Backend):
         self._copied: torch.cuda.Event | None = None
 
     def prepare(self, model: torch.nn.Module) -> None:
-        """Fit the model to this backend once, before the first step."""
+        """Fit the model to this backend once, before the first step: q/k/v and gate/up
+        fused, the decoder layers' linears on the small-batch kernel where it applies."""
         fuse_projections(model)
+        if self.dtype in (torch.bfloat16, torch.float16):
+            for layer in model.model.layers:
+                for module in layer.modules():
+                    if type(module) is torch.nn.Linear:
+                        module.__class__ = SmallBatchLinear
         attn = next(m for m in model.modules() if isinstance(m, PagedAttention))
         self.shape = self.kernels.AttentionShape(attn.num_heads, attn.num_kv_heads, attn.head_dim, self.dtype)
 
@@ -94,11 +113,16 @@ class CudaBackend(Backend):
         return self.kernels.residual_norm(x, delta, _norm(delta_norm), _norm(out_norm))
 
     def attention_inputs(self, module, positions, x, q_norm, k_norm):
+        """q, k, v; within a forward, k and v go straight into the layer's paged cache and
+        come back as None (the attention launch reads every key from the cache)."""
         if not hasattr(module, "qkv_proj"):
             return super().attention_inputs(module, positions, x, q_norm, k_norm)
+        attn, kv_cache = getattr(module, "attn", None), None
+        if attn is not None and attn.k_cache is not None and has_metadata():
+            kv_cache = (get_metadata().slot_mapping, attn.k_cache, attn.v_cache)
         return self.kernels.qkv_rotary(module.qkv_proj(x), positions, module.num_heads, module.num_kv_heads,
                                        module.head_dim, _norm(q_norm), _norm(k_norm), module.rotary.cos,
-                                       module.rotary.sin)
+                                       module.rotary.sin, kv_cache)
 
     def gated_activation(self, mlp, x):
         if not hasattr(mlp, "gate_up_proj"):
@@ -109,7 +133,8 @@ class CudaBackend(Backend):
 
     def attention(self, layer, q, k, v, md: StepMetadata) -> torch.Tensor:
         kernels = self.kernels
-        kernels.write_kv(k, v, layer.k_cache, layer.v_cache, md.slot_mapping)
+        if k is not None:  # not written by attention_inputs already
+            kernels.write_kv(k, v, layer.k_cache, layer.v_cache, md.slot_mapping)
         out = torch.empty_like(q)
         common = (md.query_start, md.seq_lens, md.block_tables, layer.scale, layer.sliding_window, self.shape)
         if md.num_decodes:

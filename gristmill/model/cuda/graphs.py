@@ -90,13 +90,14 @@ class CudaGraphs:
         self.sizes = graph_batch_sizes(max_num_seqs)
         max_blocks = -(-max_model_len // block_size)
         self.inputs = StaticInputs(self.sizes[-1], max_blocks, backend.device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
         self._copied: torch.cuda.Event | None = None
 
-    def _forward(self, rows: int) -> torch.Tensor:
+    def _forward(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         inputs = self.inputs
         hidden = self.model(inputs.input_ids[:rows], inputs.positions[:rows])
-        return self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(hidden)
+        return logits, logits.argmax(dim=-1)  # the greedy tokens too: no launch after the graph
 
     def capture(self) -> None:
         start = time.perf_counter()
@@ -107,8 +108,8 @@ class CudaGraphs:
                 self._forward(rows)  # compiles kernels, picks cuBLAS algorithms
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    logits = self._forward(rows)
-            self.graphs[rows] = (graph, logits)
+                    outputs = self._forward(rows)
+            self.graphs[rows] = (graph, outputs)
         torch.cuda.synchronize()
         logger.info("captured CUDA graphs for decode batch sizes %s in %.1f s", self.sizes,
                     time.perf_counter() - start)
@@ -117,14 +118,15 @@ class CudaGraphs:
         return (step.is_decode_only and step.num_tokens <= self.sizes[-1]
                 and step.block_tables.shape[1] <= self.inputs.max_blocks)
 
-    def run(self, step: HostStep) -> torch.Tensor:
-        """Logits (n, vocab) of a decode-only step's rows, valid until the next run."""
+    def run(self, step: HostStep) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits (n, vocab) of a decode-only step's rows and their argmax (n,), valid
+        until the next run."""
         rows = padded_batch_size(step.num_tokens, self.sizes)
         if self._copied is not None:
             self._copied.synchronize()  # the pinned buffer is read by the last step's copy
         self.inputs.fill(step, rows)
         self._copied = torch.cuda.Event()
         self._copied.record()
-        graph, logits = self.graphs[rows]
+        graph, (logits, greedy) = self.graphs[rows]
         graph.replay()
-        return logits[:step.num_tokens]
+        return logits[:step.num_tokens], greedy[:step.num_tokens]

@@ -86,8 +86,9 @@ def residual_norm(x: torch.Tensor, delta: torch.Tensor, delta_norm, out_norm):
 
 @triton.jit
 def _qkv_rotary_kernel(qkv_ptr, pos_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr,
+                       slot_ptr, k_cache_ptr, v_cache_ptr,
                        stride_t, num_heads, num_kv_heads, eps, q_off, k_off,
-                       HAS_NORM: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr):
+                       HAS_NORM: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr, WRITE_KV: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     c = tl.arange(0, HALF_P)
@@ -115,28 +116,42 @@ def _qkv_rotary_kernel(qkv_ptr, pos_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr
     q_dst = q_ptr + (t * num_heads + h) * (2 * HALF)
     tl.store(q_dst + c, o1, mask=mask & is_q)
     tl.store(q_dst + HALF + c, o2, mask=mask & is_q)
-    k_dst = k_ptr + (t * num_kv_heads + h - num_heads) * (2 * HALF)
-    tl.store(k_dst + c, o1, mask=mask & is_k)
-    tl.store(k_dst + HALF + c, o2, mask=mask & is_k)
+    if WRITE_KV:  # k and v straight into the paged cache (slot -1: a padding row)
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        write = mask & is_k & ((c * 0 + slot) >= 0)
+        dst = (slot * num_kv_heads + h - num_heads) * (2 * HALF)
+        tl.store(k_cache_ptr + dst + c, o1, mask=write)
+        tl.store(k_cache_ptr + dst + HALF + c, o2, mask=write)
+        v_src = src + num_kv_heads * (2 * HALF)
+        tl.store(v_cache_ptr + dst + c, tl.load(v_src + c, mask=write), mask=write)
+        tl.store(v_cache_ptr + dst + HALF + c, tl.load(v_src + HALF + c, mask=write), mask=write)
+    else:
+        k_dst = k_ptr + (t * num_kv_heads + h - num_heads) * (2 * HALF)
+        tl.store(k_dst + c, o1, mask=mask & is_k)
+        tl.store(k_dst + HALF + c, o2, mask=mask & is_k)
 
 
 def qkv_rotary(qkv: torch.Tensor, positions: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
-               q_norm, k_norm, cos: torch.Tensor, sin: torch.Tensor):
+               q_norm, k_norm, cos: torch.Tensor, sin: torch.Tensor, kv_cache=None):
     """qkv: (n, (heads + 2 kv_heads) * head_dim), the fused projection's output. Returns
     q (n, heads, dim), k (n, kv_heads, dim) normed (q_norm, k_norm: (weight, offset, eps)
-    or None) and rotated, and v, a view of qkv."""
+    or None) and rotated, and v, a view of qkv. With kv_cache = (slot_mapping, k_cache,
+    v_cache), k and v go straight into the cache instead, and come back as None."""
     n = qkv.shape[0]
     if qkv.stride(-1) != 1:
         qkv = qkv.contiguous()
     q = torch.empty(n, num_heads, head_dim, device=qkv.device, dtype=qkv.dtype)
-    k = torch.empty(n, num_kv_heads, head_dim, device=qkv.device, dtype=qkv.dtype)
-    v = qkv[:, (num_heads + num_kv_heads) * head_dim:].view(n, num_kv_heads, head_dim)
+    write = kv_cache is not None
+    k = None if write else torch.empty(n, num_kv_heads, head_dim, device=qkv.device, dtype=qkv.dtype)
+    v = None if write else qkv[:, (num_heads + num_kv_heads) * head_dim:].view(n, num_kv_heads, head_dim)
+    slots, k_cache, v_cache = kv_cache if write else (positions, q, q)
     qw, q_off, eps = q_norm or (cos, 0.0, 0.0)
     kw, k_off, _ = k_norm or (cos, 0.0, 0.0)
     if n:
         _qkv_rotary_kernel[(n, num_heads + num_kv_heads)](
-            qkv, positions, qw, kw, cos, sin, q, k, qkv.stride(0), num_heads, num_kv_heads, eps, q_off, k_off,
-            HAS_NORM=q_norm is not None, HALF=head_dim // 2, HALF_P=_pow2(head_dim // 2))
+            qkv, positions, qw, kw, cos, sin, q, q if write else k, slots, k_cache, v_cache, qkv.stride(0),
+            num_heads, num_kv_heads, eps, q_off, k_off, HAS_NORM=q_norm is not None, HALF=head_dim // 2,
+            HALF_P=_pow2(head_dim // 2), WRITE_KV=write)
     return q, k, v
 
 
@@ -287,7 +302,9 @@ class AttentionShape:
         # tl.dot needs 16 rows: queries of a block x the heads sharing a KV head.
         self.decode_block_q = max(1, 16 // self.group_p)
         self.prefill_block_q = max(1, 64 // self.group_p)
-        self.block_n = 32 if self.dim_p >= 256 else 64
+        # Keys per iteration: a prefill block holds 64 query rows, so wide heads take fewer keys.
+        self.decode_block_n = 64
+        self.prefill_block_n = 32 if self.dim_p >= 256 else 64
         self.ieee = dtype == torch.float32
         self.num_warps = 8 if self.dim_p >= 256 else 4
 
@@ -319,5 +336,46 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q, k_cache, v_cache, out, query_start, seq_lens, block_tables, prog_seq, prog_block, scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), num_kv_heads, window or 0, HAS_WINDOW=bool(window),
         GROUP=shape.group, GROUP_P=shape.group_p, DIM=shape.dim, DIM_P=shape.dim_p, BLOCK_SIZE=block_size,
-        BLOCK_Q=shape.decode_block_q if decode else shape.prefill_block_q, BLOCK_N=shape.block_n, DECODE=decode,
-        IEEE=shape.ieee, num_warps=shape.num_warps)
+        BLOCK_Q=shape.decode_block_q if decode else shape.prefill_block_q,
+        BLOCK_N=shape.decode_block_n if decode else shape.prefill_block_n, DECODE=decode,
+        IEEE=shape.ieee, num_warps=4 if decode else shape.num_warps)
+
+
+@triton.jit
+def _small_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                         HAS_BIAS: tl.constexpr, M_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    m = tl.arange(0, M_P)
+    m_ok = m < M
+    acc = tl.zeros([M_P, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        w = tl.load(w_ptr + n[None, :].to(tl.int64) * stride_wn + k[:, None], mask=n_ok[None, :] & k_ok[:, None],
+                    other=0.0)
+        x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += tl.dot(x, w)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + m[:, None] * stride_ym + n[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+#: Rows up to which `small_linear` replaces cuBLAS: a decode step of a few sequences,
+#: where a GEMM is a weight read that cuBLAS's kernels do in 4-5 us and this one in 2-3.
+SMALL_LINEAR_ROWS = 16
+
+
+def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T + bias for x of at most SMALL_LINEAR_ROWS rows, bf16/fp16 weights."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    block_n = 32 if n >= 4096 else 16
+    _small_linear_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, M_P=16, BLOCK_N=block_n, BLOCK_K=128, num_warps=4)
+    return y
