@@ -105,6 +105,8 @@ class BlockManager:
         return max(0, blocks_needed(num_tokens, self.block_size) - held)
 
     def can_allocate(self, request: Request, num_tokens: int, computed: Sequence[int] = ()) -> bool:
+        if not computed:  # every running request, every step: kept lean
+            return blocks_needed(num_tokens, self.block_size) - len(request.block_ids) <= len(self._free)
         # A reused block nobody holds leaves the free queue too.
         revived = sum(1 for block in computed if self.ref_counts[block] == 0)
         return self.num_new_blocks(request, num_tokens, computed) + revived <= len(self._free)

@@ -110,21 +110,6 @@ def test_qkv_rotary_writes_k_and_v_into_the_paged_cache():
     assert flat[:, [s for s in range(20) if s not in (5, 0, 17, 9)]].abs().sum() == 0
 
 
-@pytest.mark.parametrize("rows", [1, 5, 16])
-def test_small_linear(rows):
-    """The few-rows linear of bf16 / fp16 decoder layers (q/k/v, o, gate/up, down) on CUDA.
-    (fp16 on CPU: the Triton interpreter's tl.dot mishandles bf16.)"""
-    torch.manual_seed(0)
-    dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float16
-    x = torch.randn(rows, 200, device=DEVICE).to(dtype)
-    weight = (torch.randn(100, 200, device=DEVICE) / 14).to(dtype)
-    bias = torch.randn(100, device=DEVICE).to(dtype)
-    want = torch.nn.functional.linear(x.float(), weight.float(), bias.float())
-    for b in (bias, None):
-        got = triton_kernels.small_linear(x, weight, b).float()
-        torch.testing.assert_close(got, want if b is not None else want - bias.float(), rtol=2e-2, atol=2e-2)
-
-
 @pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh", "gelu"])
 def test_gated_activation(activation):
     torch.manual_seed(0)
@@ -217,6 +202,7 @@ def test_static_inputs_hold_a_padded_decode_step():
 from tests.model.test_parity import _prompt, _run_and_compare, _runner, family  # noqa: E402,F401
 
 
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="tests/cuda runs every family through the CUDA backend")
 @pytest.mark.parametrize("family", ["gemma3"], indirect=True)
 def test_model_parity_through_the_scheduler(family):
     """Gemma 3 (sliding window, q/k norms, softcap: the most the kernels must get right)

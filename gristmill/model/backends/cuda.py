@@ -17,21 +17,9 @@ from gristmill.model.context import get_metadata, has_metadata
 from gristmill.model.layers.attention import PagedAttention
 from gristmill.model.layers.linear import fuse_projections
 
-SMALL_LINEAR_ROWS = 16  # as gristmill.model.cuda.triton_kernels, which imports triton
-
 
 def _norm(norm):
     return None if norm is None else (norm.weight, float(norm.offset), float(norm.eps))
-
-
-class SmallBatchLinear(torch.nn.Linear):
-    """nn.Linear whose forward runs the Triton small-batch kernel for a few rows."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] <= SMALL_LINEAR_ROWS:
-            from gristmill.model.cuda.triton_kernels import small_linear
-            return small_linear(x, self.weight, self.bias)
-        return super().forward(x)
 
 
 class CudaBackend(Backend):
@@ -48,13 +36,8 @@ class CudaBackend(Backend):
 
     def prepare(self, model: torch.nn.Module) -> None:
         """Fit the model to this backend once, before the first step: q/k/v and gate/up
-        fused, the decoder layers' linears on the small-batch kernel where it applies."""
+        fused into one matmul each."""
         fuse_projections(model)
-        if self.dtype in (torch.bfloat16, torch.float16):
-            for layer in model.model.layers:
-                for module in layer.modules():
-                    if type(module) is torch.nn.Linear:
-                        module.__class__ = SmallBatchLinear
         attn = next(m for m in model.modules() if isinstance(m, PagedAttention))
         self.shape = self.kernels.AttentionShape(attn.num_heads, attn.num_kv_heads, attn.head_dim, self.dtype)
 
