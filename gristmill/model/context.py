@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from gristmill.model.backends.metadata import StepMetadata
+    from gristmill.model.metadata import StepMetadata
     from gristmill.model.backends.reference import Backend
 
 _metadata: "StepMetadata | None" = None

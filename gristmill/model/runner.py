@@ -17,7 +17,7 @@ import torch
 from gristmill.config import EngineConfig
 from gristmill.engine.messages import SampledToken, SchedulerOutput
 from gristmill.model.backends import pick_backend
-from gristmill.model.backends.metadata import HostStep, StepMetadata, build_host_step
+from gristmill.model.metadata import HostStep, StepMetadata, build_host_step
 from gristmill.model.context import forward_context
 from gristmill.model.cpu import quant
 from gristmill.model.layers import PagedAttention, RotaryEmbedding, clear_rotary_cache

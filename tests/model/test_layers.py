@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from gristmill.model.backends.cpu import CpuBackend
-from gristmill.model.backends.metadata import StepMetadata
+from gristmill.model.metadata import StepMetadata
 from gristmill.model.backends.reference import Backend
 from gristmill.model.layers import PagedAttention, RMSNorm, RotaryEmbedding
 

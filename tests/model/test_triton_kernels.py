@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from gristmill.model.backends.cuda import CudaBackend  # noqa: E402
-from gristmill.model.backends.metadata import build_host_step  # noqa: E402
+from gristmill.model.metadata import build_host_step  # noqa: E402
 from gristmill.model.backends.reference import Backend  # noqa: E402
 from gristmill.model.cuda import triton_kernels  # noqa: E402
 from gristmill.model.cuda.graphs import StaticInputs, graph_batch_sizes, padded_batch_size  # noqa: E402

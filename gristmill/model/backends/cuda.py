@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from gristmill.model.backends.metadata import HostStep, StepMetadata
+from gristmill.model.metadata import HostStep, StepMetadata
 from gristmill.model.backends.reference import Backend
 from gristmill.model.context import get_metadata, has_metadata
 from gristmill.model.layers.attention import PagedAttention

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gristmill.model.backends.metadata import HostStep, StepMetadata
+from gristmill.model.metadata import HostStep, StepMetadata
 from gristmill.model.layers.linear import GATE_UP, QKV, project
 
 

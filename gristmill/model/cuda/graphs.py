@@ -17,7 +17,7 @@ import time
 import numpy as np
 import torch
 
-from gristmill.model.backends.metadata import HostStep, StepMetadata
+from gristmill.model.metadata import HostStep, StepMetadata
 from gristmill.model.context import forward_context
 
 logger = logging.getLogger(__name__)

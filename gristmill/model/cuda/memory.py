@@ -9,7 +9,7 @@ import logging
 
 import torch
 
-from gristmill.model.backends.metadata import build_host_step
+from gristmill.model.metadata import build_host_step
 from gristmill.model.context import forward_context
 
 logger = logging.getLogger(__name__)
