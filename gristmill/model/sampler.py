@@ -39,25 +39,26 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplerRow], argmax: torch.Tensor | None = None):
         """logits: (num_rows, vocab); argmax: their argmax when the forward computed it.
-        Returns (token ids list, logprobs list of dict|None). One device-to-host copy of
-        the sampled ids (and one of the logprobs asked for)."""
+        Returns (token ids list, logprobs list of dict|None). The sampled ids and the
+        logprobs asked for come to the host in one copy."""
         greedy = [i for i, row in enumerate(rows) if row.params.greedy]
         random = [i for i, row in enumerate(rows) if not row.params.greedy]
         if not random:  # all greedy: argmax of the logits as they are (exact in any float dtype)
-            tokens = (argmax if argmax is not None else greedy_tokens(logits)).tolist()
-            return tokens, self._logprobs(logits, rows, tokens)
-        logits = logits.float()
-        tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
-        if greedy:
-            index = torch.tensor(greedy, device=logits.device)
-            tokens[index] = greedy_tokens(logits[index])
-        if random:
+            tokens = argmax if argmax is not None else greedy_tokens(logits)
+        else:
+            logits = logits.float()
+            tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+            if greedy:
+                index = torch.tensor(greedy, device=logits.device)
+                tokens[index] = greedy_tokens(logits[index])
             index = torch.tensor(random, device=logits.device)
             probs = self._filtered_probs(logits[index], [rows[i].params for i in random])
             noise = self._exponential_noise(probs, [rows[i].generator for i in random])
             tokens[index] = (probs / noise).argmax(dim=-1)
-        token_list = tokens.tolist()
-        return token_list, self._logprobs(logits, rows, token_list)
+        wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+        if not wanted:
+            return tokens.tolist(), [None] * len(rows)
+        return self._with_logprobs(logits, rows, tokens, wanted)
 
     def _filtered_probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         device = logits.device
@@ -96,21 +97,25 @@ class Sampler:
         return noise.clamp_(min=1e-30)  # a zero draw would turn 0 / 0 into NaN
 
     @staticmethod
-    def _logprobs(logits: torch.Tensor, rows: list[SamplerRow], tokens: list[int]):
-        wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
-        result: list[dict[int, float] | None] = [None] * len(rows)
-        if not wanted:
-            return result
+    def _with_logprobs(logits: torch.Tensor, rows: list[SamplerRow], tokens: torch.Tensor, wanted: list[int]):
+        """Token ids, and for the rows in `wanted` {token: logprob} of the sampled token and
+        the top-k: computed on the device, copied to the host with the ids, in one copy."""
         index = torch.tensor(wanted, device=logits.device)
         logprobs = logits[index].float().log_softmax(dim=-1)
-        k = max(rows[i].params.logprobs for i in wanted)
-        top_values, top_ids = logprobs.topk(max(k, 1), dim=-1)
-        chosen = logprobs.gather(1, torch.tensor([tokens[i] for i in wanted], device=logits.device)[:, None])
-        top_values, top_ids, chosen = top_values.tolist(), top_ids.tolist(), chosen[:, 0].tolist()
+        k = max(max(rows[i].params.logprobs for i in wanted), 1)
+        top_values, top_ids = logprobs.topk(k, dim=-1)
+        chosen = logprobs.gather(1, tokens[index][:, None])
+        # float64 holds every token id exactly
+        packed = torch.cat([tokens.double(), chosen[:, 0].double(), top_values.double().flatten(),
+                            top_ids.double().flatten()]).tolist()
+        n, m = len(rows), len(wanted)
+        token_list = [int(t) for t in packed[:n]]
+        chosen_list = packed[n:n + m]
+        values, ids = packed[n + m:n + m + m * k], packed[n + m + m * k:]
+        result: list[dict[int, float] | None] = [None] * n
         for row, i in enumerate(wanted):
-            num = rows[i].params.logprobs
-            entry = {tokens[i]: chosen[row]}
-            for token_id, value in zip(top_ids[row][:num], top_values[row][:num]):
-                entry.setdefault(token_id, value)
+            entry = {token_list[i]: chosen_list[row]}
+            for j in range(row * k, row * k + rows[i].params.logprobs):
+                entry.setdefault(int(ids[j]), values[j])
             result[i] = entry
-        return result
+        return token_list, result
