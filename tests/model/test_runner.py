@@ -1,0 +1,45 @@
+"""ModelRunner set-up: the backend it picks, KV cache sizing options, and clear errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from gristmill.config import EngineConfig  # noqa: E402
+from gristmill.errors import RequestError  # noqa: E402
+from gristmill.model.runner import ModelRunner  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    path = tmp_path_factory.mktemp("tiny_llama")
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return path
+
+
+def test_cpu_runner_picks_the_cpu_backend_and_a_one_gib_cache_by_default(tiny_llama):
+    runner = ModelRunner(EngineConfig(model=str(tiny_llama), device="cpu", quantization=None))
+    assert runner.backend.name == "cpu" and runner.graphs is None
+    per_block = 2 * 2 * 16 * 16 * 4  # k and v, 2 layers, 16 tokens, 1 kv head of 16, float32
+    assert runner.num_blocks == 2**30 // per_block
+    half = ModelRunner(EngineConfig(model=str(tiny_llama), device="cpu", quantization=None, kv_cache_memory_gb=0.5))
+    assert half.num_blocks == runner.num_blocks // 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error of a machine without a GPU")
+def test_cuda_without_a_gpu_is_a_clear_error(tiny_llama):
+    with pytest.raises(RuntimeError, match="torch sees no CUDA GPU.*use device='cpu' or 'auto'"):
+        ModelRunner(EngineConfig(model=str(tiny_llama), device="cuda"))
+
+
+@pytest.mark.parametrize("field,value", [("gpu_memory_utilization", 0), ("gpu_memory_utilization", 1.5),
+                                         ("gpu_memory_utilization", True), ("kv_cache_memory_gb", 0),
+                                         ("kv_cache_memory_gb", -1.0)])
+def test_memory_options_are_validated(field, value):
+    with pytest.raises(RequestError, match=f"EngineConfig.{field}") as info:
+        EngineConfig(**{field: value})
+    assert info.value.param == field
