@@ -17,11 +17,11 @@ import torch
 from gristmill.config import EngineConfig
 from gristmill.engine.messages import SampledToken, SchedulerOutput
 from gristmill.model.backends import pick_backend
-from gristmill.model.metadata import HostStep, StepMetadata, build_host_step
 from gristmill.model.context import forward_context
 from gristmill.model.cpu import quant
 from gristmill.model.layers import PagedAttention, RotaryEmbedding, clear_rotary_cache
 from gristmill.model.loader import load_config, load_weights, resolve_model
+from gristmill.model.metadata import HostStep, StepMetadata, build_host_step
 from gristmill.model.models import model_class
 from gristmill.model.sampler import Sampler, SamplerRow
 from gristmill.paths import cache_root

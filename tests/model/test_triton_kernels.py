@@ -18,13 +18,13 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from gristmill.model.backends.cuda import CudaBackend  # noqa: E402
-from gristmill.model.metadata import build_host_step  # noqa: E402
 from gristmill.model.backends.reference import Backend  # noqa: E402
 from gristmill.model.cuda import triton_kernels  # noqa: E402
 from gristmill.model.cuda.graphs import StaticInputs, graph_batch_sizes, padded_batch_size  # noqa: E402
 from gristmill.model.layers import PagedAttention, RMSNorm, RotaryEmbedding  # noqa: E402
 from gristmill.model.layers.linear import fuse_projections  # noqa: E402
 from gristmill.model.layers.mlp import GatedMLP  # noqa: E402
+from gristmill.model.metadata import build_host_step  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 REFERENCE = Backend(DEVICE)

@@ -2,20 +2,20 @@
 gate/up fused into one projection each, a step's inputs in one host-to-device copy, and
 decode steps replayed from CUDA graphs (model/cuda/graphs.py).
 
-Per decoder layer a step runs: norm, qkv matmul, q/k norm + rotary, KV write, one
-attention launch for all decodes and one for all prefill chunks, o matmul, residual +
-norms, gate/up matmul, activation, down matmul, residual + norm."""
+Per decoder layer a step runs: norm, qkv matmul, q/k norm + rotary (writing k and v into
+the paged cache), one attention launch for all decodes and one for all prefill chunks, o
+matmul, residual + norms, gate/up matmul, activation, down matmul, residual + norm."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from gristmill.model.metadata import HostStep, StepMetadata
 from gristmill.model.backends.reference import Backend
 from gristmill.model.context import get_metadata, has_metadata
 from gristmill.model.layers.attention import PagedAttention
 from gristmill.model.layers.linear import fuse_projections
+from gristmill.model.metadata import HostStep, StepMetadata
 
 
 def _norm(norm):

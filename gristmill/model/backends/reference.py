@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gristmill.model.metadata import HostStep, StepMetadata
 from gristmill.model.layers.linear import GATE_UP, QKV, project
+from gristmill.model.metadata import HostStep, StepMetadata
 
 
 class Backend:

@@ -17,8 +17,8 @@ import time
 import numpy as np
 import torch
 
-from gristmill.model.metadata import HostStep, StepMetadata
 from gristmill.model.context import forward_context
+from gristmill.model.metadata import HostStep, StepMetadata
 
 logger = logging.getLogger(__name__)
 

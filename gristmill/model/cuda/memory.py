@@ -9,8 +9,8 @@ import logging
 
 import torch
 
-from gristmill.model.metadata import build_host_step
 from gristmill.model.context import forward_context
+from gristmill.model.metadata import build_host_step
 
 logger = logging.getLogger(__name__)
 
