@@ -56,7 +56,6 @@ class StepInputs:
     metadata: StepMetadata
     sample_indices: torch.Tensor  # (num_samples,) rows of the hidden states to sample from
     sample_items: list            # the ScheduledRequest of each sampled row
-    host: HostStep
 
 
 class ModelRunner:
@@ -198,7 +197,7 @@ class ModelRunner:
         """A step's inputs on the device, as the eager forward takes them."""
         host, items = self.host_step(out)
         input_ids, positions, metadata, sample_indices = self.backend.upload(host)
-        return StepInputs(input_ids, positions, metadata, sample_indices, items, host)
+        return StepInputs(input_ids, positions, metadata, sample_indices, items)
 
     @torch.inference_mode()
     def score(self, token_ids: list[int], chunk_size: int = 512) -> torch.Tensor:

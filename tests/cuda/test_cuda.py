@@ -5,7 +5,6 @@ replay equal to eager; seeded sampling reproducible; fatal faults; KV cache sizi
 
 from __future__ import annotations
 
-import asyncio
 import os
 
 import pytest
@@ -13,9 +12,7 @@ import torch
 
 from gristmill import LLM, SamplingParams
 from gristmill.config import EngineConfig
-from gristmill.engine.async_engine import AsyncEngine
 from gristmill.model.runner import ModelRunner
-from tests.harness import process_gone
 from tests.model.test_parity import BLOCK_SIZE, _prompt, _run_and_compare, family  # noqa: F401
 
 GPU_MODEL = os.environ.get("GRISTMILL_GPU_MODEL")  # set by the GPU machine's remote.sh
@@ -117,21 +114,13 @@ def test_kv_cache_that_does_not_fit_is_refused_at_start(family):
                                        ("core_exit@step=4", "exited with code 17")])
 def test_fatal_faults_fail_every_request_within_a_second(monkeypatch, spec, says):
     from gristmill.engine import faults
-    from tests.engine.test_async_engine import assert_all_dead, fail_in_flight
+    from tests.engine.test_async_engine import assert_a_fatal_fault_fails_every_request, start_engine
 
-    monkeypatch.setenv("GRISTMILL_FAULTS", spec)
     try:
-        engine = AsyncEngine(EngineConfig(model=GPU_MODEL, device="cuda", max_model_len=2048))
+        engine = start_engine(monkeypatch, spec, model=GPU_MODEL, device="cuda", max_model_len=2048)
     finally:
-        monkeypatch.delenv("GRISTMILL_FAULTS")
-        faults.load()
-    pid = engine.core_pid
-    try:
-        results, _, died_at = asyncio.run(fail_in_flight(engine))
-        assert_all_dead(engine, results, died_at[0], says)
-        assert process_gone(pid)
-    finally:
-        engine.shutdown()
+        faults.load()  # the client's own copy of the spec, read at its start
+    assert_a_fatal_fault_fails_every_request(engine, says)
 
 
 @needs_gpu_model

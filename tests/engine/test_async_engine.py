@@ -36,7 +36,7 @@ def start_engine(monkeypatch, spec: str | None = None, **options) -> AsyncEngine
     else:
         monkeypatch.delenv("GRISTMILL_FAULTS", raising=False)
     try:
-        return AsyncEngine(EngineConfig(device="cpu", **options))
+        return AsyncEngine(EngineConfig(**{"device": "cpu", **options}))
     finally:
         monkeypatch.delenv("GRISTMILL_FAULTS", raising=False)
 
@@ -247,6 +247,12 @@ def test_fatal_faults_fail_every_request_fast(monkeypatch, spec, says):
     # Only the hang test shortens the step timeout: elsewhere a slow machine's long step
     # must not pass for a hang.
     engine = start_engine(monkeypatch, spec, **({"step_timeout_s": 1.0} if "hang" in spec else {}))
+    assert_a_fatal_fault_fails_every_request(engine, says)
+
+
+def assert_a_fatal_fault_fails_every_request(engine, says):
+    """Run CONCURRENCY requests into a fault that kills the engine: each ends with
+    EngineDeadError within a second of the death, and the core process is gone."""
     pid = engine.core_pid
     try:
         results, _, died_at = asyncio.run(fail_in_flight(engine))

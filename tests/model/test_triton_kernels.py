@@ -159,8 +159,10 @@ def test_paged_attention_mixed_step(heads, kv_heads, head_dim, window):
 
 def test_prefill_programs_cover_every_query_block():
     # decodes (sequences 0, 1) are not in the prefill launch; 33 tokens in blocks of 16 -> 3.
-    seqs, blocks = triton_kernels.prefill_programs([0, 1, 2, 35, 36, 52], 2, 16)
-    assert seqs == [2, 2, 2, 3, 4] and blocks == [0, 1, 2, 0, 0]
+    seqs, blocks = triton_kernels.prefill_programs(np.array([0, 1, 2, 35, 36, 52]), 2, 16)
+    assert seqs.tolist() == [2, 2, 2, 3, 4] and blocks.tolist() == [0, 1, 2, 0, 0]
+    seqs, blocks = triton_kernels.prefill_programs(np.array([0, 1, 2]), 2, 16)  # decodes only
+    assert len(seqs) == len(blocks) == 0
 
 
 # -- CUDA-graph bookkeeping ------------------------------------------------------------

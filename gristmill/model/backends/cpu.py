@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from gristmill.model.backends.reference import Backend
+from gristmill.model.context import get_metadata
 from gristmill.model.cpu import kernels
 from gristmill.model.cpu.decode_stack import DecodeStack
 from gristmill.model.layers.linear import QKV, project
@@ -62,8 +63,6 @@ class CpuBackend(Backend):
                                                md.decode_context_lens, layer.scale, layer.sliding_window or 0)
 
     def run_layers(self, layers, positions, x):
-        from gristmill.model.context import get_metadata
-
         md = get_metadata()
         stack = None
         if self._ops_for(x) is not None and md.num_decodes == x.shape[0] == md.num_seqs:

@@ -61,11 +61,10 @@ class CudaBackend(Backend):
             self._copied.record()
 
     def upload(self, step: HostStep):
-        prog_seq, prog_block = self.kernels.prefill_programs(step.query_start.tolist(), step.num_decodes,
+        prog_seq, prog_block = self.kernels.prefill_programs(step.query_start, step.num_decodes,
                                                              self.shape.prefill_block_q)
         parts = [step.input_ids, step.positions, step.slot_mapping, step.query_start, step.seq_lens,
-                 step.sample_indices, step.block_tables.ravel(), np.asarray(prog_seq, dtype=np.int64),
-                 np.asarray(prog_block, dtype=np.int64)]
+                 step.sample_indices, step.block_tables.ravel(), prog_seq, prog_block]
         sizes = [len(p) for p in parts]
         spans = [-(-size // 4) * 4 for size in sizes]  # each part 16-byte aligned (see triton_kernels)
         total = sum(spans)
@@ -84,7 +83,7 @@ class CudaBackend(Backend):
             slot_mapping=slots, query_start=query_start, seq_lens=seq_lens,
             block_tables=tables.view(step.block_tables.shape), num_decodes=step.num_decodes,
             block_size=step.block_size, query_start_host=step.query_start.tolist(),
-            seq_lens_host=step.seq_lens.tolist(), extras={"programs": (seqs, blocks) if prog_seq else None})
+            seq_lens_host=step.seq_lens.tolist(), extras={"programs": (seqs, blocks) if len(prog_seq) else None})
         return ids, positions, metadata, samples
 
     # -- ops ------------------------------------------------------------------------

@@ -14,6 +14,7 @@ them against the torch reference (tests/model/test_triton_kernels.py).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -309,13 +310,11 @@ class AttentionShape:
         self.num_warps = 8 if self.dim_p >= 256 else 4
 
 
-def prefill_programs(query_start, num_decodes: int, block_q: int):
-    """(sequence, query block) of each program of the prefill launch, as two int lists."""
-    seqs, blocks = [], []
-    for seq in range(num_decodes, len(query_start) - 1):
-        count = -(-(query_start[seq + 1] - query_start[seq]) // block_q)
-        seqs += [seq] * count
-        blocks += range(count)
+def prefill_programs(query_start: np.ndarray, num_decodes: int, block_q: int) -> tuple[np.ndarray, np.ndarray]:
+    """(sequence, query block) of each program of the prefill launch."""
+    counts = -(-np.diff(query_start[num_decodes:]) // block_q)
+    seqs = np.repeat(np.arange(num_decodes, len(query_start) - 1), counts)
+    blocks = np.arange(len(seqs)) - np.repeat(np.cumsum(counts) - counts, counts)
     return seqs, blocks
 
 
