@@ -1,7 +1,8 @@
 """Throughput on a CUDA GPU, peers side by side in one run, same weights, bf16, greedy,
 EOS ignored:
 
-- gristmill `LLM.generate` (CUDA backend: Triton kernels, decode steps from CUDA graphs);
+- gristmill `LLM.generate` (CUDA backend: Triton kernels, decode steps from CUDA graphs,
+  async scheduling), and the same engine with async scheduling off (`gristmill_sync`);
 - transformers `generate`;
 - transformers' forward over a `StaticCache` with each decode step captured as one CUDA
   graph by hand (the strongest plain-PyTorch reference).
@@ -40,6 +41,15 @@ def bench_gristmill(llm: LLM, prompts, output_len) -> float:
     elapsed = time.perf_counter() - start
     assert all(o.finish_reason == "length" for o in outs), [o.error for o in outs if o.error][:3]
     return sum(len(o.token_ids) for o in outs) / elapsed
+
+
+def bench_gristmill_sync(llm: LLM, prompts, output_len) -> float:
+    """The same engine, each step's tokens on the host before the next step is scheduled."""
+    llm.core.async_scheduling = False
+    try:
+        return bench_gristmill(llm, prompts, output_len)
+    finally:
+        llm.core.async_scheduling = True
 
 
 def bench_prefill(llm: LLM, prompts) -> float:
@@ -133,7 +143,7 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="1,16,64,256")
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--peers", default="gristmill,hf_generate,hf_graph")
+    parser.add_argument("--peers", default="gristmill,gristmill_sync,hf_generate,hf_graph")
     parser.add_argument("--skip", default="", help="comma-separated: prefill, nano, kernels")
     parser.add_argument("--json", default=None, help="also write the figures here")
     args = parser.parse_args()
@@ -155,9 +165,10 @@ def main() -> None:
         hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16).cuda().eval()
 
     runs = {"gristmill": lambda p, n: bench_gristmill(llm, p, n),
+            "gristmill_sync": lambda p, n: bench_gristmill_sync(llm, p, n),
             "hf_generate": lambda p, n: bench_hf_generate(hf, p, n),
             "hf_graph": lambda p, n: bench_hf_graph(hf, p, n)}
-    names = [p for p in ("gristmill", "hf_generate", "hf_graph") if p in peers]
+    names = [p for p in ("gristmill", "gristmill_sync", "hf_generate", "hf_graph") if p in peers]
     for name in names:  # warm up: kernels compile, cuBLAS picks algorithms
         runs[name](prompts_of(2, args.prompt_len, vocab), 4)
     header = f"{'batch':>5} " + " ".join(f"{n:>12}" for n in names)

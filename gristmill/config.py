@@ -52,6 +52,10 @@ class EngineConfig:
     enforce_eager: bool = _field(
         False, "CUDA: run every step eagerly instead of replaying decode steps from CUDA graphs "
                "(captured at start for batch sizes up to max_num_seqs).")
+    async_scheduling: bool | None = _field(
+        None, "Schedule and launch each step before the previous one's tokens reach the host, so "
+              "the host's work overlaps the device's (a request that stops on EOS computes one "
+              "extra token, dropped). None = on with CUDA, off on CPU, where it cannot overlap.")
     seed: int = _field(
         0, "Seed of the engine's random stream, used by requests without a seed of their own.")
     cache_dir: str | None = _field(
@@ -87,6 +91,8 @@ class EngineConfig:
         check(self.max_num_batched_tokens >= self.max_num_seqs, "max_num_batched_tokens",
               f"must be >= max_num_seqs ({self.max_num_seqs}) so every running request can "
               f"decode in one step, got {self.max_num_batched_tokens}; raise it or lower max_num_seqs")
+        check(self.async_scheduling in (None, True, False), "async_scheduling",
+              f"must be True, False or None, got {self.async_scheduling!r}")
         check(isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching",
               f"must be True or False, got {self.enable_prefix_caching!r}")
         check(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),

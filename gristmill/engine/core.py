@@ -25,6 +25,19 @@ class Executor(Protocol):
     def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]: ...
 
 
+class LaunchedStep(Protocol):
+    def result(self) -> dict[str, SampledToken]: ...
+
+
+class AsyncExecutor(Executor, Protocol):
+    """An executor that can start a step and give its tokens later (async scheduling)."""
+
+    #: Whether async scheduling pays on this executor (a GPU does the work; the host is free).
+    prefers_async: bool
+
+    def launch(self, out: SchedulerOutput) -> LaunchedStep: ...
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor):
         self.config = config
@@ -36,6 +49,11 @@ class EngineCore:
         self.capacity = Capacity(executor.max_model_len, executor.num_blocks, config.block_size,
                                  executor.vocab_size)
         self.num_steps = 0
+        choice = config.async_scheduling
+        self.async_scheduling = hasattr(executor, "launch") and (
+            choice if choice is not None else getattr(executor, "prefers_async", False))
+        #: Async scheduling: the step launched last and not yet resolved.
+        self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
         #: Set by the engine-core process to carry out the core_exit / core_hang faults of
         #: a scheduled request (they end or stall the process; an in-process core has none).
         self.process_fault: Callable[[str], None] | None = None
@@ -45,8 +63,23 @@ class EngineCore:
         out = self.scheduler.schedule()
         if faults.ACTIVE:
             self._inject_faults(out)
-        sampled = self.executor.execute(out)
-        return self.scheduler.update(out, sampled)
+        if not self.async_scheduling:
+            return self.scheduler.update(out, self.executor.execute(out))
+        # Async scheduling: this step goes to the device before the last one's tokens
+        # come back (its inputs read them there), so the host's work on those tokens
+        # (stop checks, outputs, detokenizing, the next schedule) overlaps the device's.
+        launched = self.executor.launch(out)
+        updates = self._resolve_in_flight()
+        self.scheduler.advance(out)
+        self._in_flight = (out, launched)
+        return updates
+
+    def _resolve_in_flight(self) -> list[RequestUpdate]:
+        if self._in_flight is None:
+            return []
+        out, launched = self._in_flight
+        self._in_flight = None
+        return self.scheduler.resolve(out, launched.result())
 
     def _inject_faults(self, out: SchedulerOutput) -> None:
         for item in out.scheduled:

@@ -144,8 +144,11 @@ class BlockManager:
 
     def _register_full_blocks(self, request: Request, num_tokens: int) -> None:
         bs = self.block_size
-        # Blocks full before this step were registered when they were scheduled.
-        for i in range(request.num_computed_tokens // bs, min(num_tokens, request.num_tokens) // bs):
+        # Blocks full before this step were registered when they were scheduled, except
+        # one a pending placeholder filled (async scheduling): it is named once the token
+        # is known, so the block of the last computed token is looked at again.
+        first = max(request.num_computed_tokens - 1, 0) // bs
+        for i in range(first, min(num_tokens, request.num_known_tokens) // bs):
             block = request.block_ids[i]
             if self.block_hashes[block] is not None:
                 continue

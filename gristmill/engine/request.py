@@ -8,6 +8,11 @@ from dataclasses import dataclass, field
 from gristmill.sampling import SamplingParams
 
 
+#: Stands in `token_ids` for a token sampled by a step still running on the device
+#: (async scheduling); the model reads the real id from that step's output.
+PLACEHOLDER = -1
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -38,6 +43,11 @@ class Request:
     #: Hashes of its first full blocks (`kv_blocks.block_hash` chained), filled in by the
     #: block manager as it needs them; tokens are only appended, so they stay valid.
     block_hashes: list[bytes] = field(default_factory=list)
+    #: Its last token is a PLACEHOLDER: a step that samples it was launched, not yet resolved.
+    pending: bool = False
+    #: The pending token is its last whatever it is (max_tokens or max_model_len is
+    #: reached): it is not scheduled again.
+    final: bool = False
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)
@@ -62,6 +72,14 @@ class Request:
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
 
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids are known: all but a pending placeholder."""
+        return len(self.token_ids) - self.pending
+
+    def reaches_length(self, max_model_len: int) -> bool:
+        return self.num_output_tokens >= self.sampling_params.max_tokens or self.num_tokens >= max_model_len
+
     def stop_reason_after(self, token_id: int, max_model_len: int) -> str | None:
         """The finish reason once `token_id` was appended, or None to go on."""
         params = self.sampling_params
@@ -69,6 +87,6 @@ class Request:
             return "stop"
         if token_id in params.stop_token_ids:
             return "stop"
-        if self.num_output_tokens >= params.max_tokens or self.num_tokens >= max_model_len:
+        if self.reaches_length(max_model_len):
             return "length"
         return None

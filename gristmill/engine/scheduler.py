@@ -18,7 +18,7 @@ from collections import deque
 
 from gristmill.engine.kv_blocks import BlockManager
 from gristmill.engine.messages import RequestUpdate, SampledToken, ScheduledRequest, SchedulerOutput
-from gristmill.engine.request import Request, RequestStatus
+from gristmill.engine.request import PLACEHOLDER, Request, RequestStatus
 
 
 class Scheduler:
@@ -74,6 +74,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if request.final:  # its last token is still being sampled
+                i += 1
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             total = request.num_computed_tokens + num_new
             while not self.block_manager.can_allocate(request, total):
@@ -117,21 +120,38 @@ class Scheduler:
 
     def update(self, out: SchedulerOutput, sampled: dict[str, SampledToken]) -> list[RequestUpdate]:
         """Apply a step's results: advance progress, append tokens, end finished requests."""
+        self.advance(out)
+        return self.resolve(out, sampled)
+
+    def advance(self, out: SchedulerOutput) -> None:
+        """A step was launched: its tokens count as computed, and each request it samples
+        gets a PLACEHOLDER token, so the next step can be scheduled before this one ends
+        (async scheduling). A request whose next token is its last either way is `final`."""
+        for item in out.scheduled:
+            request = item.request
+            if request.is_finished:  # ended (aborted) before the step was launched
+                continue
+            samples = item.samples
+            request.num_computed_tokens += item.num_new_tokens
+            if samples:
+                request.append_token(PLACEHOLDER)
+                request.pending = True
+                request.final = request.reaches_length(self.max_model_len)
+
+    def resolve(self, out: SchedulerOutput, sampled: dict[str, SampledToken]) -> list[RequestUpdate]:
+        """A step's sampled tokens are known: put them in place of the placeholders, end
+        the requests they finish."""
         updates = []
         for item in out.scheduled:
             request = item.request
-            if request.is_finished:  # ended (aborted) while the step ran
+            if request.is_finished or not request.pending:  # ended while the step ran, or sampled nothing
                 continue
-            request.num_computed_tokens += item.num_new_tokens
-            token = sampled.get(request.request_id)
-            if token is None:
-                continue
-            request.append_token(token.token_id)
+            token = sampled[request.request_id]
+            request.token_ids[-1] = token.token_id
+            request.pending = request.final = False
             reason = request.stop_reason_after(token.token_id, self.max_model_len)
             if reason is not None:
-                self.requests.pop(request.request_id)
-                self.running.remove(request)
-                self._release(request, reason)
+                self.finish_request(request.request_id, reason)
             updates.append(RequestUpdate(
                 request.request_id, [token.token_id],
                 [token.logprobs] if token.logprobs is not None else None,

@@ -81,10 +81,18 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         self.graphs = None
         self._greedy: torch.Tensor | None = None  # argmax of the last forward's logits, when it came with them
+        #: Async scheduling pays where a GPU computes while the host goes on.
+        self.prefers_async = self.device.type == "cuda"
+        #: The ids sampled by the last step, on the device, in the order of `_rows`
+        #: (request id -> row): a step launched before they reach the host reads its
+        #: placeholder tokens from here.
+        self.token_buffer = torch.zeros(config.max_num_seqs, dtype=torch.int32, device=self.device)
+        self._rows: dict[str, int] = {}
         if self.device.type == "cuda" and not config.enforce_eager:
             from gristmill.model.cuda.graphs import CudaGraphs
             self.graphs = CudaGraphs(self.model, self.backend, config.max_num_seqs, self.max_model_len,
                                      self.block_size)
+            self.token_buffer = self.graphs.inputs.sampled
             self.graphs.capture()
 
     def _check_cuda(self) -> None:
@@ -149,18 +157,26 @@ class ModelRunner:
 
     # -- one step ------------------------------------------------------------------
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
+        return self.launch(out).result()
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput) -> "LaunchedStep":
+        """Queue a step on the device (forward, sampling, the copy of the ids to the host)
+        and return without waiting for it. Its placeholder tokens (async scheduling) are
+        read on the device from the step launched before."""
         for request_id in out.finished_request_ids:
             self.generators.pop(request_id, None)
         logits, items = self.forward(out)
         if not items:
-            return {}
+            self._rows = {}
+            return LaunchedStep([], None)
         rows = [SamplerRow(item.request.sampling_params, self._generator(item.request))
                 for item in items]
-        tokens, logprobs = self.sampler(logits, rows, self._greedy)
-        return {item.request.request_id: SampledToken(token, lp)
-                for item, token, lp in zip(items, tokens, logprobs)}
+        tokens, pending = self.sampler.sample(logits, rows, self._greedy)
+        self.token_buffer[:len(items)].copy_(tokens)
+        self._rows = {item.request.request_id: j for j, item in enumerate(items)}
+        return LaunchedStep(items, pending)
 
     @torch.inference_mode()
     def forward(self, out: SchedulerOutput) -> tuple[torch.Tensor | None, list]:
@@ -172,13 +188,18 @@ class ModelRunner:
         if not out.scheduled:
             return None, []
         host, items = self.host_step(out)
+        source = self._token_source(host, items)
         if self.graphs is not None and self.graphs.can_run(host):
-            logits, self._greedy = self.graphs.run(host)
+            logits, self._greedy = self.graphs.run(host, source)
             if len(items) < host.num_tokens:
                 rows = torch.from_numpy(host.sample_indices).to(self.device)
                 logits, self._greedy = logits[rows], self._greedy[rows]
             return logits, items
         input_ids, positions, metadata, sample_indices = self.backend.upload(host)
+        if source is not None:
+            rows = torch.from_numpy(source).to(self.device)
+            taken = self.token_buffer[rows.clamp(min=0)].to(input_ids.dtype)
+            input_ids = torch.where(rows >= 0, taken, input_ids)
         with forward_context(metadata, self.backend):
             hidden = self.model(input_ids, positions)
             if not items:
@@ -192,6 +213,19 @@ class ModelRunner:
         sequences = [(s.request.token_ids, s.request.num_computed_tokens, s.num_new_tokens, s.request.block_ids,
                       s.samples) for s in ordered]
         return build_host_step(sequences, self.block_size), [s for s in ordered if s.samples]
+
+    def _token_source(self, host: HostStep, items: list) -> np.ndarray | None:
+        """For each token of the step, the row of `token_buffer` holding its id when it is
+        a placeholder (the last step's sampled token, not on the host yet), else -1; None
+        when the step has no placeholder."""
+        pending = [(int(host.sample_indices[j]), self._rows[item.request.request_id])
+                   for j, item in enumerate(items) if item.request.pending]
+        if not pending:
+            return None
+        source = np.full(host.num_tokens, -1, dtype=np.int64)
+        tokens, rows = zip(*pending)
+        source[list(tokens)] = rows
+        return source
 
     def prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
         """A step's inputs on the device, as the eager forward takes them."""
@@ -233,3 +267,17 @@ class ModelRunner:
             generator = self.generators[request.request_id] = torch.Generator(device=self.device)
             generator.manual_seed(seed)
         return generator
+
+
+class LaunchedStep:
+    """A step queued on the device; `result()` waits for its sampled tokens."""
+
+    def __init__(self, items: list, pending):
+        self.items, self.pending = items, pending
+
+    def result(self) -> dict[str, SampledToken]:
+        if self.pending is None:
+            return {}
+        tokens, logprobs = self.pending.result()
+        return {item.request.request_id: SampledToken(token, lp)
+                for item, token, lp in zip(self.items, tokens, logprobs)}

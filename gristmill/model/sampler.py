@@ -39,8 +39,13 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplerRow], argmax: torch.Tensor | None = None):
         """logits: (num_rows, vocab); argmax: their argmax when the forward computed it.
-        Returns (token ids list, logprobs list of dict|None). The sampled ids and the
-        logprobs asked for come to the host in one copy."""
+        Returns (token ids list, logprobs list of dict|None)."""
+        return self.sample(logits, rows, argmax)[1].result()
+
+    def sample(self, logits: torch.Tensor, rows: list[SamplerRow],
+               argmax: torch.Tensor | None = None) -> tuple[torch.Tensor, "PendingSample"]:
+        """The sampled ids on the device, and the same ids with the logprobs asked for on
+        their way to the host, in one copy that does not wait for the device."""
         greedy = [i for i, row in enumerate(rows) if row.params.greedy]
         random = [i for i, row in enumerate(rows) if not row.params.greedy]
         if not random:  # all greedy: argmax of the logits as they are (exact in any float dtype)
@@ -57,8 +62,8 @@ class Sampler:
             tokens[index] = (probs / noise).argmax(dim=-1)
         wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
         if not wanted:
-            return tokens.tolist(), [None] * len(rows)
-        return self._with_logprobs(logits, rows, tokens, wanted)
+            return tokens, PendingSample(tokens, lambda ids: (ids, [None] * len(ids)))
+        return tokens, self._with_logprobs(logits, rows, tokens, wanted)
 
     def _filtered_probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         device = logits.device
@@ -97,7 +102,8 @@ class Sampler:
         return noise.clamp_(min=1e-30)  # a zero draw would turn 0 / 0 into NaN
 
     @staticmethod
-    def _with_logprobs(logits: torch.Tensor, rows: list[SamplerRow], tokens: torch.Tensor, wanted: list[int]):
+    def _with_logprobs(logits: torch.Tensor, rows: list[SamplerRow], tokens: torch.Tensor,
+                       wanted: list[int]) -> "PendingSample":
         """Token ids, and for the rows in `wanted` {token: logprob} of the sampled token and
         the top-k: computed on the device, copied to the host with the ids, in one copy."""
         index = torch.tensor(wanted, device=logits.device)
@@ -107,15 +113,41 @@ class Sampler:
         chosen = logprobs.gather(1, tokens[index][:, None])
         # float64 holds every token id exactly
         packed = torch.cat([tokens.double(), chosen[:, 0].double(), top_values.double().flatten(),
-                            top_ids.double().flatten()]).tolist()
-        n, m = len(rows), len(wanted)
-        token_list = [int(t) for t in packed[:n]]
-        chosen_list = packed[n:n + m]
-        values, ids = packed[n + m:n + m + m * k], packed[n + m + m * k:]
-        result: list[dict[int, float] | None] = [None] * n
-        for row, i in enumerate(wanted):
-            entry = {token_list[i]: chosen_list[row]}
-            for j in range(row * k, row * k + rows[i].params.logprobs):
-                entry.setdefault(int(ids[j]), values[j])
-            result[i] = entry
-        return token_list, result
+                            top_ids.double().flatten()])
+        return PendingSample(packed, lambda values: _unpack_logprobs(values, rows, wanted, k))
+
+
+class PendingSample:
+    """A step's sampled values on their way to the host: the copy is queued behind the
+    step on the device (into pinned memory, so it does not block), and `result()` waits
+    for it only when the host needs the values."""
+
+    def __init__(self, values: torch.Tensor, unpack):
+        self.unpack = unpack
+        self.event = None
+        if values.device.type == "cuda":
+            self.values = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            self.values.copy_(values, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.values = values
+
+    def result(self) -> tuple[list[int], list[dict[int, float] | None]]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.unpack(self.values.tolist())
+
+
+def _unpack_logprobs(packed: list[float], rows: list[SamplerRow], wanted: list[int], k: int):
+    n, m = len(rows), len(wanted)
+    token_list = [int(t) for t in packed[:n]]
+    chosen_list = packed[n:n + m]
+    values, ids = packed[n + m:n + m + m * k], packed[n + m + m * k:]
+    result: list[dict[int, float] | None] = [None] * n
+    for row, i in enumerate(wanted):
+        entry = {token_list[i]: chosen_list[row]}
+        for j in range(row * k, row * k + rows[i].params.logprobs):
+            entry.setdefault(int(ids[j]), values[j])
+        result[i] = entry
+    return token_list, result

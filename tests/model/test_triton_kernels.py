@@ -183,11 +183,19 @@ def test_static_inputs_hold_a_padded_decode_step():
                             ([2] * 5, 4, 1, [7, 8], True)], block_size=4)
     inputs.fill(step, rows=4)
     assert inputs.input_ids[:4].tolist() == [7, 1, 2, 0]
+    assert inputs.ids(4).tolist() == [7, 1, 2, 0]  # every id from the host
     assert inputs.positions[:4].tolist() == [2, 8, 4, 0]
     assert inputs.slot_mapping[:4].tolist() == [3 * 4 + 2, 2 * 4 + 0, 8 * 4 + 0, -1]  # padding writes nothing
     assert inputs.seq_lens[:4].tolist() == [3, 9, 5, 0]  # and attends to nothing
     assert inputs.query_start[:5].tolist() == [0, 1, 2, 3, 4]
     assert inputs.block_tables[:4, :3].tolist() == [[3, 0, 0], [4, 9, 2], [7, 8, 0], [0, 0, 0]]
+    # Async scheduling: the second row's id is a placeholder, sampled by the last step
+    # into row 2 of `sampled`; the graph takes it from there, the others from the host.
+    inputs.sampled[:3] = torch.tensor([70, 80, 90])
+    inputs.fill(step, rows=4, source=np.array([-1, 2, -1]))
+    assert inputs.ids(4).tolist() == [7, 90, 2, 0]
+    inputs.fill(step, rows=4)  # and the next step without placeholders reads the host's again
+    assert inputs.ids(4).tolist() == [7, 1, 2, 0]
     md = inputs.metadata(4, 4)
     assert md.num_decodes == md.num_seqs == 4 and md.block_tables.shape == (4, 6)
     # A smaller step next: the rows past it are padding again, whatever the last step left.
@@ -196,7 +204,8 @@ def test_static_inputs_hold_a_padded_decode_step():
     too_wide = build_host_step([([0] * 30, 29, 1, list(range(8)), True)], block_size=4)
     with pytest.raises(ValueError, match="8 KV blocks, more than the 6"):
         inputs.fill(too_wide, rows=1)
-    assert np.array_equal(inputs.host_buffer.numpy()[:2], [4, 0])  # a refused step writes nothing
+    span = inputs.span
+    assert np.array_equal(inputs.host_buffer.numpy()[span:span + 2], [4, 0])  # a refused step writes nothing
 
 
 # -- the whole model through the real scheduler ------------------------------------------

@@ -40,23 +40,35 @@ def padded_batch_size(n: int, sizes: list[int]) -> int | None:
 class StaticInputs:
     """The buffers every captured graph reads, as views of one int32 device tensor laid
     out like a host mirror, so one copy fills them: ids, positions, slots, sequence
-    lengths, query starts (0..n, never rewritten), then the step's block tables packed
-    to its own width; one device copy spreads those into the full-width table."""
+    lengths, token sources, query starts (0..n, never rewritten), then the step's block
+    tables packed to its own width; one device copy spreads those into the full-width
+    table.
+
+    In front of them, never copied over, `sampled`: the ids the last step sampled, written
+    on the device. A graph takes its input ids as `pool[source]`, pool being `sampled`
+    followed by the host's ids: the source of a token from the host is its own index past
+    `sampled`, that of a placeholder (async scheduling) the row of `sampled` holding it."""
+
+    VECTORS = 7  # sampled, ids, positions, slots, sequence lengths, sources, query starts
 
     def __init__(self, max_rows: int, max_blocks: int, device, pin: bool = True):
         self.max_rows, self.max_blocks = max_rows, max_blocks
         self.span = span = -(-(max_rows + 1) // 4) * 4  # each vector 16-byte aligned
-        self.vector_size = 5 * span
+        self.vector_size = self.VECTORS * span
         size = self.vector_size + max_rows * max_blocks
         self.device_buffer = torch.zeros(size, dtype=torch.int32, device=device)
         self.host_buffer = torch.zeros(size, dtype=torch.int32, pin_memory=pin)
         self.block_tables = torch.zeros(max_rows, max_blocks, dtype=torch.int32, device=device)
         vectors = self.device_buffer[:self.vector_size].split(span)
-        self.input_ids, self.positions, self.slot_mapping, self.seq_lens = (v[:max_rows] for v in vectors[:4])
-        self.query_start = vectors[4][:max_rows + 1]
+        (self.sampled, self.input_ids, self.positions, self.slot_mapping, self.seq_lens,
+         self.sources) = (v[:max_rows] for v in vectors[:6])
+        self.query_start = vectors[6][:max_rows + 1]
+        self.pool = self.device_buffer[:2 * span]
+        self.own_sources = span + np.arange(max_rows, dtype=np.int32)
         host = self.host_buffer.numpy()
-        host[4 * span:4 * span + max_rows + 1] = np.arange(max_rows + 1)
-        host[2 * span:2 * span + max_rows] = -1
+        host[6 * span:6 * span + max_rows + 1] = np.arange(max_rows + 1)
+        host[3 * span:3 * span + max_rows] = -1
+        host[5 * span:5 * span + max_rows] = self.own_sources
         self.device_buffer.copy_(self.host_buffer)
 
     def metadata(self, rows: int, block_size: int) -> StepMetadata:
@@ -64,21 +76,31 @@ class StaticInputs:
                             seq_lens=self.seq_lens[:rows], block_tables=self.block_tables[:rows],
                             num_decodes=rows, block_size=block_size, extras={"programs": None})
 
-    def fill(self, step: HostStep, rows: int) -> None:
-        """Write a decode-only step of n <= rows sequences, padded to `rows`."""
+    def ids(self, rows: int) -> torch.Tensor:
+        """The input ids of the first `rows` rows: the host's, or the last step's sampled ones."""
+        return self.pool.index_select(0, self.sources[:rows])
+
+    def fill(self, step: HostStep, rows: int, source: np.ndarray | None = None) -> None:
+        """Write a decode-only step of n <= rows sequences, padded to `rows`. `source`: per
+        token, the row of `sampled` holding its id, or -1 for the id in the step."""
         n, width = step.num_tokens, step.block_tables.shape[1]
         if width > self.max_blocks:
             raise ValueError(f"a sequence has {width} KV blocks, more than the {self.max_blocks} "
                              f"the graphs were captured for")
         m, host = self.span, self.host_buffer.numpy()
-        for k, part in enumerate((step.input_ids, step.positions, step.slot_mapping, step.seq_lens)):
+        for k, part in enumerate((step.input_ids, step.positions, step.slot_mapping, step.seq_lens), start=1):
             host[k * m:k * m + n] = part
-            host[k * m + n:k * m + rows] = -1 if k == 2 else 0
+            host[k * m + n:k * m + rows] = -1 if k == 3 else 0
+        sources = host[5 * m:5 * m + rows]
+        sources[:] = self.own_sources[:rows]
+        if source is not None:
+            placeholders = np.flatnonzero(source >= 0)
+            sources[placeholders] = source[placeholders]
         packed = host[self.vector_size:self.vector_size + rows * width].reshape(rows, width)
         packed[:n] = step.block_tables
         packed[n:] = 0
         used = self.vector_size + rows * width
-        self.device_buffer[:used].copy_(self.host_buffer[:used], non_blocking=True)
+        self.device_buffer[m:used].copy_(self.host_buffer[m:used], non_blocking=True)
         self.block_tables[:rows, :width].copy_(self.device_buffer[self.vector_size:used].view(rows, width))
 
 
@@ -95,7 +117,7 @@ class CudaGraphs:
 
     def _forward(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         inputs = self.inputs
-        hidden = self.model(inputs.input_ids[:rows], inputs.positions[:rows])
+        hidden = self.model(inputs.ids(rows), inputs.positions[:rows])
         logits = self.model.compute_logits(hidden)
         return logits, logits.argmax(dim=-1)  # the greedy tokens too: no launch after the graph
 
@@ -118,13 +140,13 @@ class CudaGraphs:
         return (step.is_decode_only and step.num_tokens <= self.sizes[-1]
                 and step.block_tables.shape[1] <= self.inputs.max_blocks)
 
-    def run(self, step: HostStep) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, step: HostStep, source: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits (n, vocab) of a decode-only step's rows and their argmax (n,), valid
-        until the next run."""
+        until the next run. `source`: see StaticInputs.fill."""
         rows = padded_batch_size(step.num_tokens, self.sizes)
         if self._copied is not None:
             self._copied.synchronize()  # the pinned buffer is read by the last step's copy
-        self.inputs.fill(step, rows)
+        self.inputs.fill(step, rows, source)
         self._copied = torch.cuda.Event()
         self._copied.record()
         graph, (logits, greedy) = self.graphs[rows]
