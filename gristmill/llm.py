@@ -95,9 +95,8 @@ class LLM:
                 updates = self._step()
                 changed, to_finish = self.outputs.process(updates, self.core.num_steps)
                 self.core.abort(to_finish, "stop")
-                finished_now = sum(r.finished for r in changed)
-                if finished_now:
-                    bar.update(finished_now)
+                if use_tqdm:
+                    bar.update(sum(r.finished for r in changed))
         finally:
             bar.close()
         return results

@@ -6,6 +6,23 @@ from __future__ import annotations
 _CONTEXT_TOKENS = 5
 
 
+def _stream(tokenizer, skip_special_tokens: bool, context: list[int]):
+    """A Rust `DecodeStream` fed `context`, when the tokenizer is a fast one that cleans
+    up no spaces (then it gives the text the two decodes below give, for one call a
+    token instead of two decodes); else None."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return None
+    try:
+        from tokenizers.decoders import DecodeStream
+    except ImportError:
+        return None
+    stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+    if context:
+        stream.step(backend, context)
+    return lambda token_id: stream.step(backend, token_id)
+
+
 def _decoder(tokenizer, skip_special_tokens: bool):
     """ids -> text as `tokenizer.decode` gives it. With a fast tokenizer that cleans up no
     spaces, its Rust backend directly: the same text without the Python wrapper around
@@ -37,9 +54,18 @@ class IncrementalDetokenizer:
         self.stopped = False
         self._holdback = max((len(s) for s in stop), default=1) - 1
         self._decode = _decoder(tokenizer, skip_special_tokens)
+        self._step = _stream(tokenizer, skip_special_tokens, self.ids)
 
     def add_tokens(self, token_ids: list[int]) -> bool:
         """Append tokens; returns True when a stop string ended the text."""
+        if self._step is not None:
+            for token_id in token_ids:
+                if self.stopped:
+                    break
+                new_text = self._step(token_id)
+                if new_text:
+                    self._append(new_text)
+            return self.stopped
         for token_id in token_ids:
             if self.stopped:
                 break

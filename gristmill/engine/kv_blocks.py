@@ -119,16 +119,16 @@ class BlockManager:
         the same step can reuse it: the model writes a step's keys and values into the
         cache before any attention reads it, and a step is never cut short by an abort.
         """
-        if not self.can_allocate(request, num_tokens, computed):
-            raise RuntimeError(f"allocate without can_allocate: need "
-                               f"{self.num_new_blocks(request, num_tokens, computed)} blocks, "
+        needed = max(0, -(-num_tokens // self.block_size) - len(request.block_ids) - len(computed))
+        revived = sum(1 for block in computed if self.ref_counts[block] == 0) if computed else 0
+        if needed + revived > len(self._free):
+            raise RuntimeError(f"allocate without can_allocate: need {needed + revived} blocks, "
                                f"{len(self._free)} free")
         if computed and request.block_ids:
             raise RuntimeError("allocate: cached blocks are reused only by a request holding none")
         if self.enable_prefix_caching and not request.block_ids and num_tokens > 0:
             self.num_query_tokens += request.num_tokens
             self.num_hit_tokens += len(computed) * self.block_size
-        needed = self.num_new_blocks(request, num_tokens, computed)
         for block in computed:  # taken first: a new block must not evict a reused one
             if self.ref_counts[block] == 0:
                 del self._free[block]
@@ -140,15 +140,16 @@ class BlockManager:
             self.ref_counts[block] = 1
             request.block_ids.append(block)
         if self.enable_prefix_caching:
-            self._register_full_blocks(request, num_tokens)
+            # Blocks full before this step were registered when they were scheduled, except
+            # one a pending placeholder filled (async scheduling): it is named once the token
+            # is known, so the block of the last computed token is looked at again.
+            first = max(request.num_computed_tokens - 1, 0) // self.block_size
+            end = min(num_tokens, request.num_known_tokens) // self.block_size
+            if end > first:  # most decode steps fill no block
+                self._register_full_blocks(request, first, end)
 
-    def _register_full_blocks(self, request: Request, num_tokens: int) -> None:
-        bs = self.block_size
-        # Blocks full before this step were registered when they were scheduled, except
-        # one a pending placeholder filled (async scheduling): it is named once the token
-        # is known, so the block of the last computed token is looked at again.
-        first = max(request.num_computed_tokens - 1, 0) // bs
-        for i in range(first, min(num_tokens, request.num_known_tokens) // bs):
+    def _register_full_blocks(self, request: Request, first: int, end: int) -> None:
+        for i in range(first, end):
             block = request.block_ids[i]
             if self.block_hashes[block] is not None:
                 continue

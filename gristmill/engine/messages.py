@@ -30,12 +30,13 @@ class ScheduledRequest:
     request: "Request"
     #: Tokens to compute this step: token_ids[num_computed_tokens : +num_new_tokens].
     num_new_tokens: int
+    #: True when this step reaches the end of the sequence, so a token is sampled (fixed
+    #: when scheduled: the request's progress moves on once the step is launched).
+    samples: bool = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        """True when this step reaches the end of the sequence, so a token is sampled."""
+    def __post_init__(self):
         request = self.request
-        return request.num_computed_tokens + self.num_new_tokens == request.num_tokens
+        self.samples = request.num_computed_tokens + self.num_new_tokens == request.num_tokens
 
 
 @dataclass(slots=True)

@@ -77,14 +77,16 @@ class OutputProcessor:
             live = self._live.get(update.request_id)
             if live is None:
                 continue
-            faults.check("output_batch", prompt=live.parent.prompt, step=step)
+            if faults.ACTIVE:
+                faults.check("output_batch", prompt=live.parent.prompt, step=step)
             output = live.output
             output.token_ids.extend(update.new_token_ids)
             if update.new_logprobs is not None and output.logprobs is not None:
                 output.logprobs.extend(update.new_logprobs)
             changed[id(live.parent)] = live.parent
             try:
-                faults.check("detokenize", prompt=live.parent.prompt)
+                if faults.ACTIVE:
+                    faults.check("detokenize", prompt=live.parent.prompt)
                 stopped = live.detokenizer.add_tokens(update.new_token_ids)
             except Exception as exc:  # noqa: BLE001 - per-request isolation
                 self.fail(update.request_id, GenerationError(f"detokenizing failed: {exc}"))

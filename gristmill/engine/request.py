@@ -80,13 +80,12 @@ class Request:
     def reaches_length(self, max_model_len: int) -> bool:
         return self.num_output_tokens >= self.sampling_params.max_tokens or self.num_tokens >= max_model_len
 
-    def stop_reason_after(self, token_id: int, max_model_len: int) -> str | None:
-        """The finish reason once `token_id` was appended, or None to go on."""
+    def stop_reason_after(self, token_id: int, reaches_length: bool) -> str | None:
+        """The finish reason once `token_id` was appended, or None to go on.
+        `reaches_length`: `self.reaches_length(max_model_len)`, known beforehand."""
         params = self.sampling_params
         if not params.ignore_eos and token_id in self.eos_token_ids:
             return "stop"
         if token_id in params.stop_token_ids:
             return "stop"
-        if self.reaches_length(max_model_len):
-            return "length"
-        return None
+        return "length" if reaches_length else None

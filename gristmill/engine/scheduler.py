@@ -148,8 +148,8 @@ class Scheduler:
                 continue
             token = sampled[request.request_id]
             request.token_ids[-1] = token.token_id
+            reason = request.stop_reason_after(token.token_id, request.final)
             request.pending = request.final = False
-            reason = request.stop_reason_after(token.token_id, self.max_model_len)
             if reason is not None:
                 self.finish_request(request.request_id, reason)
             updates.append(RequestUpdate(

@@ -1,0 +1,59 @@
+"""Incremental detokenization with the bundled model's real tokenizer: the one-call-a-token
+stream (the Rust DecodeStream) gives exactly the text of the two-decodes-a-token path,
+on real text cut at random places, through multi-byte characters split over tokens, one
+token or several at a time, and stop strings cut the text the same way."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from gristmill.engine.detokenizer import IncrementalDetokenizer
+
+TEXT = (Path(__file__).parent.parent / "data" / "public_domain_english.txt").read_text()[:6000]
+TEXT += " Ünïcödé: naïve café, 日本語のテキスト, emoji 🙂🚀🙂 and « quotes » — done.\n\tTabs  and  spaces."
+
+
+def _text(tokenizer, prompt, output, stop=(), stream=True, chunk=1):
+    detok = IncrementalDetokenizer(tokenizer, prompt, list(stop))
+    if not stream:
+        detok._step = None  # the two-decode path
+    for i in range(0, len(output), chunk):
+        if detok.add_tokens(output[i:i + chunk]):
+            break
+    return detok.text, detok.stopped
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_llm):
+    assert IncrementalDetokenizer(default_llm.tokenizer, [2], [])._step is not None, "no stream for this tokenizer"
+    return default_llm.tokenizer
+
+
+def test_stream_text_equals_the_two_decode_text_on_random_cuts(tokenizer):
+    ids = tokenizer(TEXT, add_special_tokens=False).input_ids
+    rng = random.Random(0)
+    for _ in range(300):
+        start = rng.randrange(0, len(ids) - 80)
+        end = start + rng.randrange(1, 80)
+        prompt, output = [2] + ids[:start], ids[start:end]
+        chunk = rng.choice([1, 1, 3, 7])
+        assert _text(tokenizer, prompt, output, chunk=chunk) == _text(tokenizer, prompt, output, stream=False), \
+            (start, end, chunk)
+    # The tail holds the multi-byte characters: the whole of it, one token at a time.
+    tail = ids[-60:]
+    text, _ = _text(tokenizer, [2], tail)
+    assert text == _text(tokenizer, [2], tail, stream=False)[0]
+    assert "日本語" in text and "🙂🚀🙂" in text
+
+
+def test_stop_strings_cut_the_stream_text_as_before(tokenizer):
+    ids = tokenizer(TEXT, add_special_tokens=False).input_ids
+    output = ids[:120]
+    full, _ = _text(tokenizer, [2], output)
+    stop = full[200:206]
+    cut, stopped = _text(tokenizer, [2], output, stop=[stop, "never-there"])
+    assert stopped and cut == full[:full.index(stop)]
+    assert (cut, stopped) == _text(tokenizer, [2], output, stop=[stop, "never-there"], stream=False)
