@@ -33,9 +33,27 @@ class SamplerRow:
 
 
 class Sampler:
+    #: Pinned host buffers the sampled values are copied into, used in turn: a step's
+    #: values are read before the step three launches later writes its own.
+    RING = 3
+
     def __init__(self, seed: int, device: torch.device):
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        self._ring: dict[torch.dtype, list[torch.Tensor | None]] = {}
+        self._turn = 0
+
+    def _host_buffer(self, values: torch.Tensor) -> torch.Tensor | None:
+        """A pinned host buffer for `values` (None on CPU), from the ring."""
+        if values.device.type != "cuda":
+            return None
+        ring = self._ring.setdefault(values.dtype, [None] * self.RING)
+        self._turn = (self._turn + 1) % self.RING
+        buffer = ring[self._turn]
+        if buffer is None or buffer.numel() < values.numel():
+            buffer = ring[self._turn] = torch.empty(max(values.numel(), 1024), dtype=values.dtype,
+                                                    pin_memory=True)
+        return buffer[:values.numel()].view(values.shape)
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplerRow], argmax: torch.Tensor | None = None):
         """logits: (num_rows, vocab); argmax: their argmax when the forward computed it.
@@ -62,7 +80,7 @@ class Sampler:
             tokens[index] = (probs / noise).argmax(dim=-1)
         wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
         if not wanted:
-            return tokens, PendingSample(tokens, lambda ids: (ids, [None] * len(ids)))
+            return tokens, PendingSample(tokens, self._host_buffer(tokens), lambda ids: (ids, [None] * len(ids)))
         return tokens, self._with_logprobs(logits, rows, tokens, wanted)
 
     def _filtered_probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -101,8 +119,7 @@ class Sampler:
                 noise[i].exponential_(generator=generator)
         return noise.clamp_(min=1e-30)  # a zero draw would turn 0 / 0 into NaN
 
-    @staticmethod
-    def _with_logprobs(logits: torch.Tensor, rows: list[SamplerRow], tokens: torch.Tensor,
+    def _with_logprobs(self, logits: torch.Tensor, rows: list[SamplerRow], tokens: torch.Tensor,
                        wanted: list[int]) -> "PendingSample":
         """Token ids, and for the rows in `wanted` {token: logprob} of the sampled token and
         the top-k: computed on the device, copied to the host with the ids, in one copy."""
@@ -114,7 +131,7 @@ class Sampler:
         # float64 holds every token id exactly
         packed = torch.cat([tokens.double(), chosen[:, 0].double(), top_values.double().flatten(),
                             top_ids.double().flatten()])
-        return PendingSample(packed, lambda values: _unpack_logprobs(values, rows, wanted, k))
+        return PendingSample(packed, self._host_buffer(packed), lambda values: _unpack_logprobs(values, rows, wanted, k))
 
 
 class PendingSample:
@@ -122,16 +139,16 @@ class PendingSample:
     step on the device (into pinned memory, so it does not block), and `result()` waits
     for it only when the host needs the values."""
 
-    def __init__(self, values: torch.Tensor, unpack):
+    def __init__(self, values: torch.Tensor, host: torch.Tensor | None, unpack):
+        """`host`: a pinned buffer shaped like `values` (a CUDA tensor), or None (on CPU)."""
         self.unpack = unpack
         self.event = None
-        if values.device.type == "cuda":
-            self.values = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-            self.values.copy_(values, non_blocking=True)
+        self.values = values
+        if host is not None:
+            self.values = host
+            host.copy_(values, non_blocking=True)
             self.event = torch.cuda.Event()
             self.event.record()
-        else:
-            self.values = values
 
     def result(self) -> tuple[list[int], list[dict[int, float] | None]]:
         if self.event is not None:
