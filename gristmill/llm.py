@@ -36,7 +36,8 @@ class LLM:
         self.tokenizer, eos_token_ids = builder.load_tokenizer(self.model_dir)
         self.capacity = self.core.capacity
         self.inputs = InputProcessor(self.tokenizer, eos_token_ids, self.capacity)
-        self.outputs = OutputProcessor(self.tokenizer)
+        # generate() hands out outputs only once finished: text is decoded at the end.
+        self.outputs = OutputProcessor(self.tokenizer, incremental=False)
         self._ids = itertools.count()
         self.dead_error: EngineDeadError | None = None
 

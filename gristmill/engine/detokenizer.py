@@ -42,23 +42,44 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str],
-                 skip_special_tokens: bool = True):
+                 skip_special_tokens: bool = True, incremental: bool = True):
+        """`incremental=False`: nobody reads the text before the end (offline generate), so
+        without stop strings the tokens are held and decoded once, when `text` is read."""
         self.tokenizer = tokenizer
         self.stop = stop
         self.skip_special_tokens = skip_special_tokens
         self.ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
-        self.text = ""
+        self._text = ""
+        self.held: list[int] | None = None if incremental or stop else []
         self.emitted = 0
         self.stopped = False
         self._holdback = max((len(s) for s in stop), default=1) - 1
         self._decode = _decoder(tokenizer, skip_special_tokens)
         self._step = _stream(tokenizer, skip_special_tokens, self.ids)
 
+    @property
+    def text(self) -> str:
+        if self.held:
+            held, self.held = self.held, []
+            self._add(held)
+        return self._text
+
     def add_tokens(self, token_ids: list[int]) -> bool:
         """Append tokens; returns True when a stop string ended the text."""
+        if self.held is not None:
+            self.held.extend(token_ids)
+            return False
+        return self._add(token_ids)
+
+    def _add(self, token_ids: list[int]) -> bool:
         if self._step is not None:
+            if not self.stop:  # nothing to look for between tokens: one call for them all
+                new_text = self._step(list(token_ids))
+                if new_text:
+                    self._text += new_text
+                return False
             for token_id in token_ids:
                 if self.stopped:
                     break
@@ -80,11 +101,11 @@ class IncrementalDetokenizer:
         return self.stopped
 
     def _append(self, new_text: str) -> None:
-        start = max(0, len(self.text) - self._holdback)
-        self.text += new_text
-        hits = [at for stop in self.stop if (at := self.text.find(stop, start)) != -1]
+        start = max(0, len(self._text) - self._holdback)
+        self._text += new_text
+        hits = [at for stop in self.stop if (at := self._text.find(stop, start)) != -1]
         if hits:
-            self.text = self.text[:min(hits)]
+            self._text = self._text[:min(hits)]
             self.stopped = True
 
     def take_delta(self, finished: bool) -> str:

@@ -25,18 +25,22 @@ if TYPE_CHECKING:
 
 # -- the step contract ------------------------------------------------------------
 
-@dataclass(slots=True)
 class ScheduledRequest:
-    request: "Request"
-    #: Tokens to compute this step: token_ids[num_computed_tokens : +num_new_tokens].
-    num_new_tokens: int
-    #: True when this step reaches the end of the sequence, so a token is sampled (fixed
-    #: when scheduled: the request's progress moves on once the step is launched).
-    samples: bool = field(init=False)
+    """One request's part of a step."""
 
-    def __post_init__(self):
-        request = self.request
-        self.samples = request.num_computed_tokens + self.num_new_tokens == request.num_tokens
+    __slots__ = ("request", "num_new_tokens", "samples")
+
+    def __init__(self, request: "Request", num_new_tokens: int):
+        self.request = request
+        #: Tokens to compute this step: token_ids[num_computed_tokens : +num_new_tokens].
+        self.num_new_tokens = num_new_tokens
+        #: True when this step reaches the end of the sequence, so a token is sampled (fixed
+        #: when scheduled: the request's progress moves on once the step is launched).
+        self.samples = request.num_computed_tokens + num_new_tokens == len(request.token_ids)
+
+    def __repr__(self) -> str:
+        return (f"ScheduledRequest({self.request.request_id!r}, num_new_tokens={self.num_new_tokens}, "
+                f"samples={self.samples})")
 
 
 @dataclass(slots=True)

@@ -26,8 +26,12 @@ class OutputProcessor:
     finish reason "error"; the caller aborts it in the core so its blocks come back.
     """
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, incremental: bool = True):
+        """`incremental=False` when nobody reads an output before it finishes (offline
+        generate): the text of a completion without stop strings is then decoded once,
+        at its end, instead of every step."""
         self.tokenizer = tokenizer
+        self.incremental = incremental
         self._live: dict[str, _Completion] = {}
 
     def add(self, parent: RequestOutput, child_ids: list[str], params: SamplingParams) -> None:
@@ -40,7 +44,7 @@ class OutputProcessor:
             try:
                 faults.check("detokenize_init", prompt=parent.prompt)
                 detok = IncrementalDetokenizer(self.tokenizer, parent.prompt_token_ids, params.stop,
-                                               params.skip_special_tokens)
+                                               params.skip_special_tokens, self.incremental)
             except Exception as exc:  # noqa: BLE001 - per-request isolation
                 raise GenerationError(f"setting up the detokenizer failed: {exc}") from exc
             completions[child_id] = _Completion(parent, output, detok)
@@ -84,21 +88,21 @@ class OutputProcessor:
             if update.new_logprobs is not None and output.logprobs is not None:
                 output.logprobs.extend(update.new_logprobs)
             changed[id(live.parent)] = live.parent
+            detok = live.detokenizer
             try:
                 if faults.ACTIVE:
                     faults.check("detokenize", prompt=live.parent.prompt)
-                stopped = live.detokenizer.add_tokens(update.new_token_ids)
+                stopped = detok.add_tokens(update.new_token_ids)
+                finish_reason = "stop" if stopped else update.finish_reason
+                if detok.held is None or finish_reason is not None:  # else the text waits for the end
+                    output.text = detok.text
+                    output.delta_text = detok.take_delta(finish_reason is not None)
             except Exception as exc:  # noqa: BLE001 - per-request isolation
                 self.fail(update.request_id, GenerationError(f"detokenizing failed: {exc}"))
                 to_finish.append(update.request_id)
                 continue
-            finish_reason = update.finish_reason
-            if stopped and finish_reason is None:
+            if stopped and update.finish_reason is None:
                 to_finish.append(update.request_id)
-            if stopped:
-                finish_reason = "stop"
-            output.text = live.detokenizer.text
-            output.delta_text = live.detokenizer.take_delta(finish_reason is not None)
             if finish_reason is not None:
                 output.finish_reason = finish_reason
                 del self._live[update.request_id]
@@ -119,5 +123,9 @@ class OutputProcessor:
         if live is None:
             return None
         live.output.finish_reason = reason
-        live.output.delta_text = live.detokenizer.take_delta(True)
+        try:
+            live.output.text = live.detokenizer.text
+            live.output.delta_text = live.detokenizer.take_delta(True)
+        except Exception:  # noqa: BLE001 - it ends either way, with the text it had
+            live.output.delta_text = ""
         return live.parent

@@ -71,14 +71,23 @@ class Scheduler:
         budget = self.max_num_batched_tokens
 
         # Running requests first, oldest first; preempt the newest when blocks run out.
+        bs = self.block_manager.block_size
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             if request.final:  # its last token is still being sampled
                 i += 1
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            total = request.num_computed_tokens + num_new
+            computed = request.num_computed_tokens
+            num_new = min(len(request.token_ids) - computed, budget)
+            total = computed + num_new
+            if num_new == 1 and 0 < computed % bs < bs - 1 and total <= len(request.block_ids) * bs:
+                # Most decodes: the token lands in a block the request holds and fills no
+                # block (whose hash the block manager would register).
+                out.scheduled.append(ScheduledRequest(request, 1))
+                budget -= 1
+                i += 1
+                continue
             while not self.block_manager.can_allocate(request, total):
                 victim = self.running.pop()
                 self._preempt(victim)

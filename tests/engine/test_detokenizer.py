@@ -57,3 +57,20 @@ def test_stop_strings_cut_the_stream_text_as_before(tokenizer):
     cut, stopped = _text(tokenizer, [2], output, stop=[stop, "never-there"])
     assert stopped and cut == full[:full.index(stop)]
     assert (cut, stopped) == _text(tokenizer, [2], output, stop=[stop, "never-there"], stream=False)
+
+
+def test_held_tokens_decoded_once_at_the_end_give_the_same_text(tokenizer):
+    """Offline generate reads the text only at the end: without stop strings the tokens
+    are held and decoded in one call, to the text the step-by-step path gives."""
+    ids = tokenizer(TEXT, add_special_tokens=False).input_ids
+    rng = random.Random(1)
+    for _ in range(100):
+        start = rng.randrange(0, len(ids) - 80)
+        prompt, output = [2] + ids[:start], ids[start:start + rng.randrange(1, 80)]
+        held = IncrementalDetokenizer(tokenizer, prompt, [], incremental=False)
+        for token in output:
+            assert held.add_tokens([token]) is False
+        assert held.held == output  # nothing decoded yet
+        assert held.text == _text(tokenizer, prompt, output)[0] and held.held == []
+    # With stop strings the text is still checked token by token.
+    assert IncrementalDetokenizer(tokenizer, [2], ["x"], incremental=False).held is None
