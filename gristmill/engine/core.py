@@ -24,6 +24,9 @@ class Executor(Protocol):
 
     def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]: ...
 
+    def make_device_error(self) -> None:
+        """The `device_error` fault: make the device fail for real (see docs/faults.md)."""
+
 
 class LaunchedStep(Protocol):
     def result(self) -> dict[str, SampledToken]: ...
@@ -89,6 +92,8 @@ class EngineCore:
                     if faults.fires(point, prompt=prompt):
                         self.process_fault(point)
             faults.check("forward", prompt=prompt, step=self.num_steps)
+            if faults.fires("device_error", prompt=prompt, step=self.num_steps):
+                self.executor.make_device_error()
 
     def add_request(self, message: AddRequest) -> str | None:
         """Build and queue a Request from a wire message. Returns None, or the error

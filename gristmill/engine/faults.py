@@ -12,8 +12,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-POINTS = ("tokenize", "detokenize_init", "detokenize", "output_batch", "forward", "core_exit",
-          "core_hang")
+POINTS = ("tokenize", "detokenize_init", "detokenize", "output_batch", "forward", "device_error",
+          "core_exit", "core_hang")
 
 
 class InjectedFault(RuntimeError):

@@ -214,6 +214,18 @@ class ModelRunner:
                       s.samples) for s in ordered]
         return build_host_step(sequences, self.block_size), [s for s in ordered if s.samples]
 
+    def make_device_error(self) -> None:
+        """The `device_error` fault. On CUDA, a kernel writes far outside any allocation: a
+        real illegal memory access, which the device reports at the next synchronization
+        (asynchronously, as real ones come) and which leaves the CUDA context unusable. A CPU
+        has no such failure: there it raises at once."""
+        if self.device.type != "cuda":
+            from gristmill.engine.faults import InjectedFault
+            raise InjectedFault("injected fault at 'device_error' (GRISTMILL_FAULTS; on CPU it raises "
+                                "instead of faulting the device)")
+        from gristmill.model.cuda.triton_kernels import illegal_memory_access
+        illegal_memory_access(self.device)
+
     def _token_source(self, host: HostStep, items: list) -> np.ndarray | None:
         """For each token of the step, the row of `token_buffer` holding its id when it is
         a placeholder (the last step's sampled token, not on the host yet), else -1; None

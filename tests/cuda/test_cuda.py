@@ -111,6 +111,8 @@ def test_kv_cache_that_does_not_fit_is_refused_at_start(family):
 
 @needs_gpu_model
 @pytest.mark.parametrize("spec,says", [("forward@step=4", "injected fault at 'forward'"),
+                                       # a real illegal memory access, reported asynchronously
+                                       ("device_error@step=4", "an illegal memory access was encountered"),
                                        ("core_exit@step=4", "exited with code 17")])
 def test_fatal_faults_fail_every_request_within_a_second(monkeypatch, spec, says):
     from gristmill.engine import faults

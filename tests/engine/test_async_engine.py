@@ -239,6 +239,7 @@ async def fail_in_flight(engine, kill=None):
 
 @pytest.mark.parametrize("spec,says", [
     ("forward@step=4", "injected fault at 'forward'"),
+    ("device_error@step=4", "injected fault at 'device_error'"),  # on CPU it raises; tests/cuda faults a GPU
     ("core_exit@step=4", "exited with code 17"),
     ("core_hang@step=4", "hung"),
     ("core_hang@prompt~Story 3:", "hung"),  # fires once that request is scheduled

@@ -339,3 +339,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         BLOCK_N=shape.decode_block_n if decode else shape.prefill_block_n, DECODE=decode,
         IEEE=shape.ieee, num_warps=4 if decode else shape.num_warps)
 
+
+@triton.jit
+def _store_kernel(ptr, offset):
+    tl.store(ptr + offset, 1.0)
+
+
+def illegal_memory_access(device) -> None:
+    """Queue a store 1 TiB past a small allocation: a real illegal memory access (the
+    `device_error` fault), reported by the device at its next synchronization."""
+    target = torch.zeros(1, dtype=torch.float32, device=device)
+    _store_kernel[(1,)](target, 1 << 40)
