@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from gristmill.errors import RequestError
+from gristmill.structured.spec import parse_constraint
 
 MAX_LOGPROBS = 20
 
@@ -38,6 +39,10 @@ class SamplingParams:
     n: int = 1
     #: Leave special tokens out of the returned text.
     skip_special_tokens: bool = True
+    #: Constrain the output, with exactly one of: {"json": JSON schema (dict or text)},
+    #: {"json_object": True} (any JSON object), {"regex": "..."}, {"choice": ["a", ...]},
+    #: {"grammar": EBNF / GBNF text}. None = free text.
+    structured_output: dict | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -70,6 +75,10 @@ class SamplingParams:
         check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
               "logprobs", f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
         check(_is_int(self.n) and self.n >= 1, "n", f"n must be an integer >= 1, got {self.n!r}")
+        constraint = parse_constraint(self.structured_output)
+        if constraint is not None:  # its schema, regex or grammar parses (the engine compiles it for its tokenizer)
+            from gristmill.structured.grammars import check
+            check(constraint)
 
     @property
     def greedy(self) -> bool:

@@ -37,6 +37,19 @@ ROW_ID = "__row_id__"
 _META = "__gristmill_batch_input__"
 
 
+def _read_schema(path: str) -> dict:
+    try:
+        with open(path) as f:
+            schema = json.load(f)
+    except OSError as exc:
+        raise InputError(f"--json-schema {path}: {exc.strerror}") from None
+    except ValueError as exc:
+        raise InputError(f"--json-schema {path} is not JSON: {exc}") from None
+    if not isinstance(schema, dict):
+        raise InputError(f"--json-schema {path} must hold a JSON schema object, got {type(schema).__name__}")
+    return schema
+
+
 def add_batch_command(commands) -> None:
     parser = commands.add_parser(
         "batch", help="run every row of a JSONL / CSV / Parquet file (or an OpenAI batch file)",
@@ -56,6 +69,8 @@ def add_batch_command(commands) -> None:
                         help="default max_tokens of every row; a row's own sampling_params win (default: 16)")
     parser.add_argument("--temperature", type=float, default=None,
                         help="default temperature of every row, 0 = greedy (default: 1.0)")
+    parser.add_argument("--json-schema", metavar="FILE", help="constrain every row's output to this JSON schema "
+                        "(a .json file); a row's own sampling_params.structured_output wins")
     parser.add_argument("--fail-fast", action="store_true",
                         help="stop at the first row error, in input order, writing the rows before it "
                              "(default: write it as an error row and go on)")
@@ -143,6 +158,11 @@ class _Job:
         args = self.args
         defaults = {name: value for name, value in (("max_tokens", args.max_tokens),
                                                      ("temperature", args.temperature)) if value is not None}
+        if args.json_schema:
+            defaults["structured_output"] = {"json": _read_schema(args.json_schema)}
+            if args.deployment_url:
+                raise InputError("--json-schema does not reach an OpenAI endpoint (--deployment-url) yet; "
+                                 "run the job on a local engine")
         # Row errors always come back as error rows: --fail-fast stops at the first one in
         # input order (see _write_all), not at whichever of a batch's rows failed first.
         common = dict(batch_size=args.batch_size, max_concurrent_batches=args.max_concurrent_batches,
@@ -154,7 +174,7 @@ class _Job:
             return EngineProcessorConfig(engine=engine_config(args), max_engine_restarts=args.max_engine_restarts,
                                          concurrency=args.concurrency, **common)
         except RequestError as exc:
-            flag = "--" + (exc.param or "").replace("_", "-")
+            flag = "--json-schema" if exc.param == "structured_output" else "--" + (exc.param or "").replace("_", "-")
             raise InputError(f"{exc} (flag {'--deployment-url' if flag == '--url' else flag})") from None
 
     def _output_columns(self, survey) -> tuple[list[str], object]:

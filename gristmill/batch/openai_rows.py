@@ -39,6 +39,9 @@ def generated_of(data: dict, where: str) -> Generated:
 
 def _sampling_body(params) -> dict:
     """The request fields of SamplingParams; non-OpenAI ones only when set."""
+    if params.structured_output is not None:  # never dropped silently
+        raise RequestError("sampling_params.structured_output does not reach an OpenAI endpoint yet; run the "
+                           "row on an engine of this process", param="structured_output")
     body = {"max_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p, "n": 1}
     if params.seed is not None:
         body["seed"] = params.seed

@@ -24,7 +24,14 @@ def resolve_model_dir(config: EngineConfig) -> Path:
 
 def build_core(config: EngineConfig, model_dir: Path | None = None) -> EngineCore:
     from gristmill.model.runner import ModelRunner
-    return EngineCore(config, ModelRunner(config, model_dir))
+    runner = ModelRunner(config, model_dir)
+
+    def grammars():
+        from gristmill.structured.grammars import Grammars
+        tokenizer, eos_ids = load_tokenizer(runner.model_dir)
+        return Grammars(tokenizer, runner.vocab_size, eos_ids)
+
+    return EngineCore(config, runner, grammars)
 
 
 def load_tokenizer(model_dir: Path) -> tuple[object, frozenset[int]]:

@@ -13,6 +13,7 @@ from gristmill.engine.processor import check_add_request
 from gristmill.engine.request import Request
 from gristmill.engine.scheduler import Scheduler
 from gristmill.errors import RequestError, error_string
+from gristmill.structured.spec import parse_constraint
 
 
 class Executor(Protocol):
@@ -42,9 +43,14 @@ class AsyncExecutor(Executor, Protocol):
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, executor: Executor):
+    def __init__(self, config: EngineConfig, executor: Executor,
+                 grammars: Callable[[], object] | None = None):
+        """`grammars`: builds the structured-output grammar engine
+        (gristmill.structured.grammars.Grammars) when a first request asks for one."""
         self.config = config
         self.executor = executor
+        self._make_grammars = grammars
+        self._grammars = None
         self.block_manager = BlockManager(executor.num_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
@@ -63,11 +69,15 @@ class EngineCore:
 
     def step(self) -> list[RequestUpdate]:
         self.num_steps += 1
+        # A constrained request's token mask needs its last token: while one runs, steps
+        # are synchronous (the step in flight, if any, is resolved first).
+        synchronous = not self.async_scheduling or self.scheduler.num_constrained > 0
+        resolved = self._resolve_in_flight() if synchronous else []
         out = self.scheduler.schedule()
         if faults.ACTIVE:
             self._inject_faults(out)
-        if not self.async_scheduling:
-            return self.scheduler.update(out, self.executor.execute(out))
+        if synchronous:
+            return resolved + self.scheduler.update(out, self.executor.execute(out))
         # Async scheduling: this step goes to the device before the last one's tokens
         # come back (its inputs read them there), so the host's work on those tokens
         # (stop checks, outputs, detokenizing, the next schedule) overlaps the device's.
@@ -111,9 +121,28 @@ class EngineCore:
             return error_string(RequestError(
                 f"request id {request_id!r} was sent while a request with that id was in the engine; "
                 f"both were ended, send each request under its own id", param="request_id"))
-        self.scheduler.add_request(Request(request_id, list(message.prompt_token_ids), message.sampling_params,
-                                           frozenset(message.eos_token_ids), message.fault_tag))
+        try:
+            matcher = self._matcher(message.sampling_params)
+        except RequestError as exc:
+            return error_string(exc)
+        request = Request(request_id, list(message.prompt_token_ids), message.sampling_params,
+                          frozenset(message.eos_token_ids), message.fault_tag)
+        request.matcher = matcher
+        self.scheduler.add_request(request)
         return None
+
+    def _matcher(self, params):
+        """The structured-output matcher of a request, or None; a constraint the grammar
+        engine cannot compile is a RequestError, before the request takes anything."""
+        constraint = parse_constraint(params.structured_output)
+        if constraint is None:
+            return None
+        if self._grammars is None:
+            if self._make_grammars is None:
+                raise RequestError("this engine has no grammar engine for structured_output",
+                                   param="structured_output")
+            self._grammars = self._make_grammars()
+        return self._grammars.matcher(constraint)
 
     def abort(self, request_ids, reason: str = "abort") -> None:
         for request_id in request_ids:

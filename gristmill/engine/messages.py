@@ -73,6 +73,8 @@ class RequestUpdate:
     new_logprobs: list[dict[int, float]] | None
     finish_reason: str | None
     num_prompt_tokens: int
+    #: "<ErrorType>: <message>" when finish_reason is "error".
+    error: str | None = None
 
 
 # -- client -> core ----------------------------------------------------------------

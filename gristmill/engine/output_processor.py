@@ -105,6 +105,8 @@ class OutputProcessor:
                 to_finish.append(update.request_id)
             if finish_reason is not None:
                 output.finish_reason = finish_reason
+                if finish_reason == "error":
+                    output.error = update.error
                 del self._live[update.request_id]
 
     def fail(self, request_id: str, exc: BaseException) -> RequestOutput | None:

@@ -48,6 +48,8 @@ class Request:
     #: The pending token is its last whatever it is (max_tokens or max_model_len is
     #: reached): it is not scheduled again.
     final: bool = False
+    #: Its structured-output matcher (gristmill.structured.grammars.Matcher), or None.
+    matcher: object | None = None
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)

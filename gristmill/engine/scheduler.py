@@ -32,6 +32,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []
+        #: Unfinished requests with a structured-output matcher.
+        self.num_constrained = 0
 
     # -- requests in and out -------------------------------------------------------
 
@@ -40,6 +42,7 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in the engine")
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        self.num_constrained += request.matcher is not None
 
     def finish_request(self, request_id: str, reason: str) -> Request | None:
         """End a request now (abort, error, stop string): free its blocks at once."""
@@ -56,6 +59,7 @@ class Scheduler:
     def _release(self, request: Request, reason: str) -> None:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+        self.num_constrained -= request.matcher is not None
         self.block_manager.free(request)
         self._finished_ids.append(request.request_id)
 
@@ -159,10 +163,30 @@ class Scheduler:
             request.token_ids[-1] = token.token_id
             reason = request.stop_reason_after(token.token_id, request.final)
             request.pending = request.final = False
+            error = None
+            if request.matcher is not None:
+                reason, error = _constrained(request, token.token_id, reason)
             if reason is not None:
                 self.finish_request(request.request_id, reason)
             updates.append(RequestUpdate(
                 request.request_id, [token.token_id],
                 [token.logprobs] if token.logprobs is not None else None,
-                reason, request.num_prompt_tokens))
+                reason, request.num_prompt_tokens, error))
         return updates
+
+
+def _constrained(request: Request, token_id: int, reason: str | None) -> tuple[str | None, str | None]:
+    """(finish reason, error) once a constrained request sampled `token_id`: its matcher
+    takes the token; a token the grammar does not allow (the sampler allows only those
+    it does, so: no token was allowed) or an engine error ends the request with an
+    error; a complete grammar ends it with "stop"."""
+    try:
+        accepted = request.matcher.accept(token_id)
+        finished = accepted and request.matcher.finished
+    except Exception as exc:  # noqa: BLE001 - this request fails, not the engine
+        return "error", f"GenerationError: the grammar engine failed on token {token_id}: {exc}"
+    if not accepted:
+        return "error", (f"GenerationError: the structured output constraint allows no token after "
+                         f"{request.num_output_tokens - 1} generated tokens (token {token_id} was not "
+                         f"allowed); the constraint cannot be satisfied from here")
+    return ("stop" if finished and reason is None else reason), None

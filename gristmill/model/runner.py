@@ -173,6 +173,9 @@ class ModelRunner:
             return LaunchedStep([], None)
         rows = [SamplerRow(item.request.sampling_params, self._generator(item.request))
                 for item in items]
+        constrained = [(j, item.request.matcher) for j, item in enumerate(items) if item.request.matcher is not None]
+        if constrained:
+            logits = self._mask(logits, constrained)
         tokens, pending = self.sampler.sample(logits, rows, self._greedy)
         self.token_buffer[:len(items)].copy_(tokens)
         self._rows = {item.request.request_id: j for j, item in enumerate(items)}
@@ -213,6 +216,23 @@ class ModelRunner:
         sequences = [(s.request.token_ids, s.request.num_computed_tokens, s.num_new_tokens, s.request.block_ids,
                       s.samples) for s in ordered]
         return build_host_step(sequences, self.block_size), [s for s in ordered if s.samples]
+
+    def _mask(self, logits: torch.Tensor, constrained: list) -> torch.Tensor:
+        """Structured output: the tokens each constrained row's grammar does not allow
+        get -inf. The masks are computed on the host while the device runs the forward
+        (queued, not waited for), then go up in one copy; other rows are untouched."""
+        from gristmill.structured.grammars import allowed_tokens, mask_words
+
+        vocab = logits.shape[-1]
+        bitmask = torch.full((len(constrained), mask_words(vocab)), -1, dtype=torch.int32,
+                             pin_memory=self.device.type == "cuda")
+        for k, (_, matcher) in enumerate(constrained):
+            matcher.fill_mask(bitmask, k)
+        allowed = allowed_tokens(bitmask.to(self.device, non_blocking=True), vocab)
+        rows = torch.tensor([j for j, _ in constrained], device=self.device)
+        logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+        self._greedy = None  # the forward's argmax saw the logits unmasked
+        return logits
 
     def make_device_error(self) -> None:
         """The `device_error` fault. On CUDA, a kernel writes far outside any allocation: a

@@ -246,3 +246,29 @@ def _gone_within(pids: list[int], seconds: float) -> bool:
             return True
         time.sleep(0.05)
     return False
+
+
+def test_json_schema_constrains_every_row_and_a_rows_own_constraint_wins(tmp_path):
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 12}},
+              "required": ["answer"], "additionalProperties": False}
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    rows = [{"id": "a", "prompt": "What is the capital of France? Reply in JSON:"},
+            {"id": "b", "messages": [{"role": "user", "content": "Name a color, as JSON."}]},
+            {"id": "own", "prompt": "Is water wet?", "sampling_params": {"structured_output": {"choice": ["yes", "no"]}}},
+            {"id": "bad", "prompt": "x", "sampling_params": {"structured_output": {"regex": "[0-9"}}}]
+    source = write_jsonl(tmp_path / "in.jsonl", rows)
+    result = batch_cli(source, "-o", tmp_path / "out.jsonl", "--json-schema", tmp_path / "schema.json",
+                       "--temperature", "0", "--max-tokens", "40", "--device", "cpu", "--max-model-len", "512")
+    assert result.returncode == 0, result.stderr
+    out = {row["id"]: row for row in read_jsonl(tmp_path / "out.jsonl")}
+    for row_id in ("a", "b"):
+        assert out[row_id]["finish_reason"] == "stop", out[row_id]
+        value = json.loads(out[row_id]["generated_text"])
+        assert list(value) == ["answer"] and isinstance(value["answer"], str) and len(value["answer"]) <= 12
+    assert out["own"]["generated_text"] in ("yes", "no") and out["own"][ERROR_COLUMN] == ""
+    assert out["bad"][ERROR_COLUMN].startswith("RequestError: structured_output.regex is not valid")
+    # A schema file that is not one is refused before any engine starts.
+    (tmp_path / "broken.json").write_text("{not json")
+    refused = batch_cli(source, "-o", tmp_path / "out2.jsonl", "--json-schema", tmp_path / "broken.json")
+    assert refused.returncode != 0 and "--json-schema" in refused.stderr and "is not JSON" in refused.stderr
+    assert "Traceback" not in refused.stderr

@@ -1,0 +1,66 @@
+"""What a request asks its output to match: `SamplingParams.structured_output`, checked
+for shape where it is built (no tokenizer, no grammar engine), as one `Constraint`."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from gristmill.errors import RequestError
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+PARAM = "structured_output"
+
+
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    """One constraint, normalized: `kind` is one of KINDS, `source` the text a grammar
+    engine compiles (a JSON schema as canonical JSON; the choices as a JSON list)."""
+
+    kind: str
+    source: str
+
+    def describe(self) -> str:
+        return f"{self.kind} {self.source[:80]!r}"
+
+
+def parse_constraint(value) -> Constraint | None:
+    """A `structured_output` value -> Constraint (None for None). Exactly one of
+    `{"json": schema dict or JSON text}`, `{"json_object": True}`, `{"regex": str}`,
+    `{"choice": [str, ...]}`, `{"grammar": EBNF / GBNF text}`; anything else is a
+    RequestError saying what to send."""
+    if value is None:
+        return None
+    if isinstance(value, Constraint):
+        return value
+    if not isinstance(value, dict) or len(value) != 1 or next(iter(value)) not in KINDS:
+        raise RequestError(f"{PARAM} must be an object with exactly one of {', '.join(KINDS)}, "
+                           f"got {_short(value)}", param=PARAM)
+    kind, spec = next(iter(value.items()))
+    if kind == "json":
+        if isinstance(spec, str):
+            try:
+                spec = json.loads(spec)
+            except ValueError as exc:
+                raise RequestError(f"{PARAM}.json is not valid JSON: {exc}", param=PARAM) from None
+        if not isinstance(spec, (dict, bool)):
+            raise RequestError(f"{PARAM}.json must be a JSON schema (an object), got {_short(spec)}",
+                               param=PARAM)
+        return Constraint("json", json.dumps(spec, separators=(",", ":")))  # property order kept
+    if kind == "json_object":
+        if spec is not True:
+            raise RequestError(f"{PARAM}.json_object must be true, got {_short(spec)}", param=PARAM)
+        return Constraint("json_object", "")
+    if kind == "choice":
+        if not isinstance(spec, list) or not spec or not all(isinstance(c, str) and c for c in spec):
+            raise RequestError(f"{PARAM}.choice must be a non-empty list of non-empty strings, "
+                               f"got {_short(spec)}", param=PARAM)
+        return Constraint("choice", json.dumps(spec))
+    if not isinstance(spec, str) or not spec.strip():
+        raise RequestError(f"{PARAM}.{kind} must be a non-empty string, got {_short(spec)}", param=PARAM)
+    return Constraint(kind, spec)
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -1,0 +1,135 @@
+"""Structured output through LLM.generate on the real bundled Gemma 3 270M: every kind of
+constraint yields text that matches it, ending with "stop"; constraints are checked where
+SamplingParams are built; the constrained rows of a batch leave the others untouched; a
+constraint that cannot be satisfied ends only its request, with GenerationError; and with
+async scheduling (the CUDA default) the outputs are the same."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from gristmill import RequestError, SamplingParams
+from gristmill.structured.spec import Constraint, parse_constraint
+
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+    "required": ["name", "age"], "additionalProperties": False}
+
+CASES = [
+    ("Describe a person as JSON:", {"json": PERSON}),
+    ("Is the sky blue? Answer:", {"choice": ["yes", "no"]}),
+    ("Call me at", {"regex": "[0-9]{3}-[0-9]{4}"}),
+    ("Q: what is 6 times 7? A:", {"grammar": 'root ::= "The answer is " [0-9]+ "."'}),
+]
+
+
+def _params(structured_output, **options):
+    return SamplingParams(**{"max_tokens": 60, "temperature": 0, **options}, structured_output=structured_output)
+
+
+def _check(text: str, structured_output: dict) -> None:
+    kind, spec = next(iter(structured_output.items()))
+    if kind == "json":
+        value = json.loads(text)
+        assert set(value) == {"name", "age"} and isinstance(value["name"], str) and len(value["name"]) <= 20
+        assert isinstance(value["age"], int) and 0 <= value["age"] <= 150
+        assert list(value) == list(PERSON["properties"])  # the schema's property order
+    elif kind == "choice":
+        assert text in spec
+    elif kind == "regex":
+        assert re.fullmatch(spec, text)
+    else:
+        assert re.fullmatch(r"The answer is [0-9]+\.", text)
+
+
+def test_every_kind_of_constraint_is_met_and_ends_with_stop(default_llm):
+    free = SamplingParams(max_tokens=12, temperature=0)
+    prompts = [p for p, _ in CASES] + ["Once upon a time"]
+    alone = default_llm.generate(["Once upon a time"], free, use_tqdm=False)[0]
+    outs = default_llm.generate(prompts, [_params(so) for _, so in CASES] + [free], use_tqdm=False)
+    for out, (_, structured_output) in zip(outs, CASES):
+        assert out.finish_reason == "stop", (out.text, out.outputs[0].error)
+        _check(out.text, structured_output)
+    # The unconstrained row of the batch is what it is alone.
+    assert outs[-1].token_ids == alone.token_ids
+
+
+def test_async_scheduling_gives_the_same_constrained_outputs(default_llm):
+    prompts = [p for p, _ in CASES]
+    params = [_params(so) for _, so in CASES]
+    sync = default_llm.generate(prompts, params, use_tqdm=False)
+    default_llm.core.async_scheduling = True
+    try:
+        asynchronous = default_llm.generate(prompts + ["Free:"], params + [SamplingParams(max_tokens=8)],
+                                            use_tqdm=False)
+    finally:
+        default_llm.core.async_scheduling = False
+    assert [o.token_ids for o in asynchronous[:-1]] == [o.token_ids for o in sync]
+
+
+def test_seeded_sampling_n_and_logprobs_under_a_constraint(default_llm):
+    params = _params({"choice": ["red", "green", "blue"]}, temperature=1.0, seed=7, n=3, logprobs=2)
+    [out] = default_llm.generate(["My favourite colour is"], params, use_tqdm=False)
+    assert len(out.outputs) == 3
+    for completion in out.outputs:
+        assert completion.text in ("red", "green", "blue") and completion.finish_reason == "stop"
+        assert len(completion.logprobs) == len(completion.token_ids)
+    [again] = default_llm.generate(["My favourite colour is"], params, use_tqdm=False)
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
+
+
+def test_a_json_cut_off_by_max_tokens_ends_with_length(default_llm):
+    [out] = default_llm.generate(["Describe a person as JSON:"], _params({"json": PERSON}, max_tokens=4),
+                                 use_tqdm=False)
+    assert out.finish_reason == "length" and len(out.token_ids) == 4 and out.text.startswith("{")
+
+
+def test_a_finished_grammar_ends_its_request_even_when_eos_is_ignored(default_llm):
+    outs = default_llm.generate(["Say yes:", "Once upon a time"],
+                                [_params({"choice": ["yes"]}, ignore_eos=True, max_tokens=8),
+                                 SamplingParams(max_tokens=8, temperature=0)], use_tqdm=False)
+    assert outs[0].text == "yes" and outs[0].finish_reason == "stop"
+    assert outs[1].finish_reason == "length" and len(outs[1].token_ids) == 8
+
+
+def test_an_unsatisfiable_constraint_fails_only_its_request_and_frees_its_blocks(default_llm):
+    # A grammar that parses but matches no character at all: no token is ever allowed.
+    nothing = {"grammar": "root ::= [^\\x00-\\U0010FFFF]"}
+    core = default_llm.core
+    free_before = core.block_manager.num_free_blocks
+    free = SamplingParams(max_tokens=8, temperature=0)
+    alone = default_llm.generate(["Once upon a time"], free, use_tqdm=False)[0]
+    outs = default_llm.generate(["Anything:", "Once upon a time"], [_params(nothing), free], use_tqdm=False)
+    assert outs[0].finish_reason == "error"
+    assert outs[0].outputs[0].error.startswith("GenerationError: the structured output constraint allows no "
+                                               "token after 0 generated tokens")
+    assert outs[1].token_ids == alone.token_ids and outs[1].finish_reason == "length"
+    assert core.block_manager.num_free_blocks == free_before
+    assert core.scheduler.num_constrained == 0
+
+
+@pytest.mark.parametrize("value,says", [
+    ({"regex": "[0-9"}, "structured_output.regex is not valid: Regex parsing error"),
+    ({"json": {"type": "objectx"}}, "structured_output.json is not valid: Unsupported type"),
+    ({"json": "{not json"}, "structured_output.json is not valid JSON"),
+    ({"grammar": 'root ::= "a'}, "structured_output.grammar is not valid"),
+    ({"choice": []}, "structured_output.choice must be a non-empty list"),
+    ({"json_object": False}, "structured_output.json_object must be true"),
+    ({"json": {}, "regex": "a"}, "exactly one of json, json_object, regex, choice, grammar"),
+    ("json", "must be an object with exactly one of"),
+])
+def test_invalid_constraints_are_request_errors_where_params_are_built(value, says):
+    with pytest.raises(RequestError, match=re.escape(says)) as info:
+        SamplingParams(structured_output=value)
+    assert info.value.param == "structured_output"
+    assert "[" not in str(info.value).split("valid:")[-1][:3]  # no engine log prefix
+
+
+def test_constraint_normal_form():
+    assert parse_constraint(None) is None
+    assert parse_constraint({"json": '{"type": "object"}'}) == Constraint("json", '{"type":"object"}')
+    assert parse_constraint({"choice": ["a", "b"]}) == Constraint("choice", '["a", "b"]')
+    assert parse_constraint({"json_object": True}).kind == "json_object"
