@@ -160,9 +160,6 @@ class _Job:
                                                      ("temperature", args.temperature)) if value is not None}
         if args.json_schema:
             defaults["structured_output"] = {"json": _read_schema(args.json_schema)}
-            if args.deployment_url:
-                raise InputError("--json-schema does not reach an OpenAI endpoint (--deployment-url) yet; "
-                                 "run the job on a local engine")
         # Row errors always come back as error rows: --fail-fast stops at the first one in
         # input order (see _write_all), not at whichever of a batch's rows failed first.
         common = dict(batch_size=args.batch_size, max_concurrent_batches=args.max_concurrent_batches,

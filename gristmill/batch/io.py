@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gristmill.errors import GristmillError, RequestError
+from gristmill.structured.spec import openai_constraint
 
 _FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv", ".parquet": "parquet", ".pq": "parquet"}
 _SCAN_ROWS = 1024  # rows per chunk when pyarrow infers the types of a JSONL file
@@ -301,6 +302,8 @@ _BODY_PARAMS = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens
                 "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos", "n": "n"}
 # Body fields that change nothing here (a model name may be anything).
 _BODY_IGNORED = {"model", "messages", "prompt", "user", "stream", "stream_options", "metadata", "store"}
+# Body fields that become sampling_params.structured_output.
+_BODY_CONSTRAINTS = ("response_format", "structured_outputs")
 
 
 def is_batch_file(first_row: dict | None) -> bool:
@@ -322,7 +325,8 @@ def batch_request_row(line: dict) -> dict:
         raise RequestError(f"url {url!r} is not supported; use one of {sorted(BATCH_URLS)}", param="url")
     if str(line.get("method", "POST")).upper() != "POST":
         raise RequestError(f"method {line['method']!r} is not supported; use POST", param="method")
-    unsupported = sorted(k for k, v in body.items() if k not in _BODY_PARAMS and k not in _BODY_IGNORED and v)
+    unsupported = sorted(k for k, v in body.items()
+                         if k not in _BODY_PARAMS and k not in _BODY_IGNORED and k not in _BODY_CONSTRAINTS and v)
     if unsupported:
         raise RequestError(f"body fields {unsupported} are not supported by gristmill batch; leave them out",
                            param=unsupported[0])
@@ -331,6 +335,7 @@ def batch_request_row(line: dict) -> dict:
         params["max_tokens"] = body["max_tokens"]
     if isinstance(params.get("stop"), str):
         params["stop"] = [params["stop"]]
+    params["structured_output"], _ = openai_constraint(body.get("response_format"), body.get("structured_outputs"))
     row = {"custom_id": line["custom_id"], "sampling_params": {k: v for k, v in params.items() if v is not None}}
     if BATCH_URLS[url] == "chat":
         row["messages"] = body.get("messages")

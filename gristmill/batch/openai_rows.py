@@ -3,6 +3,8 @@ reach a model through the OpenAI API shape (an HTTP server, a Ray Serve deployme
 
 from __future__ import annotations
 
+import json
+
 from gristmill.batch.rows import Generated, RowRequest
 from gristmill.errors import GenerationError, RequestError
 
@@ -39,10 +41,8 @@ def generated_of(data: dict, where: str) -> Generated:
 
 def _sampling_body(params) -> dict:
     """The request fields of SamplingParams; non-OpenAI ones only when set."""
-    if params.structured_output is not None:  # never dropped silently
-        raise RequestError("sampling_params.structured_output does not reach an OpenAI endpoint yet; run the "
-                           "row on an engine of this process", param="structured_output")
     body = {"max_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p, "n": 1}
+    body.update(_constraint_body(params.structured_output))
     if params.seed is not None:
         body["seed"] = params.seed
     if params.stop:
@@ -51,3 +51,17 @@ def _sampling_body(params) -> dict:
               "stop_token_ids": (list(params.stop_token_ids), []), "ignore_eos": (params.ignore_eos, False)}
     body.update({name: value for name, (value, default) in extras.items() if value != default})
     return body
+
+
+def _constraint_body(structured_output: dict | None) -> dict:
+    """A constraint as OpenAI's `response_format` where it has one (JSON schema, JSON
+    object), else as vLLM's (and gristmill's) `structured_outputs`: never dropped."""
+    if structured_output is None:
+        return {}
+    (kind, spec), = structured_output.items()
+    if kind == "json":
+        schema = json.loads(spec) if isinstance(spec, str) else spec
+        return {"response_format": {"type": "json_schema", "json_schema": {"name": "row", "schema": schema}}}
+    if kind == "json_object":
+        return {"response_format": {"type": "json_object"}}
+    return {"structured_outputs": {kind: spec}}

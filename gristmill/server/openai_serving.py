@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from gristmill.engine.async_engine import AsyncEngine, RequestStream
 from gristmill.errors import EngineDeadError, RequestError
+from gristmill.structured.spec import openai_constraint
 from gristmill.tokenizer import render_chat
 from gristmill.outputs import RequestOutput
 from gristmill.sampling import SamplingParams
@@ -122,11 +123,17 @@ class OpenAIServing:
             if getattr(body, name):
                 raise RequestError(f"{name} is not supported; leave it out or set it to 0", param=name)
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        return SamplingParams(
-            max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
-            min_p=body.min_p or 0.0, seed=body.seed, stop=stop, stop_token_ids=body.stop_token_ids or [],
-            ignore_eos=body.ignore_eos, logprobs=logprobs, n=body.n)
+        structured, field = openai_constraint(body.response_format, body.structured_outputs)
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
+                top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
+                min_p=body.min_p or 0.0, seed=body.seed, stop=stop, stop_token_ids=body.stop_token_ids or [],
+                ignore_eos=body.ignore_eos, logprobs=logprobs, n=body.n, structured_output=structured)
+        except RequestError as exc:
+            if exc.param != "structured_output" or field is None:
+                raise
+            raise RequestError(str(exc).replace("structured_output", field, 1), param=field) from None
 
     # -- running a job --------------------------------------------------------------
 
@@ -350,3 +357,4 @@ async def _wait_for_disconnect(request: Request) -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
+

@@ -31,6 +31,10 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    #: OpenAI: {"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema", "strict"}}.
+    response_format: dict | None = None
+    #: vLLM's extra-body field: exactly one of json, json_object, regex, choice, grammar.
+    structured_outputs: dict | None = None
 
 
 class CompletionRequest(_SamplingFields):

@@ -61,6 +61,32 @@ def parse_constraint(value) -> Constraint | None:
     return Constraint(kind, spec)
 
 
+def openai_constraint(response_format, structured_outputs) -> tuple[dict | None, str | None]:
+    """(a `structured_output` value, the request field it came from) of an OpenAI request
+    body's `response_format` ({"type": "text" | "json_object" | "json_schema", "json_schema":
+    {"name", "schema", "strict"}}) or vLLM's `structured_outputs` (the same kinds as
+    `structured_output`)."""
+    if response_format is not None and structured_outputs is not None:
+        raise RequestError("give response_format or structured_outputs, not both", param="response_format")
+    if structured_outputs is not None:
+        return structured_outputs, "structured_outputs"
+    if response_format is None:
+        return None, None
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if kind == "text":
+        return None, None
+    if kind == "json_object":
+        return {"json_object": True}, "response_format"
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise RequestError("response_format.json_schema must be an object with a 'schema' (and a 'name'), "
+                               "e.g. {\"name\": \"person\", \"schema\": {...}}", param="response_format")
+        return {"json": spec["schema"]}, "response_format"
+    raise RequestError(f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+                       param="response_format")
+
+
 def _short(value) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."

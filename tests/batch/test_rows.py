@@ -79,3 +79,24 @@ def test_an_arrow_table_keeps_columns_that_only_later_rows_have():
     table = arrow_table([{"a": 1}, {"a": 2, "b": "x"}, {"b": "y", "a": 3}])
     assert table.column_names == ["a", "b"]
     assert table.to_pylist() == [{"a": 1, "b": None}, {"a": 2, "b": "x"}, {"a": 3, "b": "y"}]
+
+
+def test_openai_batch_lines_carry_response_format_and_structured_outputs_as_a_constraint():
+    from gristmill.batch.io import batch_request_row
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    chat = {"custom_id": "1", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "user", "content": "hi"}], "response_format": {
+                "type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}}
+    assert batch_request_row(chat)["sampling_params"]["structured_output"] == {"json": schema}
+    chat["body"]["response_format"] = {"type": "json_object"}
+    assert batch_request_row(chat)["sampling_params"]["structured_output"] == {"json_object": True}
+    chat["body"]["response_format"] = {"type": "text"}
+    assert "structured_output" not in batch_request_row(chat)["sampling_params"]
+    completion = {"custom_id": "2", "url": "/v1/completions",
+                  "body": {"prompt": "x", "structured_outputs": {"choice": ["a", "b"]}}}
+    assert batch_request_row(completion)["sampling_params"]["structured_output"] == {"choice": ["a", "b"]}
+    completion["body"]["response_format"] = {"type": "json_object"}
+    with pytest.raises(RequestError, match="not both") as info:
+        batch_request_row(completion)
+    assert info.value.param == "response_format"
