@@ -56,6 +56,9 @@ class EngineConfig:
         None, "Schedule and launch each step before the previous one's tokens reach the host, so "
               "the host's work overlaps the device's (a request that stops on EOS computes one "
               "extra token, dropped). None = on with CUDA, off on CPU, where it cannot overlap.")
+    structured_output_backend: str = _field(
+        "llguidance", 'Grammar engine of structured output: "llguidance" (the default) or "xgrammar" '
+                      "(pip install xgrammar; see docs/structured_output.md).")
     seed: int = _field(
         0, "Seed of the engine's random stream, used by requests without a seed of their own.")
     cache_dir: str | None = _field(
@@ -91,6 +94,8 @@ class EngineConfig:
         check(self.max_num_batched_tokens >= self.max_num_seqs, "max_num_batched_tokens",
               f"must be >= max_num_seqs ({self.max_num_seqs}) so every running request can "
               f"decode in one step, got {self.max_num_batched_tokens}; raise it or lower max_num_seqs")
+        check(self.structured_output_backend in ("llguidance", "xgrammar"), "structured_output_backend",
+              f"must be 'llguidance' or 'xgrammar', got {self.structured_output_backend!r}")
         check(self.async_scheduling in (None, True, False), "async_scheduling",
               f"must be True, False or None, got {self.async_scheduling!r}")
         check(isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching",

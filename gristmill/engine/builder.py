@@ -27,9 +27,9 @@ def build_core(config: EngineConfig, model_dir: Path | None = None) -> EngineCor
     runner = ModelRunner(config, model_dir)
 
     def grammars():
-        from gristmill.structured.grammars import Grammars
+        from gristmill.structured.grammars import BACKENDS
         tokenizer, eos_ids = load_tokenizer(runner.model_dir)
-        return Grammars(tokenizer, runner.vocab_size, eos_ids)
+        return BACKENDS[config.structured_output_backend](tokenizer, runner.vocab_size, eos_ids)
 
     return EngineCore(config, runner, grammars)
 

@@ -183,10 +183,11 @@ def _constrained(request: Request, token_id: int, reason: str | None) -> tuple[s
     try:
         accepted = request.matcher.accept(token_id)
         finished = accepted and request.matcher.finished
+        why = request.matcher.error  # the engine gave up (it may still have allowed only EOS)
     except Exception as exc:  # noqa: BLE001 - this request fails, not the engine
         return "error", f"GenerationError: the grammar engine failed on token {token_id}: {exc}"
-    if not accepted:
+    if not accepted or why:
         return "error", (f"GenerationError: the structured output constraint allows no token after "
-                         f"{request.num_output_tokens - 1} generated tokens (token {token_id} was not "
-                         f"allowed); the constraint cannot be satisfied from here")
+                         f"{request.num_output_tokens - 1} generated tokens; it cannot be satisfied from here"
+                         + (f" (grammar engine: {why})" if why else f" (token {token_id} was not allowed)"))
     return ("stop" if finished and reason is None else reason), None

@@ -221,16 +221,12 @@ class ModelRunner:
         """Structured output: the tokens each constrained row's grammar does not allow
         get -inf. The masks are computed on the host while the device runs the forward
         (queued, not waited for), then go up in one copy; other rows are untouched."""
-        from gristmill.structured.grammars import allowed_tokens, mask_words
+        from gristmill.structured.grammars import apply_masks, fill_masks, mask_words
 
-        vocab = logits.shape[-1]
-        bitmask = torch.full((len(constrained), mask_words(vocab)), -1, dtype=torch.int32,
+        bitmask = torch.full((len(constrained), mask_words(logits.shape[-1])), -1, dtype=torch.int32,
                              pin_memory=self.device.type == "cuda")
-        for k, (_, matcher) in enumerate(constrained):
-            matcher.fill_mask(bitmask, k)
-        allowed = allowed_tokens(bitmask.to(self.device, non_blocking=True), vocab)
-        rows = torch.tensor([j for j, _ in constrained], device=self.device)
-        logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+        fill_masks([matcher for _, matcher in constrained], bitmask)
+        apply_masks(logits, bitmask, [j for j, _ in constrained])
         self._greedy = None  # the forward's argmax saw the logits unmasked
         return logits
 

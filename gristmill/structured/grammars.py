@@ -1,10 +1,12 @@
-"""Grammar engine: compiles constraints for one tokenizer and hands out matchers.
+"""Grammar engines: compile constraints for one tokenizer and hand out matchers.
 
-xgrammar (0.2.x) does the work; `benchmarks/structured_backends.py` measured it against
-llguidance (1.9.x) on Gemma 3's 262k-token vocabulary: a third of the set-up time, half
-the compile time of a nested schema, and 8x less time per step for a batch of 64 masks
-(see docs/structured_output.md). Everything the engine needs goes through `Grammars` and
-`Matcher`, so another engine fits behind the same two classes.
+llguidance (1.9.x) is the default; xgrammar (0.2.x) fits behind the same interface
+(`EngineConfig.structured_output_backend`). `benchmarks/structured_output.py` measured
+both end to end on Gemma 3's 262k-token vocabulary: llguidance gave the higher
+throughput under a realistic schema and compiles one in milliseconds where xgrammar took
+over half a second (docs/structured_output.md). Everything the engine needs goes through
+a `Grammars`-like object (`matcher(constraint)`), `Matcher` (accept, finished, error,
+fill_mask), `fill_masks` and `apply_masks`.
 
 Compiled grammars are cached per constraint for the life of the engine (one tokenizer).
 """
@@ -26,7 +28,8 @@ logger = logging.getLogger(__name__)
 
 
 class Matcher:
-    """One request's place in its grammar: which tokens may come next, and the tokens so far."""
+    """One request's place in its grammar (xgrammar's GrammarMatcher): which tokens may
+    come next, and the tokens so far."""
 
     __slots__ = ("_matcher",)
 
@@ -42,14 +45,66 @@ class Matcher:
         """The grammar is complete and has taken its end-of-sequence token."""
         return self._matcher.is_terminated()
 
+    @property
+    def error(self) -> str | None:
+        """Why the engine gave up on this request's grammar, when it says."""
+        return None
+
     def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into `bitmask[row]` (int32 words, bit i of word w
         = token 32 * w + i)."""
         self._matcher.fill_next_token_bitmask(bitmask, row)
 
 
+class _LLGuidanceMatcher(Matcher):
+    """The same three operations over an llguidance LLMatcher."""
+
+    __slots__ = ()
+
+    def accept(self, token_id: int) -> bool:
+        return self._matcher.consume_token(token_id)
+
+    @property
+    def finished(self) -> bool:
+        return self._matcher.is_stopped()
+
+    @property
+    def error(self) -> str | None:
+        return _reason(self._matcher.get_error()) if self._matcher.is_error() else None
+
+    def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
+        import llguidance.torch
+        llguidance.torch.fill_next_token_bitmask(self._matcher, bitmask, row)
+
+
+class LLGuidanceGrammars:
+    """`Grammars` over llguidance (1.9.x): the other engine, behind the same interface
+    (`EngineConfig.structured_output_backend="llguidance"`, `pip install llguidance`)."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids):
+        try:
+            import llguidance
+            import llguidance.hf
+        except ImportError:
+            raise RequestError("structured_output_backend='llguidance' needs the llguidance package: "
+                               "pip install 'llguidance>=1.9,<2'", param="structured_output") from None
+        self._llguidance = llguidance
+        self.vocab_size = vocab_size
+        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=sorted(eos_token_ids))
+        self.compile = lru_cache(maxsize=256)(self._compile)
+
+    def matcher(self, constraint: Constraint) -> Matcher:
+        matcher = self._llguidance.LLMatcher(self.tokenizer, self.compile(constraint))
+        if matcher.is_error():
+            raise RequestError(f"{PARAM}.{constraint.kind} is not valid: {matcher.get_error()}", param=PARAM)
+        return _LLGuidanceMatcher(matcher)
+
+    def _compile(self, constraint: Constraint) -> str:
+        return _llguidance_grammar(constraint, self.tokenizer)
+
+
 class Grammars:
-    """Compiles `Constraint`s for one model's tokenizer (set up once, ~1 s)."""
+    """`Constraint`s compiled by xgrammar for one model's tokenizer (set up once, ~1-5 s)."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids):
         import xgrammar
@@ -78,11 +133,38 @@ class Grammars:
 
 
 def check(constraint: Constraint) -> None:
-    """Parse `constraint`'s schema, regex or grammar (no tokenizer needed): a RequestError
-    naming what is wrong, where the request is built."""
-    if constraint.kind != "json_object":
-        with _engine_errors(constraint):
-            _grammar(constraint)
+    """Parse `constraint`'s schema, regex or grammar with the default engine (no tokenizer
+    needed): a RequestError naming what is wrong, where the request is built."""
+    _llguidance_grammar(constraint, None)
+
+
+def _llguidance_grammar(constraint: Constraint, tokenizer) -> str:
+    """`constraint` as an llguidance grammar, checked (against `tokenizer` when given)."""
+    import llguidance
+
+    kind, source = constraint.kind, constraint.source
+    with _engine_errors(constraint):
+        if kind in ("json", "json_object"):
+            schema = source if kind == "json" else '{"type": "object"}'
+            # One space after ',' and ':', none elsewhere: a model cannot pad a document forever.
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+        else:
+            grammar = llguidance.grammar_from({"regex": "regex", "choice": "choice", "grammar": "grammar"}[kind],
+                                              source)
+    error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
+    if error:
+        raise RequestError(f"{PARAM}.{kind} is not valid: {_reason(error)}", param=PARAM)
+    return grammar
+
+
+def _reason(text: str) -> str:
+    """llguidance's message in one line: where, and the cause (a later "error:" line when
+    the first only says where; the lines between point at the source)."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    if not lines:
+        return text
+    cause = next((line for line in lines[1:] if line.startswith("error:")), None)
+    return f"{lines[0].rstrip(':')}: {cause[len('error:'):].strip()}" if cause else lines[0]
 
 
 def _grammar(constraint: Constraint):
@@ -121,8 +203,44 @@ def mask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
+_executor = None
+
+
+def fill_masks(matchers: list[Matcher], bitmask: torch.Tensor) -> None:
+    """Row k of `bitmask` (int32, on the host) = the mask of `matchers[k]`; llguidance
+    matchers fill theirs on the engine's own threads, all at once."""
+    global _executor
+    if matchers and all(isinstance(m, _LLGuidanceMatcher) for m in matchers):
+        import llguidance
+        import llguidance.torch
+        if _executor is None:
+            _executor = llguidance.LLExecutor()
+        llguidance.torch.fill_next_token_bitmask_par(_executor, [(m._matcher, k) for k, m in enumerate(matchers)],
+                                                     bitmask)
+        return
+    for k, matcher in enumerate(matchers):
+        matcher.fill_mask(bitmask, k)
+
+
+def apply_masks(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Set to -inf, in place, the logits of the tokens each row's bitmask does not allow:
+    `bitmask[k]` is the mask of `logits[rows[k]]` (bitmask on the host)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous():
+        from gristmill.model.cpu import kernels
+        ops = kernels.fused_ops()
+        if ops is not None:  # one pass over the mask words, skipping all-allowed ones
+            ops.mask_logits(logits, bitmask, rows)
+            return
+    allowed = allowed_tokens(bitmask.to(logits.device, non_blocking=True), logits.shape[-1])
+    index = torch.tensor(rows, device=logits.device)
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+
+
 def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """(rows, words) int32 bitmask -> (rows, vocab_size) bool, on the bitmask's device."""
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
     bits = (bitmask[:, :, None] >> shifts) & 1
     return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+BACKENDS = {"xgrammar": Grammars, "llguidance": LLGuidanceGrammars}

@@ -56,7 +56,7 @@ def test_json_object_streamed_and_vllm_fields_on_completions(client):
      "response_format.json_schema must be an object with a 'schema'"),
     ({"response_format": {"type": "xml"}}, "response_format", "response_format.type must be"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
-     "response_format", "response_format.json is not valid: Unsupported type"),
+     "response_format", "response_format.json is not valid: Invalid type: objectx"),
     ({"structured_outputs": {"regex": "[0-9"}}, "structured_outputs", "structured_outputs.regex is not valid"),
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "exactly one of"),
     ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, "response_format",

@@ -21,3 +21,4 @@ torch::Tensor decode_stack(torch::Tensor x, torch::Tensor positions, torch::Tens
                            std::vector<torch::Tensor> tensors, std::vector<int64_t> ints,
                            std::vector<double> scales, int64_t num_heads, int64_t num_kv_heads,
                            int64_t head_dim, int64_t activation, double norm_offset, double eps);
+void mask_logits(torch::Tensor logits, torch::Tensor bitmask, std::vector<int64_t> rows);

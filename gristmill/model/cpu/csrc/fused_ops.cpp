@@ -7,7 +7,9 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -175,9 +177,44 @@ std::vector<torch::Tensor> qkv_rotary(torch::Tensor q_in, torch::Tensor k_in, to
   return {q, k, v};
 }
 
+// Structured output: logits[rows[k]][t] = -inf for every token t whose bit is clear in
+// bitmask[k] (int32 words, bit i of word w = token 32 w + i), in place. One pass over the
+// words: a word of all ones (most of a JSON string's tokens) costs one compare.
+void mask_logits(torch::Tensor logits, torch::Tensor bitmask, std::vector<int64_t> rows) {
+  TORCH_CHECK(logits.dtype() == torch::kFloat32 && logits.is_contiguous() && logits.dim() == 2,
+              "mask_logits: logits must be contiguous float32 (rows, vocab)");
+  TORCH_CHECK(bitmask.dtype() == torch::kInt32 && bitmask.is_contiguous() &&
+              bitmask.size(0) == static_cast<int64_t>(rows.size()), "mask_logits: one int32 mask row per row");
+  const int64_t vocab = logits.size(1), words = bitmask.size(1);
+  TORCH_CHECK(words * 32 >= vocab, "mask_logits: the mask is narrower than the vocabulary");
+  float* out = logits.data_ptr<float>();
+  const int32_t* bits = bitmask.data_ptr<int32_t>();
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, static_cast<int64_t>(rows.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t k = begin; k < end; ++k) {
+      TORCH_CHECK(rows[k] >= 0 && rows[k] < logits.size(0), "mask_logits: row out of range");
+      float* row = out + rows[k] * vocab;
+      const uint32_t* mask = reinterpret_cast<const uint32_t*>(bits + k * words);
+      for (int64_t w = 0; w * 32 < vocab; ++w) {
+        const uint32_t word = mask[w];
+        if (word == 0xFFFFFFFFu) continue;
+        const int64_t base = w * 32, n = std::min<int64_t>(32, vocab - base);
+        if (word == 0) {  // none allowed (most tokens once a JSON value is closed)
+          std::fill(row + base, row + base + n, neg_inf);
+          continue;
+        }
+        for (int64_t i = 0; i < n; ++i) {
+          if (!((word >> i) & 1u)) row[base + i] = neg_inf;
+        }
+      }
+    }
+  });
+}
+
 // The CPU float32 extension: these fused ops, the paged decode attention, and the decode
 // stack that runs a step's layers with them.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("mask_logits", &mask_logits, "structured output: -inf for the tokens a bitmask row does not allow");
   m.def("paged_decode_attention", &paged_decode_attention,
         "decode attention over a paged KV cache (CPU, float32)");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension");
