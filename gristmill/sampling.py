@@ -8,6 +8,7 @@ from gristmill.errors import RequestError
 from gristmill.structured.spec import parse_constraint
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300
 
 
 @dataclass(slots=True)
@@ -43,6 +44,9 @@ class SamplingParams:
     #: {"json_object": True} (any JSON object), {"regex": "..."}, {"choice": ["a", ...]},
     #: {"grammar": EBNF / GBNF text}. None = free text.
     structured_output: dict | None = None
+    #: {token id: bias in [-100, 100]} added to that token's logit before sampling (OpenAI's
+    #: logit_bias; +100 all but forces a token, -100 all but bans it). None = off.
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -75,6 +79,17 @@ class SamplingParams:
         check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
               "logprobs", f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
         check(_is_int(self.n) and self.n >= 1, "n", f"n must be an integer >= 1, got {self.n!r}")
+        if self.logit_bias is not None:
+            check(isinstance(self.logit_bias, dict) and len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias",
+                  f"logit_bias must be a dict of at most {MAX_LOGIT_BIAS} token id -> bias entries, "
+                  f"got {_short(self.logit_bias)}")
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError):
+                check(False, "logit_bias", f"logit_bias keys must be token ids and values numbers, got "
+                                           f"{_short(self.logit_bias)}")
+            check(all(t >= 0 and -100 <= b <= 100 for t, b in self.logit_bias.items()), "logit_bias",
+                  f"logit_bias maps token ids >= 0 to biases in [-100, 100], got {_short(self.logit_bias)}")
         constraint = parse_constraint(self.structured_output)
         if constraint is not None:  # its schema, regex or grammar parses (the engine compiles it for its tokenizer)
             from gristmill.structured.grammars import check
@@ -94,3 +109,8 @@ def _is_int(value) -> bool:
 
 def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -43,6 +43,8 @@ def _sampling_body(params) -> dict:
     """The request fields of SamplingParams; non-OpenAI ones only when set."""
     body = {"max_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p, "n": 1}
     body.update(_constraint_body(params.structured_output))
+    if params.logit_bias:
+        body["logit_bias"] = {str(token): bias for token, bias in params.logit_bias.items()}
     if params.seed is not None:
         body["seed"] = params.seed
     if params.stop:

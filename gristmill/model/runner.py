@@ -173,6 +173,10 @@ class ModelRunner:
             return LaunchedStep([], None)
         rows = [SamplerRow(item.request.sampling_params, self._generator(item.request))
                 for item in items]
+        biased = [(j, item.request.sampling_params.logit_bias) for j, item in enumerate(items)
+                  if item.request.sampling_params.logit_bias]
+        if biased:
+            logits = self._bias(logits, biased)
         constrained = [(j, item.request.matcher) for j, item in enumerate(items) if item.request.matcher is not None]
         if constrained:
             logits = self._mask(logits, constrained)
@@ -216,6 +220,22 @@ class ModelRunner:
         sequences = [(s.request.token_ids, s.request.num_computed_tokens, s.num_new_tokens, s.request.block_ids,
                       s.samples) for s in ordered]
         return build_host_step(sequences, self.block_size), [s for s in ordered if s.samples]
+
+    def _bias(self, logits: torch.Tensor, biased: list) -> torch.Tensor:
+        """logit_bias: each row's {token: bias} added to its logits, in one scatter."""
+        rows, tokens, values = [], [], []
+        for j, bias in biased:
+            for token, value in bias.items():
+                if token < logits.shape[-1]:
+                    rows.append(j)
+                    tokens.append(token)
+                    values.append(value)
+        if rows:
+            index = torch.tensor([rows, tokens], device=self.device)
+            logits.index_put_((index[0], index[1]), torch.tensor(values, device=self.device, dtype=logits.dtype),
+                              accumulate=True)
+        self._greedy = None  # the forward's argmax saw the logits unbiased
+        return logits
 
     def _mask(self, logits: torch.Tensor, constrained: list) -> torch.Tensor:
         """Structured output: the tokens each constrained row's grammar does not allow

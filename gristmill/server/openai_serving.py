@@ -129,7 +129,8 @@ class OpenAIServing:
                 max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
                 top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
                 min_p=body.min_p or 0.0, seed=body.seed, stop=stop, stop_token_ids=body.stop_token_ids or [],
-                ignore_eos=body.ignore_eos, logprobs=logprobs, n=body.n, structured_output=structured)
+                ignore_eos=body.ignore_eos, logprobs=logprobs, n=body.n, structured_output=structured,
+                logit_bias=body.logit_bias or None)
         except RequestError as exc:
             if exc.param != "structured_output" or field is None:
                 raise

@@ -31,6 +31,8 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    #: OpenAI: {"token id": bias in [-100, 100]}.
+    logit_bias: dict[str, float] | None = None
     #: OpenAI: {"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema", "strict"}}.
     response_format: dict | None = None
     #: vLLM's extra-body field: exactly one of json, json_object, regex, choice, grammar.
