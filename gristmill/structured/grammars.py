@@ -9,6 +9,7 @@ a `Grammars`-like object (`matcher(constraint)`), `Matcher` (accept, finished, e
 fill_mask), `fill_masks` and `apply_masks`.
 
 Compiled grammars are cached per constraint for the life of the engine (one tokenizer).
+Checking a constraint (`check`, where SamplingParams are built) imports no torch.
 """
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ import logging
 import re
 import time
 from functools import lru_cache
-
-import torch
+from typing import TYPE_CHECKING
 
 from gristmill.errors import RequestError
 from gristmill.structured.spec import PARAM, Constraint
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -225,6 +228,8 @@ def fill_masks(matchers: list[Matcher], bitmask: torch.Tensor) -> None:
 def apply_masks(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
     """Set to -inf, in place, the logits of the tokens each row's bitmask does not allow:
     `bitmask[k]` is the mask of `logits[rows[k]]` (bitmask on the host)."""
+    import torch
+
     if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous():
         from gristmill.model.cpu import kernels
         ops = kernels.fused_ops()
@@ -238,6 +243,8 @@ def apply_masks(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) ->
 
 def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """(rows, words) int32 bitmask -> (rows, vocab_size) bool, on the bitmask's device."""
+    import torch
+
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
     bits = (bitmask[:, :, None] >> shifts) & 1
     return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()

@@ -27,7 +27,9 @@ def test_engine_imports_no_torch():
     modules = sorted(f"gristmill.engine.{p.stem}" for p in Path(gristmill.engine.__file__).parent.glob("*.py")
                      if p.stem != "__init__")
     assert "gristmill.engine.async_engine" in modules and "gristmill.engine.builder" in modules
+    # A structured-output constraint is checked where SamplingParams are built: no torch either.
     code = (f"import sys, {', '.join(modules)}, gristmill.tokenizer, gristmill.config, gristmill.sampling; "
+            "gristmill.sampling.SamplingParams(structured_output={'json': {'type': 'object'}}); "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
 
