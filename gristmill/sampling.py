@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from gristmill.errors import RequestError
-from gristmill.structured.spec import parse_constraint
+from gristmill.structured.spec import parse_constraint, short
 
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300
@@ -82,14 +82,14 @@ class SamplingParams:
         if self.logit_bias is not None:
             check(isinstance(self.logit_bias, dict) and len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias",
                   f"logit_bias must be a dict of at most {MAX_LOGIT_BIAS} token id -> bias entries, "
-                  f"got {_short(self.logit_bias)}")
+                  f"got {short(self.logit_bias)}")
             try:
                 self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
             except (TypeError, ValueError):
                 check(False, "logit_bias", f"logit_bias keys must be token ids and values numbers, got "
-                                           f"{_short(self.logit_bias)}")
+                                           f"{short(self.logit_bias)}")
             check(all(t >= 0 and -100 <= b <= 100 for t, b in self.logit_bias.items()), "logit_bias",
-                  f"logit_bias maps token ids >= 0 to biases in [-100, 100], got {_short(self.logit_bias)}")
+                  f"logit_bias maps token ids >= 0 to biases in [-100, 100], got {short(self.logit_bias)}")
         constraint = parse_constraint(self.structured_output)
         if constraint is not None:  # its schema, regex or grammar parses (the engine compiles it for its tokenizer)
             from gristmill.structured.grammars import check
@@ -110,7 +110,3 @@ def _is_int(value) -> bool:
 def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
-
-def _short(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."

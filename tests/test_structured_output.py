@@ -149,3 +149,26 @@ def test_the_other_grammar_engine_fits_behind_the_same_interface():
     for out, (_, structured_output) in zip(outs, CASES):
         assert out.finish_reason == "stop", (out.text, out.outputs[0].error)
         _check(out.text, structured_output)
+
+
+def test_a_grammar_engine_failure_mid_request_fails_only_that_request(monkeypatch):
+    from gristmill import LLM
+    from gristmill.engine import faults
+
+    monkeypatch.setenv("GRISTMILL_FAULTS", "grammar@prompt~BOOM")
+    try:
+        llm = LLM(device="cpu", max_num_seqs=4)
+    finally:
+        monkeypatch.delenv("GRISTMILL_FAULTS")
+    try:
+        free = SamplingParams(max_tokens=6, temperature=0)
+        bad, good, plain = llm.generate(["BOOM: is it?", "Is the sky blue? Answer:", "Once upon a time"],
+                                        [_params({"choice": ["yes", "no"]}), _params({"choice": ["yes", "no"]}), free],
+                                        use_tqdm=False)
+        assert bad.finish_reason == "error"
+        assert bad.outputs[0].error.startswith("GenerationError: the grammar engine failed on token ")
+        assert good.text in ("yes", "no") and good.finish_reason == "stop"
+        assert plain.finish_reason == "length" and len(plain.token_ids) == 6
+        assert llm.core.block_manager.num_free_blocks == llm.core.block_manager.num_total_blocks
+    finally:
+        faults.load()

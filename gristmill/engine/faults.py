@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 
 POINTS = ("tokenize", "detokenize_init", "detokenize", "output_batch", "forward", "device_error",
-          "core_exit", "core_hang")
+          "grammar", "core_exit", "core_hang")
 
 
 class InjectedFault(RuntimeError):

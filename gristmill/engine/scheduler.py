@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections import deque
 
+from gristmill.engine import faults
 from gristmill.engine.kv_blocks import BlockManager
 from gristmill.engine.messages import RequestUpdate, SampledToken, ScheduledRequest, SchedulerOutput
 from gristmill.engine.request import PLACEHOLDER, Request, RequestStatus
@@ -181,6 +182,8 @@ def _constrained(request: Request, token_id: int, reason: str | None) -> tuple[s
     it does, so: no token was allowed) or an engine error ends the request with an
     error; a complete grammar ends it with "stop"."""
     try:
+        if faults.ACTIVE:
+            faults.check("grammar", prompt=request.prompt)
         accepted = request.matcher.accept(token_id)
         finished = accepted and request.matcher.finished
         why = request.matcher.error  # the engine gave up (it may still have allowed only EOS)

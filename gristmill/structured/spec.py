@@ -20,9 +20,6 @@ class Constraint:
     kind: str
     source: str
 
-    def describe(self) -> str:
-        return f"{self.kind} {self.source[:80]!r}"
-
 
 def parse_constraint(value) -> Constraint | None:
     """A `structured_output` value -> Constraint (None for None). Exactly one of
@@ -35,7 +32,7 @@ def parse_constraint(value) -> Constraint | None:
         return value
     if not isinstance(value, dict) or len(value) != 1 or next(iter(value)) not in KINDS:
         raise RequestError(f"{PARAM} must be an object with exactly one of {', '.join(KINDS)}, "
-                           f"got {_short(value)}", param=PARAM)
+                           f"got {short(value)}", param=PARAM)
     kind, spec = next(iter(value.items()))
     if kind == "json":
         if isinstance(spec, str):
@@ -44,20 +41,20 @@ def parse_constraint(value) -> Constraint | None:
             except ValueError as exc:
                 raise RequestError(f"{PARAM}.json is not valid JSON: {exc}", param=PARAM) from None
         if not isinstance(spec, (dict, bool)):
-            raise RequestError(f"{PARAM}.json must be a JSON schema (an object), got {_short(spec)}",
+            raise RequestError(f"{PARAM}.json must be a JSON schema (an object), got {short(spec)}",
                                param=PARAM)
         return Constraint("json", json.dumps(spec, separators=(",", ":")))  # property order kept
     if kind == "json_object":
         if spec is not True:
-            raise RequestError(f"{PARAM}.json_object must be true, got {_short(spec)}", param=PARAM)
+            raise RequestError(f"{PARAM}.json_object must be true, got {short(spec)}", param=PARAM)
         return Constraint("json_object", "")
     if kind == "choice":
         if not isinstance(spec, list) or not spec or not all(isinstance(c, str) and c for c in spec):
             raise RequestError(f"{PARAM}.choice must be a non-empty list of non-empty strings, "
-                               f"got {_short(spec)}", param=PARAM)
+                               f"got {short(spec)}", param=PARAM)
         return Constraint("choice", json.dumps(spec))
     if not isinstance(spec, str) or not spec.strip():
-        raise RequestError(f"{PARAM}.{kind} must be a non-empty string, got {_short(spec)}", param=PARAM)
+        raise RequestError(f"{PARAM}.{kind} must be a non-empty string, got {short(spec)}", param=PARAM)
     return Constraint(kind, spec)
 
 
@@ -87,6 +84,7 @@ def openai_constraint(response_format, structured_outputs) -> tuple[dict | None,
                        param="response_format")
 
 
-def _short(value) -> str:
+def short(value) -> str:
+    """A value as an error message shows it: its repr, cut to 80 characters."""
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
