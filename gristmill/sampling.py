@@ -9,6 +9,7 @@ from gristmill.structured.spec import parse_constraint, short
 
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300
+MAX_BAD_WORDS = 100
 
 
 @dataclass(slots=True)
@@ -47,12 +48,31 @@ class SamplingParams:
     #: {token id: bias in [-100, 100]} added to that token's logit before sampling (OpenAI's
     #: logit_bias; +100 all but forces a token, -100 all but bans it). None = off.
     logit_bias: dict[int, float] | None = None
+    #: OpenAI's presence_penalty, in [-2, 2]: subtracted once from the logit of every token
+    #: the completion already contains (> 0 favours new tokens). 0 = off.
+    presence_penalty: float = 0.0
+    #: OpenAI's frequency_penalty, in [-2, 2]: subtracted from a token's logit once for each
+    #: time the completion already contains it. 0 = off.
+    frequency_penalty: float = 0.0
+    #: vLLM's and transformers' repetition_penalty, > 0: the logit of every token of the
+    #: prompt or the completion is divided by it when positive and multiplied by it when
+    #: negative (> 1 discourages repeats). 1 = off.
+    repetition_penalty: float = 1.0
+    #: Tokens to generate before an end-of-sequence token, stop_token_ids or a stop string
+    #: may end the completion.
+    min_tokens: int = 0
+    #: Words the completion must not contain: each is tokenized (alone and after a space),
+    #: and the last token of each form is banned wherever the completion ends with the rest.
+    bad_words: list[str] = field(default_factory=list)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        self.bad_words = list(self.bad_words or [])
         self.validate()
 
     def validate(self) -> None:
@@ -90,6 +110,16 @@ class SamplingParams:
                                            f"{short(self.logit_bias)}")
             check(all(t >= 0 and -100 <= b <= 100 for t, b in self.logit_bias.items()), "logit_bias",
                   f"logit_bias maps token ids >= 0 to biases in [-100, 100], got {short(self.logit_bias)}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            check(_is_number(value) and -2 <= value <= 2, name, f"{name} must be a number in [-2, 2], got {value!r}")
+        check(_is_number(self.repetition_penalty) and 0 < self.repetition_penalty < float("inf"),
+              "repetition_penalty", f"repetition_penalty must be a number > 0 (1 = off), got {self.repetition_penalty!r}")
+        check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+              f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        check(len(self.bad_words) <= MAX_BAD_WORDS and all(isinstance(w, str) and w.strip() for w in self.bad_words),
+              "bad_words", f"bad_words must be a list of at most {MAX_BAD_WORDS} non-blank strings, "
+                           f"got {short(self.bad_words)}")
         constraint = parse_constraint(self.structured_output)
         if constraint is not None:  # its schema, regex or grammar parses (the engine compiles it for its tokenizer)
             from gristmill.structured.grammars import check
@@ -98,6 +128,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        """It asks for a presence, frequency or repetition penalty."""
+        return bool(self.presence_penalty or self.frequency_penalty) or self.repetition_penalty != 1.0
 
     def clone(self, **changes) -> "SamplingParams":
         return replace(self, **changes)

@@ -69,6 +69,11 @@ def add_batch_command(commands) -> None:
                         help="default max_tokens of every row; a row's own sampling_params win (default: 16)")
     parser.add_argument("--temperature", type=float, default=None,
                         help="default temperature of every row, 0 = greedy (default: 1.0)")
+    for name, what in (("repetition-penalty", "repetition_penalty (> 1 discourages repeats; default: 1, off)"),
+                       ("presence-penalty", "presence_penalty, in [-2, 2] (default: 0, off)"),
+                       ("frequency-penalty", "frequency_penalty, in [-2, 2] (default: 0, off)")):
+        parser.add_argument(f"--{name}", type=float, default=None,
+                            help=f"default {what} of every row; a row's own sampling_params win")
     parser.add_argument("--json-schema", metavar="FILE", help="constrain every row's output to this JSON schema "
                         "(a .json file); a row's own sampling_params.structured_output wins")
     parser.add_argument("--fail-fast", action="store_true",
@@ -156,8 +161,9 @@ class _Job:
 
     def _processor_config(self):
         args = self.args
-        defaults = {name: value for name, value in (("max_tokens", args.max_tokens),
-                                                     ("temperature", args.temperature)) if value is not None}
+        defaults = {name: getattr(args, name) for name in ("max_tokens", "temperature", "repetition_penalty",
+                                                           "presence_penalty", "frequency_penalty")
+                    if getattr(args, name) is not None}
         if args.json_schema:
             defaults["structured_output"] = {"json": _read_schema(args.json_schema)}
         # Row errors always come back as error rows: --fail-fast stops at the first one in

@@ -69,8 +69,8 @@ class EngineCore:
 
     def step(self) -> list[RequestUpdate]:
         self.num_steps += 1
-        # A constrained request's token mask needs its last token: while one runs, steps
-        # are synchronous (the step in flight, if any, is resolved first).
+        # A constrained request's token mask needs its last token (so do bad words of
+        # several tokens): while one runs, steps are synchronous (the step in flight, if any, is resolved first).
         synchronous = not self.async_scheduling or self.scheduler.num_constrained > 0
         resolved = self._resolve_in_flight() if synchronous else []
         out = self.scheduler.schedule()
@@ -128,6 +128,7 @@ class EngineCore:
         request = Request(request_id, list(message.prompt_token_ids), message.sampling_params,
                           frozenset(message.eos_token_ids), message.fault_tag)
         request.matcher = matcher
+        request.bad_words_ids = tuple(tuple(word) for word in message.bad_words_ids)
         self.scheduler.add_request(request)
         return None
 

@@ -42,9 +42,10 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str],
-                 skip_special_tokens: bool = True, incremental: bool = True):
+                 skip_special_tokens: bool = True, incremental: bool = True, min_tokens: int = 0):
         """`incremental=False`: nobody reads the text before the end (offline generate), so
-        without stop strings the tokens are held and decoded once, when `text` is read."""
+        without stop strings the tokens are held and decoded once, when `text` is read.
+        `min_tokens`: stop strings count only from that many tokens on."""
         self.tokenizer = tokenizer
         self.stop = stop
         self.skip_special_tokens = skip_special_tokens
@@ -55,6 +56,8 @@ class IncrementalDetokenizer:
         self.held: list[int] | None = None if incremental or stop else []
         self.emitted = 0
         self.stopped = False
+        self.num_tokens = 0
+        self.min_tokens = min_tokens
         self._holdback = max((len(s) for s in stop), default=1) - 1
         self._decode = _decoder(tokenizer, skip_special_tokens)
         self._step = _stream(tokenizer, skip_special_tokens, self.ids)
@@ -83,6 +86,7 @@ class IncrementalDetokenizer:
             for token_id in token_ids:
                 if self.stopped:
                     break
+                self.num_tokens += 1
                 new_text = self._step(token_id)
                 if new_text:
                     self._append(new_text)
@@ -90,6 +94,7 @@ class IncrementalDetokenizer:
         for token_id in token_ids:
             if self.stopped:
                 break
+            self.num_tokens += 1
             self.ids.append(token_id)
             prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
             full_text = self._decode(self.ids[self.prefix_offset:])
@@ -103,6 +108,8 @@ class IncrementalDetokenizer:
     def _append(self, new_text: str) -> None:
         start = max(0, len(self._text) - self._holdback)
         self._text += new_text
+        if self.num_tokens < self.min_tokens:
+            return
         hits = [at for stop in self.stop if (at := self._text.find(stop, start)) != -1]
         if hits:
             self._text = self._text[:min(hits)]

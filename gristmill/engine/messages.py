@@ -98,6 +98,8 @@ class AddRequest:
     eos_token_ids: frozenset[int]
     #: The prompt text, sent only while fault injection is on (its triggers match it).
     fault_tag: str | None = None
+    #: `sampling_params.bad_words` as token id sequences (the client tokenizes them).
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(slots=True)

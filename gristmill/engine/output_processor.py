@@ -44,7 +44,8 @@ class OutputProcessor:
             try:
                 faults.check("detokenize_init", prompt=parent.prompt)
                 detok = IncrementalDetokenizer(self.tokenizer, parent.prompt_token_ids, params.stop,
-                                               params.skip_special_tokens, self.incremental)
+                                               params.skip_special_tokens, self.incremental,
+                                               params.min_tokens)
             except Exception as exc:  # noqa: BLE001 - per-request isolation
                 raise GenerationError(f"setting up the detokenizer failed: {exc}") from exc
             completions[child_id] = _Completion(parent, output, detok)

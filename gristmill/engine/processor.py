@@ -40,11 +40,27 @@ class InputProcessor:
         params.validate()
         check_fits(len(prompt_token_ids), params.max_tokens, self.capacity)
         fault_tag = prompt if faults.ACTIVE else None
+        bad_words = self.bad_words_ids(params.bad_words)
         if params.n == 1:
-            return [AddRequest(request_id, prompt_token_ids, params, self.eos_token_ids, fault_tag)]
+            return [AddRequest(request_id, prompt_token_ids, params, self.eos_token_ids, fault_tag, bad_words)]
         return [AddRequest(child_request_id(request_id, i), prompt_token_ids,
-                           params.clone(n=1, seed=_child_seed(params.seed, i)), self.eos_token_ids, fault_tag)
+                           params.clone(n=1, seed=_child_seed(params.seed, i)), self.eos_token_ids, fault_tag,
+                           bad_words)
                 for i in range(params.n)]
+
+    def bad_words_ids(self, words: list[str]) -> tuple[tuple[int, ...], ...]:
+        """Each bad word as the token ids it has alone and after a space (as it reads at
+        the start of a text and inside one), without duplicates."""
+        forms: dict[tuple[int, ...], None] = {}
+        for word in words:
+            for text in (word.strip(), " " + word.strip()):
+                try:
+                    ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+                except Exception as exc:  # noqa: BLE001 - a tokenizer failure ends only this request
+                    raise GenerationError(f"tokenizing bad_words failed: {exc}") from exc
+                if ids:
+                    forms[ids] = None
+        return tuple(forms)
 
     def max_new_tokens(self, num_prompt_tokens: int) -> int:
         """Most tokens a request with a prompt this long can generate."""
@@ -108,6 +124,16 @@ def check_add_request(message: AddRequest, capacity: Capacity) -> None:
     if not isinstance(message.eos_token_ids, (set, frozenset)) or not all(
             isinstance(t, int) for t in message.eos_token_ids):
         raise RequestError("eos_token_ids must be a set of token ids", param="eos_token_ids")
+    words = message.bad_words_ids
+    if not isinstance(words, (list, tuple)) or not all(
+            isinstance(word, (list, tuple)) and word and all(_in_vocab(t, capacity.vocab_size) for t in word)
+            for word in words):
+        raise RequestError("bad_words_ids must be non-empty sequences of token ids in the vocabulary",
+                           param="bad_words")
+
+
+def _in_vocab(token, vocab_size: int) -> bool:
+    return isinstance(token, int) and not isinstance(token, bool) and 0 <= token < vocab_size
 
 
 def _child_seed(seed: int | None, index: int) -> int | None:

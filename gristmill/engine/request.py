@@ -50,6 +50,8 @@ class Request:
     final: bool = False
     #: Its structured-output matcher (gristmill.structured.grammars.Matcher), or None.
     matcher: object | None = None
+    #: Its bad_words as token id sequences (`InputProcessor.bad_words_ids`).
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)
@@ -75,6 +77,13 @@ class Request:
         self.token_ids.append(token_id)
 
     @property
+    def needs_known_tokens(self) -> bool:
+        """Choosing its next token needs every token before it on the host (a grammar
+        matcher, a bad word of several tokens): its steps cannot run ahead (async
+        scheduling). Fixed once it is in the scheduler."""
+        return self.matcher is not None or any(len(word) > 1 for word in self.bad_words_ids)
+
+    @property
     def num_known_tokens(self) -> int:
         """Tokens whose ids are known: all but a pending placeholder."""
         return len(self.token_ids) - self.pending
@@ -86,6 +95,8 @@ class Request:
         """The finish reason once `token_id` was appended, or None to go on.
         `reaches_length`: `self.reaches_length(max_model_len)`, known beforehand."""
         params = self.sampling_params
+        if self.num_output_tokens <= params.min_tokens:  # the sampler allowed no stop token yet
+            return "length" if reaches_length else None
         if not params.ignore_eos and token_id in self.eos_token_ids:
             return "stop"
         if token_id in params.stop_token_ids:

@@ -33,7 +33,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []
-        #: Unfinished requests with a structured-output matcher.
+        #: Unfinished requests whose next token needs all their tokens on the host
+        #: (`Request.needs_known_tokens`: structured output, bad words of several tokens).
         self.num_constrained = 0
 
     # -- requests in and out -------------------------------------------------------
@@ -43,7 +44,7 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in the engine")
         self.requests[request.request_id] = request
         self.waiting.append(request)
-        self.num_constrained += request.matcher is not None
+        self.num_constrained += request.needs_known_tokens
 
     def finish_request(self, request_id: str, reason: str) -> Request | None:
         """End a request now (abort, error, stop string): free its blocks at once."""
@@ -60,7 +61,7 @@ class Scheduler:
     def _release(self, request: Request, reason: str) -> None:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
-        self.num_constrained -= request.matcher is not None
+        self.num_constrained -= request.needs_known_tokens
         self.block_manager.free(request)
         self._finished_ids.append(request.request_id)
 

@@ -3,7 +3,8 @@
 At start it picks one backend (model/backends) from the device and dtype, and on CUDA
 sizes the KV cache from `gpu_memory_utilization` and captures decode steps as CUDA
 graphs (model/cuda/graphs.py). Each step: the scheduled tokens as one `HostStep`
-(numpy), uploaded once, one forward, the LM head over the sampled rows, the sampler."""
+(numpy), uploaded once, one forward, the LM head over the sampled rows, the logits controls (model/logits.py), the
+structured-output masks, the sampler."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from gristmill.model.backends import pick_backend
 from gristmill.model.context import forward_context
 from gristmill.model.cpu import quant
 from gristmill.model.layers import PagedAttention, RotaryEmbedding, clear_rotary_cache
+from gristmill.model.logits import LogitsControls
 from gristmill.model.loader import load_config, load_weights, resolve_model
 from gristmill.model.metadata import HostStep, StepMetadata, build_host_step
 from gristmill.model.models import model_class
@@ -78,6 +80,7 @@ class ModelRunner:
         self.num_blocks = self._num_kv_blocks(free_at_start)
         self._allocate_kv_cache()
         self.sampler = Sampler(config.seed, self.device)
+        self.controls = LogitsControls(self.device)
         self.generators: dict[str, torch.Generator] = {}
         self.graphs = None
         self._greedy: torch.Tensor | None = None  # argmax of the last forward's logits, when it came with them
@@ -173,10 +176,8 @@ class ModelRunner:
             return LaunchedStep([], None)
         rows = [SamplerRow(item.request.sampling_params, self._generator(item.request))
                 for item in items]
-        biased = [(j, item.request.sampling_params.logit_bias) for j, item in enumerate(items)
-                  if item.request.sampling_params.logit_bias]
-        if biased:
-            logits = self._bias(logits, biased)
+        if self.controls.apply(logits, items, self.token_buffer, self._rows):
+            self._greedy = None  # the forward's argmax saw the logits before them
         constrained = [(j, item.request.matcher) for j, item in enumerate(items) if item.request.matcher is not None]
         if constrained:
             logits = self._mask(logits, constrained)
@@ -220,22 +221,6 @@ class ModelRunner:
         sequences = [(s.request.token_ids, s.request.num_computed_tokens, s.num_new_tokens, s.request.block_ids,
                       s.samples) for s in ordered]
         return build_host_step(sequences, self.block_size), [s for s in ordered if s.samples]
-
-    def _bias(self, logits: torch.Tensor, biased: list) -> torch.Tensor:
-        """logit_bias: each row's {token: bias} added to its logits, in one scatter."""
-        rows, tokens, values = [], [], []
-        for j, bias in biased:
-            for token, value in bias.items():
-                if token < logits.shape[-1]:
-                    rows.append(j)
-                    tokens.append(token)
-                    values.append(value)
-        if rows:
-            index = torch.tensor([rows, tokens], device=self.device)
-            logits.index_put_((index[0], index[1]), torch.tensor(values, device=self.device, dtype=logits.dtype),
-                              accumulate=True)
-        self._greedy = None  # the forward's argmax saw the logits unbiased
-        return logits
 
     def _mask(self, logits: torch.Tensor, constrained: list) -> torch.Tensor:
         """Structured output: the tokens each constrained row's grammar does not allow

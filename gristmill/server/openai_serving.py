@@ -119,9 +119,10 @@ class OpenAIServing:
         return prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(prompt)
 
     def _params(self, body, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(body, name):
-                raise RequestError(f"{name} is not supported; leave it out or set it to 0", param=name)
+        unsupported = body.unsupported_field()
+        if unsupported is not None:
+            raise RequestError(f"{unsupported} would change the output and is not supported by this server; "
+                               f"leave it out", param=unsupported)
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         structured, field = openai_constraint(body.response_format, body.structured_outputs)
         try:
@@ -130,7 +131,11 @@ class OpenAIServing:
                 top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
                 min_p=body.min_p or 0.0, seed=body.seed, stop=stop, stop_token_ids=body.stop_token_ids or [],
                 ignore_eos=body.ignore_eos, logprobs=logprobs, n=body.n, structured_output=structured,
-                logit_bias=body.logit_bias or None)
+                logit_bias=body.logit_bias or None, presence_penalty=body.presence_penalty or 0.0,
+                frequency_penalty=body.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+                min_tokens=body.min_tokens or 0, bad_words=body.bad_words or [],
+                skip_special_tokens=body.skip_special_tokens)
         except RequestError as exc:
             if exc.param != "structured_output" or field is None:
                 raise

@@ -1,6 +1,8 @@
 """Request bodies of the OpenAI API, as pydantic models (responses are built as dicts).
 
-Unknown fields are accepted and ignored, as OpenAI clients send some (e.g. `user`).
+Unknown fields are accepted and ignored, as OpenAI clients send some (e.g. `user`), except
+those that would change the output here (`UNSUPPORTED`): a request with one set gets a
+400 naming it, never an answer that quietly ignored it.
 """
 
 from __future__ import annotations
@@ -37,6 +39,28 @@ class _SamplingFields(BaseModel):
     response_format: dict | None = None
     #: vLLM's extra-body field: exactly one of json, json_object, regex, choice, grammar.
     structured_outputs: dict | None = None
+    #: vLLM's extra-body fields (SamplingParams of the same names).
+    repetition_penalty: float | None = Field(default=None, gt=0)
+    min_tokens: int | None = Field(default=None, ge=0)
+    bad_words: list[str] | None = None
+    skip_special_tokens: bool = True
+
+    def unsupported_field(self) -> str | None:
+        """The first field of the body, not modelled here, that would change the output."""
+        extra = self.model_extra or {}
+        return next((name for name, neutral in UNSUPPORTED.items()
+                     if extra.get(name) is not None and extra[name] != neutral), None)
+
+
+#: Fields other OpenAI-compatible servers take that would change the output, with the
+#: value that changes nothing (any other value is refused).
+UNSUPPORTED = {"best_of": 1, "suffix": "", "tools": [], "functions": [], "use_beam_search": False,
+               "length_penalty": 1.0, "prompt_logprobs": 0, "allowed_token_ids": [], "logits_processors": [],
+               "include_stop_str_in_output": False, "truncate_prompt_tokens": 0, "typical_p": 1.0,
+               "prediction": {}, "audio": {}, "spaces_between_special_tokens": True,
+               "guided_json": {}, "guided_regex": "", "guided_choice": [], "guided_grammar": "",
+               "guided_whitespace_pattern": "", "top_logprobs_of_prompt": 0, "min_new_tokens": 0,
+               "no_repeat_ngram_size": 0, "echo_prompt_logprobs": False}
 
 
 class CompletionRequest(_SamplingFields):

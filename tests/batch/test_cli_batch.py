@@ -219,7 +219,8 @@ def test_batch_takes_every_engine_flag_and_checks_its_own_flags(tmp_path):
     source = write_jsonl(tmp_path / "in.jsonl", MIXED[:1])
     for flags, says in [(["-o", tmp_path / "out.parquet", "--resume"], "--resume needs a .jsonl or .csv output"),
                         (["-o", tmp_path / "out.jsonl", "--batch-size", "0"], "batch_size: must be a positive"),
-                        (["-o", tmp_path / "out.txt"], "name it .jsonl, .csv or .parquet")]:
+                        (["-o", tmp_path / "out.txt"], "name it .jsonl, .csv or .parquet"),
+                        (["-o", tmp_path / "out.jsonl", "--repetition-penalty", "0"], "(flag --repetition-penalty)")]:
         result = batch_cli(source, *flags, timeout=60)
         assert result.returncode != 0 and says in result.stderr and "Traceback" not in result.stderr
 

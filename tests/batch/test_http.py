@@ -83,16 +83,20 @@ def test_qps_paces_the_requests(busy_server):
     assert time.monotonic() - started >= 4 / 4  # five starts at 4 per second span at least a second
 
 
-def test_constrained_rows_reach_the_server_as_response_format_or_structured_outputs(busy_server):
+def test_constrained_and_penalized_rows_reach_the_server_with_every_field(busy_server):
     schema = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 10}},
               "required": ["answer"], "additionalProperties": False}
     rows = [{"id": "json", "prompt": "Answer in JSON:", "sampling_params": {"structured_output": {"json": schema}}},
             {"id": "choice", "prompt": "Is it day? Answer:",
              "sampling_params": {"structured_output": {"choice": ["yes", "no"]}}},
-            {"id": "bad", "prompt": "x", "sampling_params": {"structured_output": {"regex": "[0-9"}}}]
+            {"id": "bad", "prompt": "x", "sampling_params": {"structured_output": {"regex": "[0-9"}}},
+            # Greedy, this prompt's free text says "capital" again and again.
+            {"id": "banned", "prompt": "The capital of France is",
+             "sampling_params": {"bad_words": ["capital"], "repetition_penalty": 1.1, "min_tokens": 20}}]
     config = HttpProcessorConfig(url=f"{busy_server.url}/v1", model="served", max_retries=30,
                                  should_continue_on_error=True, sampling_params={"max_tokens": 30, "temperature": 0})
     out = {row["id"]: row for row in build_processor(config)(rows)}
     assert list(__import__("json").loads(out["json"]["generated_text"])) == ["answer"]
     assert out["choice"]["generated_text"] in ("yes", "no") and out["choice"]["finish_reason"] == "stop"
     assert out["bad"][ERROR_COLUMN].startswith("RequestError: structured_output.regex is not valid")
+    assert "capital" not in out["banned"]["generated_text"] and out["banned"]["num_generated_tokens"] >= 20

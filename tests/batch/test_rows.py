@@ -96,6 +96,13 @@ def test_openai_batch_lines_carry_response_format_and_structured_outputs_as_a_co
     completion = {"custom_id": "2", "url": "/v1/completions",
                   "body": {"prompt": "x", "structured_outputs": {"choice": ["a", "b"]}}}
     assert batch_request_row(completion)["sampling_params"]["structured_output"] == {"choice": ["a", "b"]}
+    completion["body"].update(presence_penalty=0.5, frequency_penalty=0.2, repetition_penalty=1.1, min_tokens=3,
+                              bad_words=["x"], logit_bias={"7": 5})
+    params = batch_request_row(completion)["sampling_params"]
+    assert {k: params[k] for k in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
+                                   "bad_words", "logit_bias")} == {
+        "presence_penalty": 0.5, "frequency_penalty": 0.2, "repetition_penalty": 1.1, "min_tokens": 3,
+        "bad_words": ["x"], "logit_bias": {"7": 5}}
     completion["body"]["response_format"] = {"type": "json_object"}
     with pytest.raises(RequestError, match="not both") as info:
         batch_request_row(completion)

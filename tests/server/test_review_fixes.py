@@ -58,7 +58,7 @@ def error_counts(server) -> tuple[float, dict[str, float]]:
 def test_requests_rejected_before_generation_are_counted_once(server, auth):
     completions, chat = f"{server.url}/v1/completions", f"{server.url}/v1/chat/completions"
     rejected = [
-        (completions, {"prompt": "x", "presence_penalty": 0.5}, 400),     # unsupported parameter
+        (completions, {"prompt": "x", "best_of": 3}, 400),                  # unsupported parameter
         (completions, {"prompt": "x", "stop": [""]}, 400),                # SamplingParams rejects it
         (completions, {"prompt": "x", "top_k": -5}, 400),                 # body validation
         (chat, {"messages": [{"role": "user", "content": "x"}], "temperature": 5}, 400),

@@ -29,9 +29,12 @@ def _build(name: str, sources: list[Path], flags: list[str]):
 
     from gristmill.paths import cache_root
 
-    # Headers count too: a changed header rebuilds every source that includes it.
+    # Headers count too: a changed header rebuilds every source that includes it. So does
+    # where the sources are: torch's build rebuilds when their paths change, so two
+    # installs sharing one build directory would rebuild each other's kernels at every start.
     inputs = sorted(sources) + sorted(_CSRC.glob("*.h"))
     key = hashlib.sha256(b"".join(p.read_bytes() for p in inputs) + " ".join(flags).encode()
+                         + str(_CSRC.resolve()).encode()
                          + torch.__version__.encode() + _cpu_identity(flags)).hexdigest()[:12]
     build_dir = cache_root() / "kernels" / key
     build_dir.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,130 @@
+"""The logits controls a request may ask for, applied between the LM head and the sampler
+to only the rows that ask, a few batched tensor ops each:
+
+1. `logit_bias`: {token: bias} added (one scatter over every biased row);
+2. bans: end-of-sequence and stop tokens before `min_tokens`, and `bad_words`;
+3. penalties over the tokens so far: OpenAI's presence and frequency penalties
+   (completion tokens), vLLM's and transformers' repetition penalty (prompt and
+   completion tokens).
+
+The structured-output mask comes after them (`ModelRunner._mask`). Under async
+scheduling a request's last token may not be on the host yet (a PLACEHOLDER): its id is
+read on the device from the last step's sampled ids (`token_buffer`)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class LogitsControls:
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def apply(self, logits: torch.Tensor, items: list, token_buffer: torch.Tensor, rows: dict[str, int]) -> bool:
+        """Apply every row's controls to `logits` (num_rows, vocab) in place. `items`: the
+        ScheduledRequest of each row; `token_buffer[rows[request_id]]`: the id of a
+        request's pending token. Returns whether any row asked for one."""
+        params = [item.request.sampling_params for item in items]
+        biased = [j for j, p in enumerate(params) if p.logit_bias]
+        banned = [j for j, item in enumerate(items) if _bans_something(item.request)]
+        penalized = [j for j, p in enumerate(params) if p.penalized]
+        if biased:
+            self._bias(logits, [(j, params[j].logit_bias) for j in biased])
+        if banned:
+            self._ban(logits, [(j, items[j].request) for j in banned])
+        if penalized:
+            self._penalize(logits, [items[j].request for j in penalized], penalized, token_buffer, rows)
+        return bool(biased or banned or penalized)
+
+    def _bias(self, logits: torch.Tensor, biased: list) -> None:
+        rows, tokens, values = [], [], []
+        for j, bias in biased:
+            for token, value in bias.items():
+                if token < logits.shape[-1]:
+                    rows.append(j)
+                    tokens.append(token)
+                    values.append(value)
+        if rows:
+            self._put(logits, rows, tokens, torch.tensor(values, dtype=logits.dtype), accumulate=True)
+
+    def _ban(self, logits: torch.Tensor, banned: list) -> None:
+        rows, tokens = [], []
+        for j, request in banned:
+            for token in banned_tokens(request):
+                if token < logits.shape[-1]:
+                    rows.append(j)
+                    tokens.append(token)
+        if rows:
+            self._put(logits, rows, tokens, torch.tensor(float("-inf"), dtype=logits.dtype))
+
+    def _put(self, logits: torch.Tensor, rows: list[int], tokens: list[int], values: torch.Tensor,
+             accumulate: bool = False) -> None:
+        index = torch.tensor([rows, tokens], device=self.device)
+        logits.index_put_((index[0], index[1]), values.to(self.device), accumulate=accumulate)
+
+    def _penalize(self, logits: torch.Tensor, requests: list, rows: list[int], token_buffer: torch.Tensor,
+                  pending_rows: dict[str, int]) -> None:
+        """Repetition, then presence and frequency penalties (vLLM's order) over rows
+        `rows`, in float32."""
+        device = self.device
+        index = torch.tensor(rows, device=device)
+        scores = logits[index].float()
+        params = [r.sampling_params for r in requests]
+        if any(p.repetition_penalty != 1.0 for p in params):
+            seen = torch.zeros(scores.shape, dtype=torch.bool, device=device)
+            at, tokens = self._history(requests, token_buffer, pending_rows, with_prompt=True)
+            seen[at, tokens] = True
+            penalty = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
+            scores = torch.where(seen, torch.where(scores > 0, scores / penalty, scores * penalty), scores)
+        if any(p.presence_penalty or p.frequency_penalty for p in params):
+            counts = torch.zeros_like(scores)
+            at, tokens = self._history(requests, token_buffer, pending_rows, with_prompt=False)
+            counts.index_put_((at, tokens), torch.ones(len(at), device=device), accumulate=True)
+            frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
+            presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
+            scores -= frequency * counts + presence * (counts > 0)
+        logits[index] = scores.to(logits.dtype)
+
+    def _history(self, requests: list, token_buffer: torch.Tensor, pending_rows: dict[str, int],
+                 with_prompt: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(row, token) pairs, on the device, of each request's tokens (completion only,
+        or prompt too); a pending token's id is taken from `token_buffer`."""
+        at, tokens, pending, sources = [], [], [], []
+        for k, request in enumerate(requests):
+            start = 0 if with_prompt else request.num_prompt_tokens
+            known = np.asarray(request.token_ids[start:request.num_known_tokens], dtype=np.int64)
+            at.append(np.full(len(known), k, dtype=np.int64))
+            tokens.append(known)
+            if request.pending:
+                pending.append(k)
+                sources.append(pending_rows[request.request_id])
+        at_t = torch.from_numpy(np.concatenate(at)).to(self.device)
+        tokens_t = torch.from_numpy(np.concatenate(tokens)).to(self.device)
+        if pending:
+            at_t = torch.cat([at_t, torch.tensor(pending, device=self.device)])
+            tokens_t = torch.cat([tokens_t, token_buffer[torch.tensor(sources, device=self.device)].long()])
+        return at_t, tokens_t
+
+
+def _bans_something(request) -> bool:
+    return bool(request.bad_words_ids) or request.num_output_tokens < request.sampling_params.min_tokens
+
+
+def banned_tokens(request) -> list[int]:
+    """The tokens `request` may not sample next: its stop tokens (EOS unless ignore_eos,
+    stop_token_ids) while it has fewer than min_tokens, and the last token of each bad
+    word whose other tokens end its completion so far (its known tokens: a request with
+    a bad word of several tokens is never run ahead by async scheduling)."""
+    params = request.sampling_params
+    banned = []
+    if request.num_output_tokens < params.min_tokens:
+        if not params.ignore_eos:
+            banned.extend(request.eos_token_ids)
+        banned.extend(params.stop_token_ids)
+    output = request.token_ids[request.num_prompt_tokens:]
+    for word in request.bad_words_ids:
+        *before, last = word
+        if not before or (len(output) >= len(before) and output[len(output) - len(before):] == before):
+            banned.append(last)
+    return banned
