@@ -43,11 +43,11 @@ def main() -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--backend", default="xgrammar", help="xgrammar or llguidance")
+    parser.add_argument("--backend", default="llguidance", help="llguidance (the default) or xgrammar")
     args = parser.parse_args()
     llm = LLM(args.model, device=args.device, max_num_seqs=max(64, args.batch),
               structured_output_backend=args.backend)
-    print(f"grammar engine: {args.backend}")
+    print(f"grammar engine: {args.backend}; device: {args.device}")
     prompts = [f"Record {i}: describe customer number {i} as JSON:" for i in range(args.batch)]
     free = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
     constrained = SamplingParams(max_tokens=args.tokens, temperature=0, structured_output={"json": SCHEMA})
@@ -66,10 +66,14 @@ def main() -> None:
 
     run(llm, prompts[:4], free)  # warm
     figures = {}
+    runner = llm.core.executor
     for name, params in (("free", free), ("json schema", constrained), ("free again", free)):
+        stats = list(runner.mask_stats)
         elapsed, tokens = run(llm, prompts, params)
         figures[name] = tokens / elapsed
-        print(f"{name:>12}: {tokens:5d} tokens in {elapsed:6.2f} s = {tokens / elapsed:8.1f} tok/s", flush=True)
+        steps, rows, filled = (after - before for after, before in zip(runner.mask_stats, stats))
+        masks = f"; {rows} of {tokens} rows needed a mask, {filled} filled" if steps else ""
+        print(f"{name:>12}: {tokens:5d} tokens in {elapsed:6.2f} s = {tokens / elapsed:8.1f} tok/s{masks}", flush=True)
     free_speed = (figures["free"] + figures["free again"]) / 2
     print(f"json schema / free: {figures['json schema'] / free_speed:.3f}x "
           f"(masking costs {100 * (1 - figures['json schema'] / free_speed):.1f}% of throughput)")

@@ -70,6 +70,30 @@ def test_async_scheduling_gives_the_same_constrained_outputs(default_llm):
     assert [o.token_ids for o in asynchronous[:-1]] == [o.token_ids for o in sync]
 
 
+def test_asking_the_grammar_about_the_argmax_first_changes_no_output(default_llm):
+    """On a CPU, greedy constrained rows fill a mask only when the grammar refuses the
+    row's argmax (and once per grammar state): the same tokens as masking every row."""
+    prompts = [p for p, _ in CASES] + [f"Record {i}: a person as JSON:" for i in range(8)]
+    params = [_params(so) for _, so in CASES] + [_params({"json": PERSON})] * 8
+    runner = default_llm.core.executor
+    assert runner.argmax_first
+    before = list(runner.mask_stats)
+    first = default_llm.generate(prompts, params, use_tqdm=False)
+    steps, rows, filled = (after - start for after, start in zip(runner.mask_stats, before))
+    runner.argmax_first = False
+    try:
+        every = default_llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        runner.argmax_first = True
+    assert [o.token_ids for o in first] == [o.token_ids for o in every]
+    for out, params_of in zip(first, params):
+        assert out.finish_reason == "stop", out.outputs[0].error
+        _check(out.text, params_of.structured_output)
+    # Most rows needed no mask, and rows in one grammar state shared theirs.
+    total_rows = sum(len(o.token_ids) for o in first)
+    assert rows < total_rows / 2 and filled < rows, (steps, rows, filled, total_rows)
+
+
 def test_seeded_sampling_n_and_logprobs_under_a_constraint(default_llm):
     params = _params({"choice": ["red", "green", "blue"]}, temperature=1.0, seed=7, n=3, logprobs=2)
     [out] = default_llm.generate(["My favourite colour is"], params, use_tqdm=False)

@@ -25,7 +25,7 @@ from gristmill.model.logits import LogitsControls
 from gristmill.model.loader import load_config, load_weights, resolve_model
 from gristmill.model.metadata import HostStep, StepMetadata, build_host_step
 from gristmill.model.models import model_class
-from gristmill.model.sampler import Sampler, SamplerRow
+from gristmill.model.sampler import Sampler, SamplerRow, greedy_tokens
 from gristmill.paths import cache_root
 
 logger = logging.getLogger(__name__)
@@ -81,6 +81,11 @@ class ModelRunner:
         self._allocate_kv_cache()
         self.sampler = Sampler(config.seed, self.device)
         self.controls = LogitsControls(self.device)
+        #: Structured output: [steps with a constrained row, rows that needed a mask, masks filled].
+        self.mask_stats = [0, 0, 0]
+        #: Greedy constrained rows: ask the grammar about the argmax before filling a mask
+        #: (on a CPU; on CUDA the masks are filled while the forward runs).
+        self.argmax_first = self.device.type == "cpu"
         self.generators: dict[str, torch.Generator] = {}
         self.graphs = None
         self._greedy: torch.Tensor | None = None  # argmax of the last forward's logits, when it came with them
@@ -178,9 +183,9 @@ class ModelRunner:
                 for item in items]
         if self.controls.apply(logits, items, self.token_buffer, self._rows):
             self._greedy = None  # the forward's argmax saw the logits before them
-        constrained = [(j, item.request.matcher) for j, item in enumerate(items) if item.request.matcher is not None]
+        constrained = [(j, item.request) for j, item in enumerate(items) if item.request.matcher is not None]
         if constrained:
-            logits = self._mask(logits, constrained)
+            logits = self._mask(logits, constrained, rows)
         tokens, pending = self.sampler.sample(logits, rows, self._greedy)
         self.token_buffer[:len(items)].copy_(tokens)
         self._rows = {item.request.request_id: j for j, item in enumerate(items)}
@@ -222,17 +227,50 @@ class ModelRunner:
                       s.samples) for s in ordered]
         return build_host_step(sequences, self.block_size), [s for s in ordered if s.samples]
 
-    def _mask(self, logits: torch.Tensor, constrained: list) -> torch.Tensor:
+    def _mask(self, logits: torch.Tensor, constrained: list, rows: list[SamplerRow]) -> torch.Tensor:
         """Structured output: the tokens each constrained row's grammar does not allow
-        get -inf. The masks are computed on the host while the device runs the forward
-        (queued, not waited for), then go up in one copy; other rows are untouched."""
-        from gristmill.structured.grammars import apply_masks, fill_masks, mask_words
+        get -inf; other rows are untouched. `constrained`: (row, Request) pairs.
 
-        bitmask = torch.full((len(constrained), mask_words(logits.shape[-1])), -1, dtype=torch.int32,
-                             pin_memory=self.device.type == "cuda")
-        fill_masks([matcher for _, matcher in constrained], bitmask)
-        apply_masks(logits, bitmask, [j for j, _ in constrained])
-        self._greedy = None  # the forward's argmax saw the logits unmasked
+        A mask can cost a walk of the grammar over the whole vocabulary (~1 ms for 262k
+        tokens inside a JSON string), so it is filled once per grammar state (same
+        constraint, same tokens: every row of a job at its first token). On CUDA the masks are filled
+        on the host while the device runs the forward (queued, not waited for), then go
+        up in one copy. On a CPU, where the forward has already run, a step whose rows
+        are all greedy first asks each grammar whether it allows its row's argmax (then
+        the argmax of the masked row too): only rows whose grammar refuses it need a
+        mask. Inside a JSON string, where a mask costs most, the model's choice is nearly
+        always allowed; where it is refused (punctuation), masks are cheap."""
+        from gristmill.structured.grammars import apply_masks, fill_masks, torch_bitmask
+
+        argmax = None
+        if self.argmax_first and all(row.params.greedy for row in rows):
+            argmax = (self._greedy if self._greedy is not None else greedy_tokens(logits)).clone()
+            ids = argmax.tolist()  # (logprobs come from masked logits: rows that want them are masked)
+            constrained = [(j, request) for j, request in constrained
+                           if rows[j].params.logprobs is not None or not request.matcher.allows(ids[j])]
+        self._greedy = argmax  # the sampler's argmax when every row is greedy, else None
+        self.mask_stats[0] += 1
+        self.mask_stats[1] += len(constrained)
+        if not constrained:
+            return logits
+        states: dict[tuple, int] = {}  # grammar state -> its row of `bitmask`
+        matchers, which = [], []
+        for _, request in constrained:
+            state = (request.matcher.constraint, tuple(request.output_token_ids))
+            if state not in states:
+                states[state] = len(matchers)
+                matchers.append(request.matcher)
+            which.append(states[state])
+        bitmask = torch_bitmask(len(matchers), logits.shape[-1], pin_memory=self.device.type == "cuda")
+        fill_masks(matchers, bitmask)
+        self.mask_stats[2] += len(matchers)
+        if len(matchers) < len(which):
+            bitmask = bitmask[torch.tensor(which)]
+        masked = [j for j, _ in constrained]
+        apply_masks(logits, bitmask, masked)
+        if argmax is not None:
+            for j in masked:
+                argmax[j] = greedy_tokens(logits[j:j + 1])[0]
         return logits
 
     def make_device_error(self) -> None:

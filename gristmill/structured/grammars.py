@@ -34,10 +34,13 @@ class Matcher:
     """One request's place in its grammar (xgrammar's GrammarMatcher): which tokens may
     come next, and the tokens so far."""
 
-    __slots__ = ("_matcher",)
+    __slots__ = ("_matcher", "constraint")
 
-    def __init__(self, matcher):
+    def __init__(self, matcher, constraint: Constraint):
         self._matcher = matcher
+        #: What it matches: two matchers of one constraint fed the same tokens are in the
+        #: same state (and allow the same tokens).
+        self.constraint = constraint
 
     def accept(self, token_id: int) -> bool:
         """Advance by a sampled token; False when the grammar does not allow it."""
@@ -57,6 +60,11 @@ class Matcher:
         """Write the allowed next tokens into `bitmask[row]` (int32 words, bit i of word w
         = token 32 * w + i)."""
         self._matcher.fill_next_token_bitmask(bitmask, row)
+
+    def allows(self, token_id: int) -> bool:
+        """Whether the grammar surely allows `token_id` next, without advancing; False
+        when the engine cannot tell cheaply (xgrammar): the caller then fills the mask."""
+        return False
 
 
 class _LLGuidanceMatcher(Matcher):
@@ -79,6 +87,9 @@ class _LLGuidanceMatcher(Matcher):
         import llguidance.torch
         llguidance.torch.fill_next_token_bitmask(self._matcher, bitmask, row)
 
+    def allows(self, token_id: int) -> bool:
+        return self._matcher.validate_tokens([token_id]) == 1
+
 
 class LLGuidanceGrammars:
     """`Grammars` over llguidance (1.9.x): the other engine, behind the same interface
@@ -95,12 +106,17 @@ class LLGuidanceGrammars:
         self.vocab_size = vocab_size
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=sorted(eos_token_ids))
         self.compile = lru_cache(maxsize=256)(self._compile)
+        # The first mask ever computed for a tokenizer builds llguidance's tables for it
+        # (seconds for a 262k vocabulary): here, with the rest of the set-up, rather than
+        # inside the first constrained step.
+        warm = self.matcher(Constraint("choice", '["a"]'))
+        fill_masks([warm], torch_bitmask(1, vocab_size))
 
     def matcher(self, constraint: Constraint) -> Matcher:
         matcher = self._llguidance.LLMatcher(self.tokenizer, self.compile(constraint))
         if matcher.is_error():
             raise RequestError(f"{PARAM}.{constraint.kind} is not valid: {matcher.get_error()}", param=PARAM)
-        return _LLGuidanceMatcher(matcher)
+        return _LLGuidanceMatcher(matcher, constraint)
 
     def _compile(self, constraint: Constraint) -> str:
         return _llguidance_grammar(constraint, self.tokenizer)
@@ -125,7 +141,7 @@ class Grammars:
     def matcher(self, constraint: Constraint) -> Matcher:
         """A fresh matcher for `constraint`; an invalid schema, regex or grammar is a
         RequestError naming what is wrong."""
-        return Matcher(self._xgrammar.GrammarMatcher(self.compile(constraint)))
+        return Matcher(self._xgrammar.GrammarMatcher(self.compile(constraint)), constraint)
 
     def _compile(self, constraint: Constraint):
         compiler = self.compiler
@@ -204,6 +220,12 @@ class _engine_errors:
 
 def mask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
+
+
+def torch_bitmask(rows: int, vocab_size: int, pin_memory: bool = False):
+    """An all-allowed (rows, words) int32 bitmask on the host."""
+    import torch
+    return torch.full((rows, mask_words(vocab_size)), -1, dtype=torch.int32, pin_memory=pin_memory)
 
 
 _executor = None
