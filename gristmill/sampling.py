@@ -73,6 +73,11 @@ class SamplingParams:
         if isinstance(self.bad_words, str):
             self.bad_words = [self.bad_words]
         self.bad_words = list(self.bad_words or [])
+        if isinstance(self.structured_output, dict) and len(self.structured_output) > 1:
+            # Rows that went through Arrow (Ray Data, Parquet) carry every kind any row of
+            # their block used, the others as None: those are not given.
+            self.structured_output = {kind: spec for kind, spec in self.structured_output.items()
+                                      if spec is not None} or None
         self.validate()
 
     def validate(self) -> None:

@@ -94,6 +94,30 @@ def test_asking_the_grammar_about_the_argmax_first_changes_no_output(default_llm
     assert rows < total_rows / 2 and filled < rows, (steps, rows, filled, total_rows)
 
 
+def test_sampled_rows_resampled_after_a_refusal_keep_the_masked_distribution(default_llm):
+    """Sampled constrained rows (no top-k/top-p/min-p, no logprobs) are drawn unmasked and
+    drawn again from the masked row only when the grammar refuses: the outputs still
+    match, and the distribution is the masked one (200 seeds, the same share of each
+    answer as when every row is masked)."""
+    runner = default_llm.core.executor
+    prompt = "Is the sky blue? Answer:"
+    params = [_params({"choice": ["yes", "no", "maybe"]}, temperature=1.0, seed=seed) for seed in range(200)]
+    before = list(runner.mask_stats)
+    outs = default_llm.generate([prompt] * 200, params, use_tqdm=False)
+    drawn, sampled_rows = [o.text for o in outs], sum(len(o.token_ids) for o in outs)
+    rows_masked = runner.mask_stats[1] - before[1]
+    runner.argmax_first = False
+    try:
+        masked = [o.text for o in default_llm.generate([prompt] * 200, params, use_tqdm=False)]
+    finally:
+        runner.argmax_first = True
+    assert set(drawn) <= {"yes", "no", "maybe"} and set(masked) <= {"yes", "no", "maybe"}
+    assert rows_masked < sampled_rows  # some rows were never masked
+    for answer in ("yes", "no", "maybe"):  # binomial, n=200: 3 standard deviations of the difference
+        share, expected = drawn.count(answer) / 200, masked.count(answer) / 200
+        assert abs(share - expected) <= 3 * (2 * 0.25 / 200) ** 0.5, (answer, share, expected)
+
+
 def test_seeded_sampling_n_and_logprobs_under_a_constraint(default_llm):
     params = _params({"choice": ["red", "green", "blue"]}, temperature=1.0, seed=7, n=3, logprobs=2)
     [out] = default_llm.generate(["My favourite colour is"], params, use_tqdm=False)
@@ -161,6 +185,11 @@ def test_constraint_normal_form():
     assert parse_constraint({"json": '{"type": "object"}'}) == Constraint("json", '{"type":"object"}')
     assert parse_constraint({"choice": ["a", "b"]}) == Constraint("choice", '["a", "b"]')
     assert parse_constraint({"json_object": True}).kind == "json_object"
+    # A row read through Arrow carries the other kinds of its block as None.
+    assert SamplingParams(structured_output={"choice": ["a"], "regex": None}).structured_output == {"choice": ["a"]}
+    assert SamplingParams(structured_output={"choice": None, "regex": None}).structured_output is None
+    with pytest.raises(RequestError, match="exactly one of"):
+        SamplingParams(structured_output={"choice": ["a"], "regex": "[0-9]"})
 
 
 def test_the_other_grammar_engine_fits_behind_the_same_interface():

@@ -3,8 +3,8 @@
 At start it picks one backend (model/backends) from the device and dtype, and on CUDA
 sizes the KV cache from `gpu_memory_utilization` and captures decode steps as CUDA
 graphs (model/cuda/graphs.py). Each step: the scheduled tokens as one `HostStep`
-(numpy), uploaded once, one forward, the LM head over the sampled rows, the logits controls (model/logits.py), the
-structured-output masks, the sampler."""
+(numpy), uploaded once, one forward, the LM head over the sampled rows, the logits
+controls (model/logits.py), the structured-output masks, the sampler."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from gristmill.model.logits import LogitsControls
 from gristmill.model.loader import load_config, load_weights, resolve_model
 from gristmill.model.metadata import HostStep, StepMetadata, build_host_step
 from gristmill.model.models import model_class
-from gristmill.model.sampler import Sampler, SamplerRow, greedy_tokens
+from gristmill.model.sampler import PendingSample, Sampler, SamplerRow, greedy_tokens
 from gristmill.paths import cache_root
 
 logger = logging.getLogger(__name__)
@@ -184,9 +184,10 @@ class ModelRunner:
         if self.controls.apply(logits, items, self.token_buffer, self._rows):
             self._greedy = None  # the forward's argmax saw the logits before them
         constrained = [(j, item.request) for j, item in enumerate(items) if item.request.matcher is not None]
-        if constrained:
-            logits = self._mask(logits, constrained, rows)
+        deferred = self._mask(logits, constrained, rows) if constrained else []
         tokens, pending = self.sampler.sample(logits, rows, self._greedy)
+        if deferred:
+            tokens, pending = self._resample_refused(logits, deferred, rows, tokens, pending)
         self.token_buffer[:len(items)].copy_(tokens)
         self._rows = {item.request.request_id: j for j, item in enumerate(items)}
         return LaunchedStep(items, pending)
@@ -227,23 +228,26 @@ class ModelRunner:
                       s.samples) for s in ordered]
         return build_host_step(sequences, self.block_size), [s for s in ordered if s.samples]
 
-    def _mask(self, logits: torch.Tensor, constrained: list, rows: list[SamplerRow]) -> torch.Tensor:
+    def _mask(self, logits: torch.Tensor, constrained: list, rows: list[SamplerRow]) -> list:
         """Structured output: the tokens each constrained row's grammar does not allow
         get -inf; other rows are untouched. `constrained`: (row, Request) pairs.
 
         A mask can cost a walk of the grammar over the whole vocabulary (~1 ms for 262k
         tokens inside a JSON string), so it is filled once per grammar state (same
-        constraint, same tokens: every row of a job at its first token). On CUDA the masks are filled
-        on the host while the device runs the forward (queued, not waited for), then go
-        up in one copy. On a CPU, where the forward has already run, a step whose rows
+        constraint, same tokens: every row of a job at its first token). On CUDA the
+        masks are filled on the host while the device runs the forward (queued, not
+        waited for), then go up in one copy. On a CPU, where the forward has already run, a step whose rows
         are all greedy first asks each grammar whether it allows its row's argmax (then
         the argmax of the masked row too): only rows whose grammar refuses it need a
         mask. Inside a JSON string, where a mask costs most, the model's choice is nearly
-        always allowed; where it is refused (punctuation), masks are cheap."""
-        from gristmill.structured.grammars import apply_masks, fill_masks, torch_bitmask
-
-        argmax = None
-        if self.argmax_first and all(row.params.greedy for row in rows):
+        always allowed; where it is refused (punctuation), masks are cheap. Sampled rows
+        are the same, through `_resample_refused`: returns those rows, left unmasked."""
+        argmax, deferred = None, []
+        if self.argmax_first and not all(row.params.greedy for row in rows) and all(
+                row.params.logprobs is None for row in rows):
+            deferred = [(j, request) for j, request in constrained if _unfiltered(rows[j].params)]
+            constrained = [(j, request) for j, request in constrained if not _unfiltered(rows[j].params)]
+        elif self.argmax_first and all(row.params.greedy for row in rows):
             argmax = (self._greedy if self._greedy is not None else greedy_tokens(logits)).clone()
             ids = argmax.tolist()  # (logprobs come from masked logits: rows that want them are masked)
             constrained = [(j, request) for j, request in constrained
@@ -251,8 +255,17 @@ class ModelRunner:
         self._greedy = argmax  # the sampler's argmax when every row is greedy, else None
         self.mask_stats[0] += 1
         self.mask_stats[1] += len(constrained)
-        if not constrained:
-            return logits
+        if constrained:
+            self._apply_masks(logits, constrained)
+            if argmax is not None:
+                for j, _ in constrained:
+                    argmax[j] = greedy_tokens(logits[j:j + 1])[0]
+        return deferred
+
+    def _apply_masks(self, logits: torch.Tensor, constrained: list) -> None:
+        """Fill the masks of (row, Request) pairs, once per grammar state, and apply them."""
+        from gristmill.structured.grammars import apply_masks, fill_masks, torch_bitmask
+
         states: dict[tuple, int] = {}  # grammar state -> its row of `bitmask`
         matchers, which = [], []
         for _, request in constrained:
@@ -266,12 +279,25 @@ class ModelRunner:
         self.mask_stats[2] += len(matchers)
         if len(matchers) < len(which):
             bitmask = bitmask[torch.tensor(which)]
-        masked = [j for j, _ in constrained]
-        apply_masks(logits, bitmask, masked)
-        if argmax is not None:
-            for j in masked:
-                argmax[j] = greedy_tokens(logits[j:j + 1])[0]
-        return logits
+        apply_masks(logits, bitmask, [j for j, _ in constrained])
+
+    def _resample_refused(self, logits: torch.Tensor, deferred: list, rows: list[SamplerRow],
+                          tokens: torch.Tensor, pending):
+        """Sampled constrained rows without top-k / top-p / min-p, sampled unmasked: a
+        token the grammar refuses is drawn again from the masked row. Exact: token t
+        comes first with probability p(t) and after a refusal with (1 - Z) p(t) / Z, in
+        all p(t) / Z, Z the mass the grammar allows, which is the masked distribution."""
+        ids = tokens.tolist()
+        refused = [(j, request) for j, request in deferred if not request.matcher.allows(ids[j])]
+        self.mask_stats[1] += len(refused)
+        if not refused:
+            return tokens, pending
+        self._apply_masks(logits, refused)
+        index = torch.tensor([j for j, _ in refused])
+        again, _ = self.sampler.sample(logits[index], [rows[j] for j, _ in refused])
+        tokens = tokens.clone()
+        tokens[index] = again
+        return tokens, PendingSample(tokens, None, lambda values: (values, [None] * len(values)))
 
     def make_device_error(self) -> None:
         """The `device_error` fault. On CUDA, a kernel writes far outside any allocation: a
@@ -338,6 +364,12 @@ class ModelRunner:
             generator = self.generators[request.request_id] = torch.Generator(device=self.device)
             generator.manual_seed(seed)
         return generator
+
+
+def _unfiltered(params) -> bool:
+    """Sampled from the whole distribution: no top-k, top-p or min-p (which would filter
+    the unmasked and the masked logits differently)."""
+    return not params.greedy and params.top_k in (0, -1) and params.top_p == 1.0 and params.min_p == 0.0
 
 
 class LaunchedStep:

@@ -59,8 +59,7 @@ UNSUPPORTED = {"best_of": 1, "suffix": "", "tools": [], "functions": [], "use_be
                "include_stop_str_in_output": False, "truncate_prompt_tokens": 0, "typical_p": 1.0,
                "prediction": {}, "audio": {}, "spaces_between_special_tokens": True,
                "guided_json": {}, "guided_regex": "", "guided_choice": [], "guided_grammar": "",
-               "guided_whitespace_pattern": "", "top_logprobs_of_prompt": 0, "min_new_tokens": 0,
-               "no_repeat_ngram_size": 0, "echo_prompt_logprobs": False}
+               "guided_whitespace_pattern": ""}
 
 
 class CompletionRequest(_SamplingFields):

@@ -23,6 +23,14 @@ BAD_ROWS = [
 ]
 CHAT_ROW = {"key": 15, "prompt": None, "sampling_params": dict(GREEDY),
             "messages": [{"role": "user", "content": "Name a colour."}]}
+# Structured output and penalties: the same row fields as a local job.
+CONTROLLED_ROWS = [
+    {"key": 16, "prompt": "Is the sky blue? Answer:",
+     "sampling_params": {"max_tokens": 6, "temperature": 0, "structured_output": {"choice": ["yes", "no"]}}},
+    {"key": 17, "prompt": "The capital of France is",
+     "sampling_params": {**GREEDY, "max_tokens": 20, "bad_words": ["capital"], "repetition_penalty": 1.2}},
+    {"key": 18, "prompt": "x", "sampling_params": {**GREEDY, "structured_output": {"regex": "[0-9"}}},
+]
 EXPECTED_ERRORS = {
     10: "GenerationError: setting up the detokenizer failed: injected fault at 'detokenize_init'",
     11: "PromptTooLongError: prompt (",
@@ -37,14 +45,17 @@ def _stamp(name):
 
 
 def test_engine_stage_keeps_going_past_bad_rows_with_the_local_runners_output():
-    rows = [{**row, "messages": row.get("messages")} for row in story_rows(10) + BAD_ROWS + [CHAT_ROW]]
+    rows = [{**row, "messages": row.get("messages")} for row in story_rows(10) + BAD_ROWS + [CHAT_ROW] + CONTROLLED_ROWS]
     config = EngineProcessorConfig(engine=ENGINE, should_continue_on_error=True, batch_size=4, id_column="key")
     processor = build_processor(config, preprocess=_stamp("pre"), postprocess=_stamp("post"))
     dataset = processor(ray.data.from_items(rows))
     assert isinstance(dataset, ray.data.Dataset)  # lazy: nothing has run yet
     out = by_key(dataset.take_all())
 
-    assert sorted(out) == list(range(16))  # every row, exactly once
+    assert sorted(out) == list(range(19))  # every row, exactly once
+    assert out[16]["generated_text"] in ("yes", "no") and out[16]["finish_reason"] == "stop"
+    assert "capital" not in out[17]["generated_text"] and out[17]["num_generated_tokens"] == 20
+    assert out[18][ERROR_COLUMN].startswith("RequestError: structured_output.regex is not valid")
     for key, expected in EXPECTED_ERRORS.items():
         error = out[key][ERROR_COLUMN]
         assert error.startswith(expected), error

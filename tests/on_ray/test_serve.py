@@ -38,16 +38,23 @@ def test_deployment_stage_rows_and_errors_cross_rpc_typed(shared):
         {"key": 6, "messages": [{"role": "user", "content": "Hi BADROW"}], "sampling_params": dict(GREEDY)},
         {"key": 7, "messages": [{"role": "user", "content": "word " * 600}], "sampling_params": dict(GREEDY)},
         {"key": 8, "messages": [{"role": "robot", "content": "beep"}], "sampling_params": dict(GREEDY)},
+        # Structured output and penalties cross to the replica as request fields.
+        {"key": 9, "prompt": "Is the sky blue? Answer:",
+         "sampling_params": {"max_tokens": 6, "temperature": 0, "structured_output": {"choice": ["yes", "no"]}}},
+        {"key": 10, "prompt": "The capital of France is",
+         "sampling_params": {**GREEDY, "max_tokens": 20, "bad_words": ["capital"], "presence_penalty": 0.5}},
+        {"key": 11, "prompt": "x", "sampling_params": {**GREEDY, "structured_output": {"regex": "[0-9"}}},
     ]
     for row in rows:
         row.setdefault("messages", None)
     processor = build_processor(_config(should_continue_on_error=True, batch_size=4))
     on_ray = by_key(processor(ray.data.from_items(rows)).take_all())
     here = by_key(processor(rows))  # the same deployment, from this process's handle
-    assert sorted(on_ray) == sorted(here) == list(range(9))
+    assert sorted(on_ray) == sorted(here) == list(range(12))
     expected = {6: "GenerationError: setting up the detokenizer failed: injected fault at 'detokenize_init'",
                 7: "PromptTooLongError: prompt (",
-                8: "RequestError: invalid request: messages.0.role: Input should be 'system', 'user', 'assistant'"}
+                8: "RequestError: invalid request: messages.0.role: Input should be 'system', 'user', 'assistant'",
+                11: "RequestError: structured_output.regex is not valid"}
     for out in (on_ray, here):
         for key, start in expected.items():
             assert out[key][ERROR_COLUMN].startswith(start), out[key][ERROR_COLUMN]
@@ -55,6 +62,8 @@ def test_deployment_stage_rows_and_errors_cross_rpc_typed(shared):
         for key in range(6):
             assert out[key][ERROR_COLUMN] == "" and out[key]["num_generated_tokens"] == 6
             assert out[key]["generated_text"] == here[key]["generated_text"] != ""
+        assert out[9]["generated_text"] in ("yes", "no") and out[9]["finish_reason"] == "stop", (out[9][ERROR_COLUMN], out[9]["finish_reason"], out[9]["num_generated_tokens"])
+        assert "capital" not in out[10]["generated_text"] and out[10]["num_generated_tokens"] == 20
 
 
 def test_a_row_error_without_continue_on_error_is_raised_as_the_replicas_own_error(shared):
