@@ -3,7 +3,7 @@ for the free rows) with every row under a JSON schema and with no constraint, si
 in one run on the bundled model; plus the grammar compile time of that schema, cold (a
 new engine) and cached.
 
-    python benchmarks/structured_output.py [--device cpu|cuda] [--batch 64] [--tokens 64]
+    python benchmarks/structured_output.py [--device cpu|cuda] [--batch 64] [--tokens 64] [--temperature 0]
 """
 
 from __future__ import annotations
@@ -43,14 +43,16 @@ def main() -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--backend", default="llguidance", help="llguidance (the default) or xgrammar")
     args = parser.parse_args()
     llm = LLM(args.model, device=args.device, max_num_seqs=max(64, args.batch),
               structured_output_backend=args.backend)
-    print(f"grammar engine: {args.backend}; device: {args.device}")
+    print(f"grammar engine: {args.backend}; device: {args.device}; temperature {args.temperature}")
     prompts = [f"Record {i}: describe customer number {i} as JSON:" for i in range(args.batch)]
-    free = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
-    constrained = SamplingParams(max_tokens=args.tokens, temperature=0, structured_output={"json": SCHEMA})
+    free = SamplingParams(max_tokens=args.tokens, temperature=args.temperature, seed=0, ignore_eos=True)
+    constrained = SamplingParams(max_tokens=args.tokens, temperature=args.temperature, seed=0,
+                                 structured_output={"json": SCHEMA})
 
     start = time.perf_counter()
     grammars = llm.core._make_grammars()
