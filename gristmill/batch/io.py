@@ -297,12 +297,10 @@ def _csv_records(f, path: str, extract):
 BATCH_URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 _BATCH_KEYS = ("custom_id", "method", "url", "body")
 # Body fields copied into sampling_params, by their SamplingParams name.
-_BODY_PARAMS = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens", "temperature": "temperature",
-                "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "seed": "seed", "stop": "stop",
-                "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos", "n": "n", "logit_bias": "logit_bias",
-                "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
-                "repetition_penalty": "repetition_penalty", "min_tokens": "min_tokens", "bad_words": "bad_words",
-                "skip_special_tokens": "skip_special_tokens"}
+_BODY_PARAMS = {"max_completion_tokens": "max_tokens", **{name: name for name in (
+    "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "n",
+    "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "bad_words",
+    "skip_special_tokens")}}
 # Body fields that change nothing here (a model name may be anything).
 _BODY_IGNORED = {"model", "messages", "prompt", "user", "stream", "stream_options", "metadata", "store"}
 # Body fields that become sampling_params.structured_output.

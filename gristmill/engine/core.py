@@ -70,7 +70,8 @@ class EngineCore:
     def step(self) -> list[RequestUpdate]:
         self.num_steps += 1
         # A constrained request's token mask needs its last token (so do bad words of
-        # several tokens): while one runs, steps are synchronous (the step in flight, if any, is resolved first).
+        # several tokens): while one runs, steps are synchronous (the step in flight, if
+        # any, is resolved first).
         synchronous = not self.async_scheduling or self.scheduler.num_constrained > 0
         resolved = self._resolve_in_flight() if synchronous else []
         out = self.scheduler.schedule()
@@ -126,9 +127,8 @@ class EngineCore:
         except RequestError as exc:
             return error_string(exc)
         request = Request(request_id, list(message.prompt_token_ids), message.sampling_params,
-                          frozenset(message.eos_token_ids), message.fault_tag)
-        request.matcher = matcher
-        request.bad_words_ids = tuple(tuple(word) for word in message.bad_words_ids)
+                          frozenset(message.eos_token_ids), message.fault_tag, matcher=matcher,
+                          bad_words_ids=tuple(tuple(word) for word in message.bad_words_ids))
         self.scheduler.add_request(request)
         return None
 

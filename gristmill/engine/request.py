@@ -56,6 +56,9 @@ class Request:
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
+        params = self.sampling_params
+        #: It asks for a logits control (model/logits.py): a bias, a ban or a penalty.
+        self.controlled = bool(params.logit_bias or params.min_tokens or self.bad_words_ids or params.penalized)
 
     @property
     def num_tokens(self) -> int:

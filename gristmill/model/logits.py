@@ -25,10 +25,13 @@ class LogitsControls:
         """Apply every row's controls to `logits` (num_rows, vocab) in place. `items`: the
         ScheduledRequest of each row; `token_buffer[rows[request_id]]`: the id of a
         request's pending token. Returns whether any row asked for one."""
-        params = [item.request.sampling_params for item in items]
-        biased = [j for j, p in enumerate(params) if p.logit_bias]
-        banned = [j for j, item in enumerate(items) if _bans_something(item.request)]
-        penalized = [j for j, p in enumerate(params) if p.penalized]
+        controlled = [j for j, item in enumerate(items) if item.request.controlled]
+        if not controlled:  # (most steps: one pass over the rows)
+            return False
+        params = {j: items[j].request.sampling_params for j in controlled}
+        biased = [j for j in controlled if params[j].logit_bias]
+        banned = [j for j in controlled if _bans_something(items[j].request)]
+        penalized = [j for j in controlled if params[j].penalized]
         if biased:
             self._bias(logits, [(j, params[j].logit_bias) for j in biased])
         if banned:

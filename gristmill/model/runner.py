@@ -236,22 +236,22 @@ class ModelRunner:
         tokens inside a JSON string), so it is filled once per grammar state (same
         constraint, same tokens: every row of a job at its first token). On CUDA the
         masks are filled on the host while the device runs the forward (queued, not
-        waited for), then go up in one copy. On a CPU, where the forward has already run, a step whose rows
-        are all greedy first asks each grammar whether it allows its row's argmax (then
-        the argmax of the masked row too): only rows whose grammar refuses it need a
-        mask. Inside a JSON string, where a mask costs most, the model's choice is nearly
-        always allowed; where it is refused (punctuation), masks are cheap. Sampled rows
-        are the same, through `_resample_refused`: returns those rows, left unmasked."""
+        waited for), then go up in one copy. On a CPU, where the forward has already
+        run, a step whose rows are all greedy first asks each grammar whether it allows
+        its row's argmax (then the argmax of the masked row too): only rows whose grammar
+        refuses it need a mask. Inside a JSON string, where a mask costs most, the
+        model's choice is nearly always allowed; where it is refused (punctuation), masks
+        are cheap. Sampled rows are the same, through `_resample_refused`: returns those
+        rows, left unmasked."""
         argmax, deferred = None, []
-        if self.argmax_first and not all(row.params.greedy for row in rows) and all(
-                row.params.logprobs is None for row in rows):
-            deferred = [(j, request) for j, request in constrained if _unfiltered(rows[j].params)]
-            constrained = [(j, request) for j, request in constrained if not _unfiltered(rows[j].params)]
-        elif self.argmax_first and all(row.params.greedy for row in rows):
+        if self.argmax_first and all(row.params.greedy for row in rows):
             argmax = (self._greedy if self._greedy is not None else greedy_tokens(logits)).clone()
             ids = argmax.tolist()  # (logprobs come from masked logits: rows that want them are masked)
             constrained = [(j, request) for j, request in constrained
                            if rows[j].params.logprobs is not None or not request.matcher.allows(ids[j])]
+        elif self.argmax_first and all(row.params.logprobs is None for row in rows):
+            deferred = [(j, request) for j, request in constrained if _unfiltered(rows[j].params)]
+            constrained = [(j, request) for j, request in constrained if not _unfiltered(rows[j].params)]
         self._greedy = argmax  # the sampler's argmax when every row is greedy, else None
         self.mask_stats[0] += 1
         self.mask_stats[1] += len(constrained)

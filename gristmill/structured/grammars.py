@@ -6,7 +6,7 @@ both end to end on Gemma 3's 262k-token vocabulary: llguidance gave the higher
 throughput under a realistic schema and compiles one in milliseconds where xgrammar took
 over half a second (docs/structured_output.md). Everything the engine needs goes through
 a `Grammars`-like object (`matcher(constraint)`), `Matcher` (accept, finished, error,
-fill_mask), `fill_masks` and `apply_masks`.
+fill_mask, allows), `fill_masks` and `apply_masks`.
 
 Compiled grammars are cached per constraint for the life of the engine (one tokenizer).
 Checking a constraint (`check`, where SamplingParams are built) imports no torch.
@@ -68,7 +68,7 @@ class Matcher:
 
 
 class _LLGuidanceMatcher(Matcher):
-    """The same three operations over an llguidance LLMatcher."""
+    """The same operations over an llguidance LLMatcher."""
 
     __slots__ = ()
 
@@ -92,8 +92,8 @@ class _LLGuidanceMatcher(Matcher):
 
 
 class LLGuidanceGrammars:
-    """`Grammars` over llguidance (1.9.x): the other engine, behind the same interface
-    (`EngineConfig.structured_output_backend="llguidance"`, `pip install llguidance`)."""
+    """`Constraint`s compiled by llguidance (1.9.x, the default engine) for one model's
+    tokenizer; the same interface as `Grammars` (xgrammar)."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids):
         try:
@@ -103,7 +103,6 @@ class LLGuidanceGrammars:
             raise RequestError("structured_output_backend='llguidance' needs the llguidance package: "
                                "pip install 'llguidance>=1.9,<2'", param="structured_output") from None
         self._llguidance = llguidance
-        self.vocab_size = vocab_size
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=sorted(eos_token_ids))
         self.compile = lru_cache(maxsize=256)(self._compile)
         # The first mask ever computed for a tokenizer builds llguidance's tables for it
@@ -130,7 +129,6 @@ class Grammars:
 
         start = time.perf_counter()
         self._xgrammar = xgrammar
-        self.vocab_size = vocab_size
         self.info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                             stop_token_ids=sorted(eos_token_ids))
         self.compiler = xgrammar.GrammarCompiler(self.info, max_threads=2)

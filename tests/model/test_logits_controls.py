@@ -30,8 +30,9 @@ class _Item:  # what the runner hands the controls: a scheduled request
         self.request = request
 
 
-def _request(prompt, output, pending=False, **params) -> Request:
-    request = Request(f"r{id(prompt)}", list(prompt), SamplingParams(max_tokens=64, **params), frozenset({EOS}))
+def _request(prompt, output, pending=False, bad_words_ids=(), **params) -> Request:
+    request = Request(f"r{id(prompt)}", list(prompt), SamplingParams(max_tokens=64, **params), frozenset({EOS}),
+                      bad_words_ids=bad_words_ids)
     request.token_ids.extend(output)
     if pending:
         request.token_ids.append(PLACEHOLDER)
@@ -63,6 +64,7 @@ def test_penalties_equal_transformers_and_openai_formulas():
     torch.testing.assert_close(got[0], expected0, rtol=0, atol=1e-6)
     torch.testing.assert_close(got[1], _openai(logits[1], outputs[1], 0.7, 0.4), rtol=0, atol=1e-6)
     assert torch.equal(got[2], logits[2]), "a row that asks for nothing is untouched"
+    assert not requests[2].controlled and all(r.controlled for r in requests[:2] + requests[3:])
     # vLLM's order: the repetition penalty first, then presence and frequency over the completion.
     rep = hf_rep(0.8)(torch.tensor([prompts[3] + outputs[3]]), logits[3:4].clone())[0]
     torch.testing.assert_close(got[3], _openai(rep, outputs[3], -1.5, 2.0), rtol=0, atol=1e-6)
@@ -85,8 +87,8 @@ def test_a_pending_token_counts_from_the_device_buffer():
 
 
 def test_min_tokens_and_bad_words_bans():
-    request = _request([1], [50, 51], min_tokens=3, stop_token_ids=[7])
-    request.bad_words_ids = ((60,), (51, 61), (50, 62), (40, 51, 63))
+    request = _request([1], [50, 51], min_tokens=3, stop_token_ids=[7],
+                       bad_words_ids=((60,), (51, 61), (50, 62), (40, 51, 63)))
     # EOS and stop ids before min_tokens; single-token words always; a longer word when the
     # completion ends with all but its last token.
     assert sorted(banned_tokens(request)) == [EOS, 7, 60, 61]

@@ -71,22 +71,26 @@ def _check(kind: str, text: str, finish_reason: str) -> bool:
 
 
 @pytest.fixture(scope="module")
-def offline(default_llm):
-    """The 200 rows through LLM.generate, checked; their texts by row."""
+def generated(default_llm):
+    """The 200 rows through LLM.generate: their RequestOutputs."""
     params = [SamplingParams(max_tokens=m, temperature=0, structured_output=so) for _, _, so, m in ROWS]
-    outs = default_llm.generate([p for _, p, _, _ in ROWS], params, use_tqdm=False)
-    finished = sum(_check(kind, o.text, o.finish_reason) for (kind, *_), o in zip(ROWS, outs) if kind != "free")
+    return default_llm.generate([p for _, p, _, _ in ROWS], params, use_tqdm=False)
+
+
+@pytest.fixture(scope="module")
+def offline(generated):
+    """What every other face must give: (text, finish reason) by row."""
+    return [(o.text, o.finish_reason) for o in generated]
+
+
+def test_llm_generate(generated, default_llm):
+    finished = sum(_check(kind, o.text, o.finish_reason) for (kind, *_), o in zip(ROWS, generated) if kind != "free")
     assert finished >= 0.9 * (3 * N // 4), f"only {finished} constrained rows finished with stop"
     # Unconstrained rows: the same tokens as a run without any constraint in the batch.
     free = [i for i, (kind, *_) in enumerate(ROWS) if kind == "free"]
     alone = default_llm.generate([ROWS[i][1] for i in free], SamplingParams(max_tokens=12, temperature=0),
                                  use_tqdm=False)
-    assert [outs[i].token_ids for i in free] == [o.token_ids for o in alone]
-    return [(o.text, o.finish_reason) for o in outs]
-
-
-def test_llm_generate(offline):
-    assert len(offline) == N
+    assert [generated[i].token_ids for i in free] == [o.token_ids for o in alone]
 
 
 def test_the_server_with_the_openai_client(offline, server):
