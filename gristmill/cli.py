@@ -200,6 +200,7 @@ def cmd_generate(args) -> int:
 def cmd_serve(args) -> int:
     import logging
     import signal
+    import time
 
     import uvicorn
 
@@ -207,29 +208,41 @@ def cmd_serve(args) -> int:
     from gristmill.errors import EngineDeadError
     from gristmill.paths import DEFAULT_MODEL_NAME
     from gristmill.server.app import build_app
+    from gristmill.server.limits import ServerLimits
+    from gristmill.server.run import DrainingServer
 
     config = engine_config(args)
+    try:
+        limits = ServerLimits(max_request_bytes=args.max_request_bytes, max_prompt_chars=args.max_prompt_chars,
+                              max_stream_buffer=args.max_stream_buffer)
+    except RequestError as exc:
+        raise SystemExit(f"error: {exc} (flag: --{exc.param.replace('_', '-')})") from None
+    if args.max_engine_restarts < 0 or not args.restart_window_s > 0 or args.shutdown_grace_s < 0:
+        raise SystemExit("error: --max-engine-restarts must be >= 0, --restart-window-s > 0 and "
+                         "--shutdown-grace-s >= 0")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    started = time.monotonic()
     try:
         engine = AsyncEngine(config)
     except (RequestError, EngineDeadError) as exc:
         raise SystemExit(f"error: {exc}") from None
-    name = args.served_model_name or config.model or DEFAULT_MODEL_NAME
-    app = build_app(engine, name, api_key=args.api_key)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
-                                           timeout_graceful_shutdown=5))
     exit_code = 0
+    server: DrainingServer | None = None
 
-    def on_engine_death(error):
+    def on_give_up(error):
         nonlocal exit_code
-        if args.exit_on_engine_death:
-            logging.getLogger("gristmill.serve").error("engine died, exiting: %s", error)
+        if args.exit_on_engine_death and server is not None:
+            logging.getLogger("gristmill.serve").error("engine dead, exiting: %s", error.message)
             exit_code = 1
             server.should_exit = True
 
-    engine.add_failure_callback(on_engine_death)
-    # uvicorn handles SIGINT/SIGTERM while it runs (graceful shutdown), then re-raises the
-    # signal to the handlers it found; these make that a clean exit through `finally`.
+    name = args.served_model_name or config.model or DEFAULT_MODEL_NAME
+    app = build_app(engine, name, api_key=args.api_key, max_engine_restarts=args.max_engine_restarts,
+                    restart_window_s=args.restart_window_s, start_seconds=time.monotonic() - started,
+                    on_give_up=on_give_up, limits=limits)
+    server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
+                                           timeout_graceful_shutdown=5), shutdown_grace_s=args.shutdown_grace_s)
+    # uvicorn re-raises a signal it handled once it is done; these make that a no-op.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     try:
@@ -240,6 +253,8 @@ def cmd_serve(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from gristmill.server.limits import ServerLimits
+
     parser = argparse.ArgumentParser(prog="gristmill", description="LLM batch inference and serving.")
     commands = parser.add_subparsers(dest="command", metavar="command")
     generate = commands.add_parser(
@@ -260,8 +275,24 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--served-model-name", default=None, help="model name clients send (default: --model)")
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
+    serve.add_argument("--max-engine-restarts", type=int, default=3,
+                       help="times a dead or hung engine is restarted within --restart-window-s (default: 3)")
+    serve.add_argument("--restart-window-s", type=float, default=600.0,
+                       help="the window of time the restart budget counts over (default: 600)")
     serve.add_argument("--exit-on-engine-death", action="store_true",
-                       help="exit (code 1) when the engine dies, for orchestrators that restart it")
+                       help="exit (code 1) when the engine dies past its restart budget, for orchestrators "
+                            "that restart the server")
+    serve.add_argument("--shutdown-grace-s", type=float, default=30.0,
+                       help="on SIGTERM, how long requests in flight may go on before they are aborted "
+                            "(default: 30)")
+    limits = ServerLimits()
+    serve.add_argument("--max-request-bytes", type=int, default=limits.max_request_bytes,
+                       help=f"largest request body (default: {limits.max_request_bytes})")
+    serve.add_argument("--max-prompt-chars", type=int, default=limits.max_prompt_chars,
+                       help=f"longest prompt, in characters (default: {limits.max_prompt_chars})")
+    serve.add_argument("--max-stream-buffer", type=int, default=limits.max_stream_buffer,
+                       help="outputs a stream may hold unread before its request is aborted "
+                            f"(a reader too slow for it; default: {limits.max_stream_buffer})")
     _add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
 

@@ -13,12 +13,13 @@ naming the rows in flight at each death.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import uuid
 
 from gristmill.config import EngineConfig
+from gristmill.engine import restarts
 from gristmill.engine.async_engine import AsyncEngine
+from gristmill.engine.restarts import RestartBudget
 from gristmill.errors import EngineDeadError, RequestError
 from gristmill.batch.rows import Generated, RowRequest
 from gristmill.tokenizer import render_chat
@@ -46,7 +47,7 @@ class EnginePool:
         self.config = config
         self.concurrency = concurrency
         self.max_engine_restarts = max_engine_restarts
-        self.restarts_used = 0
+        self.budget = RestartBudget(max_engine_restarts)
         self.deaths: list[str] = []
         self.fatal: EngineDeadError | None = None
         self.replicas: list[_Replica] = []
@@ -94,14 +95,13 @@ class EnginePool:
         logger.error("engine died with rows %s in flight: %s", _ids(row_ids), error.message)
 
     def take_restart(self) -> bool:
-        if self.restarts_used >= self.max_engine_restarts:
-            self.fatal = EngineDeadError(
-                f"the engine died more often than max_engine_restarts={self.max_engine_restarts} allows; "
-                f"{'; '.join(self.deaths)}; raise max_engine_restarts (--max-engine-restarts) or "
-                f"fix what kills it")
-            return False
-        self.restarts_used += 1
-        return True
+        if self.budget.take():
+            return True
+        self.fatal = EngineDeadError(
+            f"the engine died more often than max_engine_restarts={self.max_engine_restarts} allows; "
+            f"{'; '.join(self.deaths)}; raise max_engine_restarts (--max-engine-restarts) or "
+            f"fix what kills it")
+        return False
 
 
 class _Replica:
@@ -214,12 +214,8 @@ class _Replica:
         await self._retry_apart(dead)
 
     async def _restart(self) -> None:
-        loop = asyncio.get_running_loop()
-        old = self.engine
-        await loop.run_in_executor(None, old.shutdown)
-        tokenizer = (old.tokenizer, old.inputs.eos_token_ids)  # loading it again takes seconds
-        self.engine = await loop.run_in_executor(None, functools.partial(AsyncEngine, self.pool.config,
-                                                                           tokenizer=tokenizer))
+        seconds = await restarts.restart(self.engine)
+        logger.info("engine restarted in %.1f s", seconds)
 
 
 def _ids(row_ids: list) -> str:

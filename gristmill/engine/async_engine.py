@@ -14,17 +14,18 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
 
 from gristmill.config import EngineConfig
 from gristmill.engine import builder, faults
 from gristmill.engine.core_client import CoreClient
-from gristmill.engine.messages import Abort, Rejected, StatsQuery, StatsReply, StepOutputs
+from gristmill.engine.messages import Abort, Ready, Rejected, StatsQuery, StatsReply, StepOutputs
 from gristmill.engine.output_processor import OutputProcessor
 from gristmill.engine.processor import InputProcessor
 from gristmill.engine.stream import RequestStream
-from gristmill.errors import EngineDeadError, EngineOverloadedError, GenerationError, RequestError
+from gristmill.errors import EngineDeadError, EngineOverloadedError, GenerationError, GristmillError, RequestError
 from gristmill.outputs import CompletionOutput, RequestOutput
 from gristmill.sampling import SamplingParams
 
@@ -42,16 +43,14 @@ class AsyncEngine:
     while none is in flight.
     """
 
-    def __init__(self, config: EngineConfig | None = None, *, tokenizer: tuple | None = None, **options):
-        """Start an engine (returns once its core is ready). `tokenizer`: the
-        (tokenizer, eos_token_ids) of another engine of the same model, to reuse instead
-        of loading them again (a restart); other keywords are EngineConfig fields."""
+    def __init__(self, config: EngineConfig | None = None, **options):
+        """Start an engine (returns once its core is ready); keywords are EngineConfig fields."""
         faults.load()  # a malformed GRISTMILL_FAULTS fails here, before any process starts
         self.config = config = config or EngineConfig.from_kwargs(**options)
         model_dir = builder.resolve_model_dir(config)  # converts a GGUF once, here
         # Before the core starts, not beside it: loading a tokenizer holds the GIL for a
         # second or more (JSON parsing in C), which would hold up seeing the core die.
-        self.tokenizer, eos_token_ids = tokenizer or builder.load_tokenizer(model_dir)
+        self.tokenizer, eos_token_ids = builder.load_tokenizer(model_dir)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, RequestStream] = {}
         self._by_child: dict[str, RequestStream] = {}
@@ -59,17 +58,24 @@ class AsyncEngine:
         self._tokens = itertools.count()
         self._failure_callbacks: list[Callable[[EngineDeadError], None]] = []
         self.num_errors = 0
-        self._client = CoreClient(dataclasses.replace(config, model=str(model_dir)),
-                                  self._on_core_message, self._on_core_death)
-        try:
-            ready = self._client.wait_ready()
-        except BaseException:
-            self._client.shutdown()
-            raise
+        #: Times a new core replaced a dead one (`restart`).
+        self.num_restarts = 0
+        self._core_config = dataclasses.replace(config, model=str(model_dir))
+        self._closed = False
+        self._lock = threading.Lock()  # shutdown against a restart's swap of cores
+        self._client, ready = self._start_core()
         self.capacity = ready.capacity
-        self.inputs = InputProcessor(self.tokenizer, eos_token_ids, ready.capacity)
+        self.inputs = InputProcessor(self.tokenizer, eos_token_ids, self.capacity)
         self.outputs = OutputProcessor(self.tokenizer)
         self._client.start()
+
+    def _start_core(self) -> tuple[CoreClient, Ready]:
+        client = CoreClient(self._core_config, self._on_core_message, self._on_core_death)
+        try:
+            return client, client.wait_ready()
+        except BaseException:
+            client.shutdown()
+            raise
 
     # -- public API --------------------------------------------------------------------
 
@@ -115,11 +121,15 @@ class AsyncEngine:
             await stream.aclose()
 
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
-                    request_id: str | None = None, *, add_special_tokens: bool = True) -> RequestStream:
+                    request_id: str | None = None, *, add_special_tokens: bool = True,
+                    max_buffered: int | None = None) -> RequestStream:
         """Validate and submit a request now (errors raise here, before any output), and
         return its stream. Call it from a running event loop. The caller must `aclose()`
-        the stream (that aborts the request if unfinished)."""
-        return self._open(prompt, sampling_params or SamplingParams(), request_id, add_special_tokens)
+        the stream (that aborts the request if unfinished). `max_buffered`: outputs that
+        may wait unread before the request is aborted (a reader too slow for it) and the
+        stream ends with GenerationError."""
+        return self._open(prompt, sampling_params or SamplingParams(), request_id, add_special_tokens,
+                          max_buffered)
 
     async def abort(self, request_id: str) -> None:
         stream = self._streams.get(request_id)
@@ -140,13 +150,46 @@ class AsyncEngine:
             self._stats_waiters.pop(token, None)
         return {**core_stats, "num_live_requests": len(self._streams), "num_errors": self.num_errors}
 
+    def abort_all(self, error: GristmillError) -> None:
+        """End every open request now with (a copy of) `error` and free its KV blocks.
+        Call it on the engine's event loop."""
+        for stream in list(self._streams.values()):
+            stream.push(type(error)(error.message))
+            self._abort(stream)
+
     def shutdown(self) -> None:
         """Stop the engine-core process (no child is left behind) and end open streams."""
+        with self._lock:
+            self._closed = True
         self._client.shutdown()
         if self._client.dead_error is None:
             self._client.dead_error = EngineDeadError("the engine was shut down; create a new engine")
         self._fail_waiters(self._client.dead_error)
         self._on_loop(self._fail_streams, self._client.dead_error)
+
+    def restart(self) -> None:
+        """Replace the core with a new one of the same config, keeping this engine's
+        tokenizer, failure callbacks and event loop. Blocks until the new core is ready
+        (seconds: call it from a worker thread, as `gristmill.engine.restarts.restart`
+        does). Requests of the old core end with EngineDeadError; new requests are
+        refused with it until the new core is ready. Raises EngineDeadError (the engine
+        stays dead) when the new core fails to start."""
+        if self._closed:
+            raise EngineDeadError("the engine was shut down; create a new engine")
+        old = self._client
+        old.shutdown()
+        if old.dead_error is None:
+            old.dead_error = EngineDeadError("the engine was restarted; send the request again")
+        self._fail_waiters(old.dead_error)
+        self._on_loop(self._drop_streams, list(self._streams.values()), old.dead_error)
+        client, _ = self._start_core()
+        with self._lock:
+            if self._closed:
+                client.shutdown()
+                raise EngineDeadError("the engine was shut down while it restarted; create a new engine")
+            self._client = client  # from here on requests reach the new core
+            self.num_restarts += 1
+            client.start()
 
     def __enter__(self):
         return self
@@ -163,7 +206,7 @@ class AsyncEngine:
     # -- requests in (on the event loop) ------------------------------------------------
 
     def _open(self, prompt, params: SamplingParams, request_id: str | None,
-              add_special_tokens: bool) -> RequestStream:
+              add_special_tokens: bool, max_buffered: int | None = None) -> RequestStream:
         self._raise_if_dead()
         self._bind_loop()
         request_id = request_id or uuid.uuid4().hex
@@ -185,7 +228,7 @@ class AsyncEngine:
         except GenerationError:
             self.num_errors += 1
             raise
-        stream = RequestStream(output, child_ids, self._release)
+        stream = RequestStream(output, child_ids, self._release, max_buffered)
         self._streams[request_id] = stream
         self._by_child.update((child, stream) for child in child_ids)
         try:
@@ -280,11 +323,14 @@ class AsyncEngine:
             if errors and snapshot.finished:
                 self.num_errors += 1
                 stream.push(GenerationError(errors[0].split(": ", 1)[-1]))
-            else:
-                stream.push(snapshot)
+            elif stream.push(snapshot):  # its reader fell too far behind
+                self.num_errors += 1
+                self._abort(stream)
 
     def _on_core_death(self, error: EngineDeadError) -> None:
         """On the monitor thread."""
+        if error is not self._client.dead_error:
+            return  # a core that was already replaced
         # Owners hear first, so that by the time a request fails its owner already knows.
         for callback in list(self._failure_callbacks):
             try:
@@ -299,6 +345,13 @@ class AsyncEngine:
     def _fail_streams(self, error: EngineDeadError) -> None:
         for stream in list(self._streams.values()):
             stream.push(EngineDeadError(error.message))
+
+    def _drop_streams(self, streams: list[RequestStream], error: EngineDeadError) -> None:
+        """Fail and forget the streams of a core that was replaced (their owners may
+        close them later; that changes nothing)."""
+        for stream in streams:
+            stream.push(EngineDeadError(error.message))
+            self._release(stream)
 
     def _fail_waiters(self, error: EngineDeadError) -> None:
         for loop, future in list(self._stats_waiters.values()):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+from gristmill.errors import GenerationError
 from gristmill.outputs import RequestOutput
 
 
@@ -17,12 +18,16 @@ class RequestStream:
     back to the engine, which aborts the request if it is unfinished.
     """
 
-    def __init__(self, output: RequestOutput, child_ids: list[str], release: Callable[["RequestStream"], None]):
+    def __init__(self, output: RequestOutput, child_ids: list[str], release: Callable[["RequestStream"], None],
+                 max_buffered: int | None = None):
         #: The engine's view of the request; consumers read the pushed snapshots.
         self.output = output
         #: Engine request ids of its completions (one per `n`).
         self.child_ids = child_ids
         self._release = release
+        #: Outputs that may wait unread (None: no limit); past it the stream fails.
+        self.max_buffered = max_buffered
+        self.overflowed = False
         self._queue: asyncio.Queue = asyncio.Queue()
         self._done = False
         self._closed = False
@@ -35,11 +40,26 @@ class RequestStream:
     def prompt_token_ids(self) -> list[int]:
         return self.output.prompt_token_ids
 
-    def push(self, item: RequestOutput | BaseException) -> None:
+    def push(self, item: RequestOutput | BaseException) -> bool:
+        """Queue an output (or the error that ends the stream). Returns True when this
+        output found `max_buffered` others unread: the stream then ends with a
+        GenerationError instead, and the caller aborts the request."""
+        if self.overflowed:
+            return False
+        if (self.max_buffered is not None and not isinstance(item, BaseException)
+                and self._queue.qsize() >= self.max_buffered):
+            self.overflowed = True
+            while not self._queue.empty():
+                self._queue.get_nowait()
+            item = GenerationError(
+                f"the client read its stream too slowly: {self.max_buffered} outputs were waiting unread "
+                f"(the server's --max-stream-buffer), so the request was aborted to free its resources; "
+                f"read the stream as it arrives")
         try:
             self._queue.put_nowait(item)
         except RuntimeError:  # its event loop is closed: nobody is listening any more
             pass
+        return self.overflowed
 
     def __aiter__(self):
         return self

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 import time
+from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -13,19 +16,39 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from gristmill.engine.async_engine import AsyncEngine
 from gristmill.errors import EngineDeadError, GristmillError, RequestError
 from gristmill.server.errors import error_response, exception_response, validation_param
+from gristmill.server.gate import Gate, Traffic
+from gristmill.server.limits import ServerLimits
 from gristmill.server.metrics import ServerMetrics
 from gristmill.server.openai_serving import OpenAIServing
 from gristmill.server.protocol import ChatCompletionRequest, CompletionRequest
+from gristmill.server.supervisor import EngineSupervisor
 
 COMPLETIONS_PATH, CHAT_PATH = "/v1/completions", "/v1/chat/completions"
 
 
-def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) -> FastAPI:
-    app = FastAPI(title="gristmill", summary="OpenAI-compatible LLM server")
+def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, *,
+              max_engine_restarts: int = 0, restart_window_s: float = 600.0, start_seconds: float = 5.0,
+              on_give_up: Callable[[EngineDeadError], None] | None = None,
+              limits: ServerLimits | None = None) -> FastAPI:
+    """The server's app over `engine`. A dead engine is restarted up to
+    `max_engine_restarts` times within `restart_window_s` (see EngineSupervisor);
+    `on_give_up(error)` is called when the budget is spent."""
     metrics = ServerMetrics()
-    serving = OpenAIServing(engine, model_name, metrics)
+    supervisor = EngineSupervisor(engine, metrics, max_engine_restarts, restart_window_s, start_seconds, on_give_up)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        supervisor.attach(asyncio.get_running_loop())
+        yield
+        await supervisor.stop()
+
+    app = FastAPI(title="gristmill", summary="OpenAI-compatible LLM server", lifespan=lifespan)
+    limits = limits or ServerLimits()
+    serving = OpenAIServing(engine, model_name, metrics, supervisor=supervisor, limits=limits)
     created = int(time.time())
-    app.state.engine, app.state.metrics = engine, metrics
+    traffic = Traffic()
+    app.state.engine, app.state.metrics, app.state.supervisor, app.state.traffic = engine, metrics, supervisor, traffic
+    app.add_middleware(Gate, limits=limits, supervisor=supervisor, metrics=metrics, traffic=traffic)
 
     @app.middleware("http")
     async def authenticate(request: Request, call_next):
@@ -51,9 +74,8 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
 
     @app.get("/health")
     async def health():
-        if engine.errored:
-            return JSONResponse({"status": "dead", "reason": engine.dead_error.message}, status_code=503)
-        return {"status": "ok"}
+        status, body = supervisor.health()
+        return JSONResponse(body, status_code=status)
 
     @app.get("/metrics")
     async def prometheus_metrics():

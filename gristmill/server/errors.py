@@ -28,10 +28,15 @@ def error_response(status: int, message: str, type_: str, param: str | None = No
     return JSONResponse(envelope(message, type_, param, code), status_code=status, headers=headers)
 
 
-def exception_status_and_body(exc: BaseException) -> tuple[int, dict, dict | None]:
-    """(HTTP status, envelope, headers) for any exception."""
+def exception_status_and_body(exc: BaseException, retry_after: int | None = None
+                              ) -> tuple[int, dict, dict | None]:
+    """(HTTP status, envelope, headers) for any exception; `retry_after` (seconds), or
+    the error's own `retry_after_s`, adds a Retry-After header."""
     if isinstance(exc, GristmillError):
-        headers = {"Retry-After": str(RETRY_AFTER_S)} if isinstance(exc, EngineOverloadedError) else None
+        if retry_after is None:
+            overloaded = isinstance(exc, EngineOverloadedError)
+            retry_after = RETRY_AFTER_S if overloaded else getattr(exc, "retry_after_s", None)
+        headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
         code = getattr(type(exc), "code", exc.http_status)
         body = envelope(exc.message, exc.error_type, getattr(exc, "param", None), code)
         return exc.http_status, body, headers
@@ -39,8 +44,8 @@ def exception_status_and_body(exc: BaseException) -> tuple[int, dict, dict | Non
     return 500, envelope(f"internal error: {message}", "internal_error", None, 500), None
 
 
-def exception_response(exc: BaseException) -> JSONResponse:
-    status, body, headers = exception_status_and_body(exc)
+def exception_response(exc: BaseException, retry_after: int | None = None) -> JSONResponse:
+    status, body, headers = exception_status_and_body(exc, retry_after)
     return JSONResponse(body, status_code=status, headers=headers)
 
 

@@ -23,7 +23,12 @@ class ServerMetrics:
                                  "KV cache blocks a new request can take (unused cached prefixes included)",
                                  registry=r)
         self.total_blocks = Gauge("gristmill_kv_total_blocks", "KV cache blocks in all", registry=r)
-        self.engine_dead = Gauge("gristmill_engine_dead", "1 once the engine is dead", registry=r)
+        self.engine_dead = Gauge("gristmill_engine_dead", "1 while the engine is dead (or restarting)",
+                                 registry=r)
+        self.engine_restarts = Counter("gristmill_engine_restarts", "Engine cores started to replace a dead one",
+                                       registry=r)
+        self.engine_restart_seconds = Counter("gristmill_engine_restart_seconds",
+                                              "Time spent restarting the engine", registry=r)
         self.cached_blocks = Gauge("gristmill_prefix_cache_cached_blocks",
                                    "KV cache blocks holding a prefix a new request can reuse", registry=r)
         self.prefix_hit_rate = Gauge("gristmill_prefix_cache_hit_rate",

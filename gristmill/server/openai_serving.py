@@ -23,8 +23,10 @@ from gristmill.tokenizer import render_chat
 from gristmill.outputs import RequestOutput
 from gristmill.sampling import SamplingParams
 from gristmill.server.errors import ModelNotFoundError, error_event, exception_response
+from gristmill.server.limits import ServerLimits, check_chat, check_common, check_completion
 from gristmill.server.metrics import RequestTimer, ServerMetrics
 from gristmill.server.protocol import ChatCompletionRequest, CompletionRequest
+from gristmill.server.supervisor import EngineSupervisor
 
 
 class ClientDisconnected(Exception):
@@ -48,10 +50,13 @@ class _Job:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, model_name: str, metrics: ServerMetrics):
+    def __init__(self, engine: AsyncEngine, model_name: str, metrics: ServerMetrics, *,
+                 supervisor: EngineSupervisor | None = None, limits: ServerLimits | None = None):
         self.engine = engine
         self.model_name = model_name
         self.metrics = metrics
+        self.supervisor = supervisor
+        self.limits = limits or ServerLimits()
 
     # -- entry points ---------------------------------------------------------------
 
@@ -72,17 +77,30 @@ class OpenAIServing:
         """A request that failed before reaching the engine: counted in /metrics as the
         failures inside `_run` are, so every failed request shows there once."""
         RequestTimer(self.metrics).failed(exc)
-        return exception_response(exc)
+        return self._error_response(exc)
+
+    def _error_response(self, exc: BaseException):
+        retry_after = self.supervisor.retry_after(exc) if self.supervisor is not None else None
+        return exception_response(exc, retry_after)
 
     def _check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
             raise ModelNotFoundError(f"the model {name!r} does not exist; this server serves "
                                      f"{self.model_name!r}", param="model")
+        unavailable = self.supervisor.unavailable() if self.supervisor is not None else None
+        if unavailable is not None:
+            raise unavailable
         if self.engine.errored:
             raise EngineDeadError(self.engine.dead_error.message)
 
+    def _check_limits(self, body) -> None:
+        config = self.engine.config
+        check_common(body, self.limits, config.max_num_seqs, self.engine.max_model_len)
+
     def _completion_job(self, body: CompletionRequest):
         self._check_model(body.model)
+        self._check_limits(body)
+        check_completion(body, self.limits)
         prompts = body.prompt
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -102,6 +120,8 @@ class OpenAIServing:
 
     def _chat_job(self, body: ChatCompletionRequest):
         self._check_model(body.model)
+        self._check_limits(body)
+        check_chat(body, self.limits)
         messages = [m.model_dump() for m in body.messages]
         text = render_chat(self.engine.tokenizer, messages, add_generation_prompt=True)
         max_tokens = body.max_completion_tokens or body.max_tokens
@@ -169,7 +189,8 @@ class OpenAIServing:
         try:
             for i, (prompt, special) in enumerate(prompts):
                 handle = self.engine.add_request(prompt, params, f"{job.request_id}-{i}",
-                                                 add_special_tokens=special)
+                                                 add_special_tokens=special,
+                                                 max_buffered=self.limits.max_stream_buffer)
                 job.streams.append(handle)
                 job.prompt_tokens += len(handle.prompt_token_ids)
         except Exception:
@@ -182,7 +203,7 @@ class OpenAIServing:
             await self._submit(job, prompts, params)
         except Exception as exc:
             timer.failed(exc)
-            return exception_response(exc)
+            return self._error_response(exc)
         timer.num_prompt_tokens = job.prompt_tokens
         if stream:
             return _JobStreamingResponse(job, self._stream(job, timer), media_type="text/event-stream")
@@ -192,7 +213,7 @@ class OpenAIServing:
             return JSONResponse({}, status_code=499)
         except Exception as exc:
             timer.failed(exc)
-            return exception_response(exc)
+            return self._error_response(exc)
         finally:
             await _close_all(job)
         timer.finished(_overall_reason(finals))

@@ -27,7 +27,7 @@ class _SamplingFields(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    n: int = Field(default=1, ge=1, le=16)
+    n: int = Field(default=1, ge=1)  # at most the engine's max_num_seqs (limits.py)
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None

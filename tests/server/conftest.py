@@ -12,6 +12,8 @@ import time
 import httpx
 import pytest
 
+from tests.harness import core_children
+
 API_KEY = "test-key"
 
 
@@ -46,15 +48,12 @@ class Server:
 
     @property
     def core_pid(self) -> int:
-        """The engine-core child (not multiprocessing's resource tracker)."""
-        pid = self.process.pid
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            children = [int(c) for c in f.read().split()]
-        for child in children:
-            with open(f"/proc/{child}/cmdline", "rb") as f:
-                if b"gristmill.engine.core_process" in f.read():
-                    return child
-        raise RuntimeError(f"no engine-core child among {children}")
+        """The engine-core child (not multiprocessing's resource tracker), started by any
+        of the server's threads (a restarted core is started by a worker thread)."""
+        found = core_children(self.process.pid)
+        if len(found) != 1:
+            raise RuntimeError(f"not one engine-core child: {found}")
+        return found[0]
 
     def stop(self) -> int:
         if self.process.poll() is None:

@@ -28,10 +28,13 @@ def assert_envelope(response, status, type_, param=None):
 def test_request_errors_are_400_with_param(server, auth):
     url = f"{server.url}/v1/completions"
     long_prompt = "hello " * 40
-    too_long = httpx.post(url, headers=auth, json={"prompt": long_prompt, "max_tokens": 40_000})
+    too_long = httpx.post(url, headers=auth, json={"prompt": long_prompt, "max_tokens": 32_760})
     error = assert_envelope(too_long, 400, "invalid_request_error", "max_tokens")
-    assert re.search(r"prompt \(\d+ tokens\) \+ max_tokens \(40000\)", error["message"])
+    assert re.search(r"prompt \(\d+ tokens\) \+ max_tokens \(32760\)", error["message"])
     assert "max_model_len (32768)" in error["message"]
+    over_context = httpx.post(url, headers=auth, json={"prompt": long_prompt, "max_tokens": 40_000})
+    error = assert_envelope(over_context, 400, "invalid_request_error", "max_tokens")
+    assert "max_tokens is 40000; at most 32768" in error["message"]
     bad_json = httpx.post(url, headers={**auth, "content-type": "application/json"}, content=b"{nope")
     assert "not valid JSON" in assert_envelope(bad_json, 400, "invalid_request_error")["message"]
     bad_field = httpx.post(url, headers=auth, json={"prompt": "x", "temperature": -1})
