@@ -263,13 +263,44 @@ def assert_a_fatal_fault_fails_every_request(engine, says):
         engine.shutdown()
 
 
-def test_sigkill_of_the_core_fails_every_request_within_a_second(monkeypatch):
+def test_sigkill_of_the_core_fails_every_request_within_a_second_and_restart_replaces_it(
+        monkeypatch, baseline):
     engine = start_engine(monkeypatch)
     try:
+        old_core = engine.core_pid
         results, killed_at, _ = asyncio.run(fail_in_flight(engine, lambda: os.kill(engine.core_pid, signal.SIGKILL)))
         assert_all_dead(engine, results, killed_at, "killed by signal SIGKILL")
+        engine.restart()  # the same engine object, a new core
+        assert not engine.errored and engine.num_restarts == 1 and engine.core_pid != old_core
+        assert process_gone(old_core)
+        again = asyncio.run(run_all(engine, prompts()))
+        assert [text for text, _, _ in again] == baseline[1]
+        stats = asyncio.run(engine.stats())
+        assert stats["num_free_blocks"] == stats["num_total_blocks"] and stats["num_live_requests"] == 0
     finally:
         engine.shutdown()
+    with pytest.raises(EngineDeadError, match="shut down"):
+        engine.restart()
+
+
+def test_an_unread_stream_is_aborted_past_max_buffered_and_the_others_go_on(baseline):
+    engine, texts = baseline
+
+    async def scenario():
+        unread = engine.add_request("Tell me a long story.", LONG, max_buffered=8)
+        results = await run_all(engine, prompts())  # while `unread` piles up outputs
+        try:
+            with pytest.raises(GenerationError, match="read its stream too slowly: 8 outputs"):
+                async for _ in unread:
+                    pass
+        finally:
+            await unread.aclose()
+        return results, await engine.stats()
+
+    results, stats = asyncio.run(scenario())
+    assert [text for text, _, _ in results] == texts
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    assert stats["num_running"] == stats["num_waiting"] == stats["num_live_requests"] == 0
 
 
 def assert_all_dead(engine, results, dead_since, says):
