@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import threading
 import time
 
 from gristmill.engine.async_engine import AsyncEngine
@@ -45,8 +46,35 @@ class RestartBudget:
 
 
 async def restart(engine: AsyncEngine) -> float:
-    """Give `engine` a new core (in a worker thread: it takes seconds); returns the
-    seconds it took. Raises EngineDeadError when the new core fails to start."""
+    """Give `engine` a new core, waiting for it on a thread of its own (it takes seconds;
+    the thread ends with it, so a long-running server's threads do not grow); returns
+    the seconds it took. Raises EngineDeadError when the new core fails to start."""
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
     start = time.monotonic()
-    await asyncio.get_running_loop().run_in_executor(None, engine.restart)
+
+    def run() -> None:
+        try:
+            engine.restart()
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting task
+            _settle(loop, done, exc)
+        else:
+            _settle(loop, done, None)
+
+    thread = threading.Thread(target=run, name="gristmill-engine-restart", daemon=True)
+    thread.start()
+    error = await done
+    thread.join()
+    if error is not None:
+        raise error
     return time.monotonic() - start
+
+
+def _settle(loop: asyncio.AbstractEventLoop, future: asyncio.Future, error: BaseException | None) -> None:
+    def settle():
+        if not future.done():
+            future.set_result(error)
+    try:
+        loop.call_soon_threadsafe(settle)
+    except RuntimeError:  # the loop is closed: nobody waits any more
+        pass
