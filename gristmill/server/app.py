@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import logging
 import time
 from collections.abc import Callable
 
@@ -22,6 +23,8 @@ from gristmill.server.metrics import ServerMetrics
 from gristmill.server.openai_serving import OpenAIServing
 from gristmill.server.protocol import ChatCompletionRequest, CompletionRequest
 from gristmill.server.supervisor import EngineSupervisor
+
+logger = logging.getLogger("gristmill.serve")
 
 COMPLETIONS_PATH, CHAT_PATH = "/v1/completions", "/v1/chat/completions"
 
@@ -113,6 +116,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception):
+        logger.error("%s %s failed", request.method, request.url.path, exc_info=exc)
         return exception_response(exc)
 
     return app

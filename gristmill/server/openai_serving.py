@@ -90,8 +90,9 @@ class OpenAIServing:
         unavailable = self.supervisor.unavailable() if self.supervisor is not None else None
         if unavailable is not None:
             raise unavailable
-        if self.engine.errored:
-            raise EngineDeadError(self.engine.dead_error.message)
+        dead = self.engine.dead_error
+        if dead is not None:
+            raise EngineDeadError(dead.message)
 
     def _check_limits(self, body) -> None:
         config = self.engine.config

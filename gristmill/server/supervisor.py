@@ -54,20 +54,25 @@ class EngineSupervisor:
 
     @property
     def state(self) -> str:
+        return self._status()[0]
+
+    def _status(self) -> tuple[str, EngineDeadError | None]:
+        """(state, the error behind it), read once: a restart's thread may bring the
+        engine back between two reads."""
         if self.draining:
-            return DRAINING
+            return DRAINING, None
         if self._gave_up is not None:
-            return DEAD
-        if self._restarting or self.engine.errored:
-            return RESTARTING if self._will_restart() else DEAD
-        return OK
+            return DEAD, self._gave_up
+        error = self.engine.dead_error
+        if error is None:
+            return OK, None
+        return (RESTARTING if self._will_restart() else DEAD), error
 
     def health(self) -> tuple[int, dict]:
-        state = self.state
+        state, error = self._status()
         if state == OK:
             return 200, {"status": OK}
         body = {"status": state}
-        error = self._gave_up or self.engine.dead_error
         if error is not None:
             body["reason"] = error.message
         if state == RESTARTING:
@@ -76,17 +81,16 @@ class EngineSupervisor:
 
     def unavailable(self) -> EngineDeadError | None:
         """The error a new request gets now, or None when the engine takes requests."""
-        state = self.state
+        state, error = self._status()
         if state == OK:
             return None
         if state == DRAINING:
             return EngineDeadError("the server is shutting down and takes no new requests; send the "
                                    "request to another server", retry_after_s=self.retry_after_s)
-        reason = (self._gave_up or self.engine.dead_error).message
         if state == RESTARTING:
-            return EngineDeadError(f"the engine is restarting after it died ({reason}); retry in a few "
+            return EngineDeadError(f"the engine is restarting after it died ({error.message}); retry in a few "
                                    f"seconds", retry_after_s=self.retry_after_s)
-        return EngineDeadError(reason)
+        return EngineDeadError(error.message)
 
     @property
     def retry_after_s(self) -> int:
