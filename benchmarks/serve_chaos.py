@@ -411,7 +411,9 @@ async def one_request(client: httpx.AsyncClient, url: str, rng: random.Random, a
     except (TimeoutError, httpx.TimeoutException) as exc:
         result.outcome, result.detail = "hung", f"no end within {args.request_timeout:g} s ({type(exc).__name__})"
     except httpx.HTTPError as exc:
-        result.outcome, result.detail = "anomaly", f"transport error: {type(exc).__name__}: {exc}"[:200]
+        got = f"after HTTP {result.status}" if result.status is not None else "before any response"
+        result.outcome, result.detail = "anomaly", (f"transport error {got}, {time.monotonic() - result.start:.1f} s "
+                                                    f"in: {type(exc).__name__}: {exc}")[:200]
     result.end = time.monotonic()
     return result
 
@@ -808,8 +810,8 @@ def main() -> int:
                         help="passed to the server we start; the hang's detection time in its bound (default 5)")
     parser.add_argument("--max-engine-restarts", type=int, default=1000,
                         help="passed to the server we start when faults are on (default 1000)")
-    parser.add_argument("--restart-slack-s", type=float, default=30.0,
-                        help="a death must be followed by /health 200 within start-up time + this (default 30)")
+    parser.add_argument("--restart-slack-s", type=float, default=0.0,
+                        help="a death must be followed by /health 200 within start-up time + this (default 0)")
     parser.add_argument("--rss-growth-pct", type=float, default=10.0, help="largest RSS growth that passes")
     parser.add_argument("--thread-tolerance", type=int, default=0,
                         help="threads the server may gain over the run (lazily created executor threads)")

@@ -241,6 +241,7 @@ def cmd_serve(args) -> int:
                     restart_window_s=args.restart_window_s, start_seconds=time.monotonic() - started,
                     on_give_up=on_give_up, limits=limits)
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
+                                           timeout_keep_alive=args.timeout_keep_alive,
                                            timeout_graceful_shutdown=5), shutdown_grace_s=args.shutdown_grace_s)
     # uvicorn re-raises a signal it handled once it is done; these make that a no-op.
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -282,6 +283,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--exit-on-engine-death", action="store_true",
                        help="exit (code 1) when the engine dies past its restart budget, for orchestrators "
                             "that restart the server")
+    serve.add_argument("--timeout-keep-alive", type=float, default=65.0,
+                       help="seconds an idle keep-alive connection stays open (default: 65). Keep it above "
+                            "your clients' pool expiry (httpx and the openai client: 5 s), or a client may "
+                            "send a request on a connection the server is closing")
     serve.add_argument("--shutdown-grace-s", type=float, default=30.0,
                        help="on SIGTERM, how long requests in flight may go on before they are aborted "
                             "(default: 30)")

@@ -25,7 +25,8 @@ from gristmill.engine.messages import Abort, Ready, Rejected, StatsQuery, StatsR
 from gristmill.engine.output_processor import OutputProcessor
 from gristmill.engine.processor import InputProcessor
 from gristmill.engine.stream import RequestStream
-from gristmill.errors import EngineDeadError, EngineOverloadedError, GenerationError, GristmillError, RequestError
+from gristmill.errors import (EngineDeadError, EngineOverloadedError, GenerationError, GristmillError,
+                             RequestError)
 from gristmill.outputs import CompletionOutput, RequestOutput
 from gristmill.sampling import SamplingParams
 

@@ -21,12 +21,10 @@ from gristmill.server.gate import Gate, Traffic
 from gristmill.server.limits import ServerLimits
 from gristmill.server.metrics import ServerMetrics
 from gristmill.server.openai_serving import OpenAIServing
-from gristmill.server.protocol import ChatCompletionRequest, CompletionRequest
+from gristmill.server.protocol import CHAT_PATH, COMPLETIONS_PATH, ChatCompletionRequest, CompletionRequest
 from gristmill.server.supervisor import EngineSupervisor
 
 logger = logging.getLogger("gristmill.serve")
-
-COMPLETIONS_PATH, CHAT_PATH = "/v1/completions", "/v1/chat/completions"
 
 
 def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, *,

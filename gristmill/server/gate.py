@@ -10,9 +10,10 @@ import json
 
 from gristmill.server.errors import RETRY_AFTER_S, envelope
 from gristmill.server.limits import ServerLimits
+from gristmill.server.protocol import CHAT_PATH, COMPLETIONS_PATH
 
 #: Paths whose bodies are generation requests (their failures are counted in /metrics).
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+GENERATION_PATHS = frozenset({COMPLETIONS_PATH, CHAT_PATH})
 
 
 class Traffic:

@@ -11,6 +11,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+COMPLETIONS_PATH, CHAT_PATH = "/v1/completions", "/v1/chat/completions"
+
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
