@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import time
 import typing
 from pathlib import Path
 
@@ -180,21 +181,35 @@ def _write_rows(output: str | None, rows: list[dict], results: list[RequestOutpu
 
 
 def cmd_generate(args) -> int:
-    from gristmill import LLM
+    from gristmill import LLM, startup
 
     config = engine_config(args)
     rows = _read_rows(args)
     params = _sampling_params(args)
+    startup.show_messages()
     try:
         llm = LLM(**dataclasses.asdict(config))
     except RequestError as exc:
         raise SystemExit(f"error: {exc}") from None
+    began = time.monotonic()
     results = generate_rows(llm, rows, params)
+    run_time = max(time.monotonic() - began, 1e-9)
     _write_rows(args.output, rows, results)
     failed = sum(1 for out in results if out.error)
-    print(f"{len(rows)} prompts, {len(rows) - failed} ok, {failed} failed"
+    tokens = sum(len(out.token_ids) for out in results)
+    print(f"{len(rows)} prompts, {len(rows) - failed} ok, {failed} failed; "
+          f"{run_figures(len(rows), tokens, run_time, llm.start_seconds)}"
           + (f"; wrote {Path(args.output)}" if args.output else ""), file=sys.stderr)
     return 0
+
+
+def run_figures(rows: int, tokens: int, run_time: float, start_seconds: float | None) -> str:
+    """Throughput over the time rows ran, and the engine's start apart from it."""
+    figures = (f"{rows / run_time:.2f} rows/s, {tokens / run_time:.1f} generated tokens/s over "
+               f"{run_time:.1f} s of generation")
+    if start_seconds is not None:
+        figures += f" (engine start: {start_seconds:.1f} s, not counted)"
+    return figures
 
 
 def cmd_serve(args) -> int:
@@ -211,7 +226,10 @@ def cmd_serve(args) -> int:
     from gristmill.server.limits import ServerLimits
     from gristmill.server.run import DrainingServer
 
+    from gristmill import startup
+
     config = engine_config(args)
+    startup.show_messages()
     try:
         limits = ServerLimits(max_request_bytes=args.max_request_bytes, max_prompt_chars=args.max_prompt_chars,
                               max_stream_buffer=args.max_stream_buffer)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Sequence
 
+from gristmill import startup
 from gristmill.config import EngineConfig
 from gristmill.engine import builder, faults
 from gristmill.engine.output_processor import OutputProcessor
@@ -28,6 +30,7 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **engine_options):
+        started = time.monotonic()
         self.config = EngineConfig.from_kwargs(model=model, **engine_options)
         faults.load()
         #: The HF directory the model was loaded from (a GGUF file's converted copy).
@@ -40,6 +43,9 @@ class LLM:
         self.outputs = OutputProcessor(self.tokenizer, incremental=False)
         self._ids = itertools.count()
         self.dead_error: EngineDeadError | None = None
+        #: Seconds the engine took to start (converting, quantizing, compiling, loading).
+        self.start_seconds = time.monotonic() - started
+        startup.logger.info("engine ready in %.1f s", self.start_seconds)
 
     @property
     def max_model_len(self) -> int:

@@ -27,7 +27,7 @@ from gristmill.batch.io import (CsvWriter, InputError, InputFile, JsonlWriter, P
                                 is_batch_file, read_written)
 from gristmill.batch.rows import ERROR_COLUMN, OUTPUT_COLUMNS, error_columns
 from gristmill.batch.tables import arrow_types
-from gristmill.cli import _add_engine_args, engine_config, engine_options
+from gristmill.cli import _add_engine_args, engine_config, engine_options, run_figures
 from gristmill.errors import GristmillError, RequestError, error_string
 from gristmill.sampling import SamplingParams
 
@@ -103,6 +103,9 @@ def add_batch_command(commands) -> None:
 
 
 def cmd_batch(args: argparse.Namespace) -> int:
+    from gristmill import startup
+
+    startup.show_messages()
     try:
         job = _Job(args)
     except (InputError, OSError) as exc:
@@ -134,7 +137,8 @@ class _Job:
         self.columns, self.schema = self._output_columns(survey)
         self.ok = self.failed = self.tokens = self.skipped = self.written = 0
         self.seen: set[str] = set()  # id keys of the rows read so far
-        self.started = time.monotonic()
+        self.started: float | None = None  # when rows started to run (the engine was up)
+        self.processor = None
 
     # -- set-up ---------------------------------------------------------------------------
 
@@ -210,7 +214,8 @@ class _Job:
             rows = self.source.rows()
             self._skip(rows, written, errors)
             if self.total is None or self.skipped < self.total:  # else nothing is left: no engine to start
-                self._write_all(_merged(self._processor(), self._slots(rows)), writer, errors)
+                processor = self._processor()
+                self._write_all(processor, _merged(processor, self._slots(rows)), writer, errors)
         except KeyboardInterrupt:
             self._close(writer, errors)
             print(f"interrupted{self._where(writer)}", file=sys.stderr)
@@ -330,33 +335,51 @@ class _Job:
             return ParquetWriter(self.args.output, self.schema)
         return JsonlWriter(self.args.output, append)
 
-    def _write_all(self, stream, writer, errors) -> None:
+    def _write_all(self, processor, stream, writer, errors) -> None:
         from tqdm import tqdm
 
-        self.started = time.monotonic()
-        with closing(stream), tqdm(total=self.total, initial=self.skipped, unit="row", desc="gristmill batch",
-                                   file=sys.stderr, dynamic_ncols=True) as bar:
-            for out in stream:
-                if out[ERROR_COLUMN] and self.args.fail_fast:
-                    raise InputError(f"row {out[self.id_column]!r}: {out[ERROR_COLUMN]}\n--fail-fast stopped the "
-                                     f"job at this row; fix it, or leave out --fail-fast to write error rows "
-                                     f"and go on")
-                writer.write(self._record(out))
-                if out[ERROR_COLUMN]:
-                    self.failed += 1
-                    if errors is not None:
-                        errors.write({**out[_META], ERROR_COLUMN: out[ERROR_COLUMN]})
-                else:
-                    self.ok += 1
-                    self.tokens += out["num_generated_tokens"]
-                self.written += 1
-                if (self.written - self.skipped) % self.config.batch_size == 0:
-                    writer.flush()
-                    if errors is not None:
-                        errors.flush()
-                elapsed = max(time.monotonic() - self.started, 1e-9)
-                bar.set_postfix_str(f"{self.tokens / elapsed:.1f} tok/s, {self.failed} errors", refresh=False)
-                bar.update(1)
+        bar = None
+
+        def rows_start():  # the engine is up: the bar and the clock start with the rows
+            nonlocal bar
+            self.started = time.monotonic()
+            bar = tqdm(total=self.total, initial=self.skipped, unit="row", desc="gristmill batch",
+                       file=sys.stderr, dynamic_ncols=True)
+
+        self.processor = processor
+        if hasattr(processor, "on_rows_start"):
+            processor.on_rows_start = rows_start
+        else:  # a runner that does not say when its rows start (Ray): from now
+            rows_start()
+        try:
+            with closing(stream):
+                for out in stream:
+                    self._write_one(out, writer, errors)
+                    elapsed = max(time.monotonic() - self.started, 1e-9)
+                    bar.set_postfix_str(f"{self.tokens / elapsed:.1f} tok/s, {self.failed} errors", refresh=False)
+                    bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+
+    def _write_one(self, out: dict, writer, errors) -> None:
+        if out[ERROR_COLUMN] and self.args.fail_fast:
+            raise InputError(f"row {out[self.id_column]!r}: {out[ERROR_COLUMN]}\n--fail-fast stopped the "
+                             f"job at this row; fix it, or leave out --fail-fast to write error rows "
+                             f"and go on")
+        writer.write(self._record(out))
+        if out[ERROR_COLUMN]:
+            self.failed += 1
+            if errors is not None:
+                errors.write({**out[_META], ERROR_COLUMN: out[ERROR_COLUMN]})
+        else:
+            self.ok += 1
+            self.tokens += out["num_generated_tokens"]
+        self.written += 1
+        if (self.written - self.skipped) % self.config.batch_size == 0:
+            writer.flush()
+            if errors is not None:
+                errors.flush()
 
     def _record(self, out: dict) -> dict:
         if self.batch_file:
@@ -384,11 +407,12 @@ class _Job:
 
     def _summary(self) -> None:
         run_rows = self.written - self.skipped
-        run_time = max(time.monotonic() - self.started, 1e-9)
+        run_time = max(time.monotonic() - self.started, 1e-9) if self.started is not None else 1e-9
         resumed = f" ({self.skipped} of them kept from before --resume)" if self.skipped else ""
         failed = f"; failed input rows in {self.args.errors}" if self.args.errors else ""
+        start = getattr(self.processor, "engine_start_s", None)
         print(f"gristmill batch: {self.ok} rows ok, {self.failed} rows with errors{resumed}; "
-              f"{run_rows / run_time:.2f} rows/s, {self.tokens / run_time:.1f} generated tokens/s; "
+              f"{run_figures(run_rows, self.tokens, run_time, start)}; "
               f"output written to {self.args.output}{failed}", file=sys.stderr)
 
 

@@ -59,6 +59,11 @@ class Processor:
         self.postprocess = postprocess
         self.preprocess_map_kwargs = preprocess_map_kwargs
         self.postprocess_map_kwargs = postprocess_map_kwargs
+        #: Seconds the last `stream` took to open its engine (to start it, for an engine
+        #: of its own): not part of the rows' running time.
+        self.engine_start_s: float | None = None
+        #: Called (no arguments) once the engine is open and rows start to run.
+        self.on_rows_start: Callable[[], None] | None = None
 
     def __call__(self, rows):
         """Rows in, rows out, of the same kind: a list, a pyarrow Table or a pandas
@@ -75,8 +80,12 @@ class Processor:
     def stream(self, rows: Iterable[Row]) -> Iterator[Row]:
         """Output rows as they are ready, in input order. The engine starts when the first
         row is asked for and (if the processor owns it) stops when the stream ends."""
+        opening = time.monotonic()
         engine = self._open_engine()
+        self.engine_start_s = time.monotonic() - opening
         try:
+            if self.on_rows_start is not None:
+                self.on_rows_start()
             yield from self._pipeline(engine, rows)
         finally:
             self._close_engine(engine)

@@ -15,9 +15,11 @@ import dataclasses
 import itertools
 import logging
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 
+from gristmill import startup
 from gristmill.config import EngineConfig
 from gristmill.engine import builder, faults
 from gristmill.engine.core_client import CoreClient
@@ -46,6 +48,7 @@ class AsyncEngine:
 
     def __init__(self, config: EngineConfig | None = None, **options):
         """Start an engine (returns once its core is ready); keywords are EngineConfig fields."""
+        started = time.monotonic()
         faults.load()  # a malformed GRISTMILL_FAULTS fails here, before any process starts
         self.config = config = config or EngineConfig.from_kwargs(**options)
         model_dir = builder.resolve_model_dir(config)  # converts a GGUF once, here
@@ -69,6 +72,9 @@ class AsyncEngine:
         self.inputs = InputProcessor(self.tokenizer, eos_token_ids, self.capacity)
         self.outputs = OutputProcessor(self.tokenizer)
         self._client.start()
+        #: Seconds the engine took to start (converting, quantizing, compiling, loading).
+        self.start_seconds = time.monotonic() - started
+        startup.logger.info("engine ready in %.1f s", self.start_seconds)
 
     def _start_core(self) -> tuple[CoreClient, Ready]:
         client = CoreClient(self._core_config, self._on_core_message, self._on_core_death)

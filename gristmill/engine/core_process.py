@@ -19,6 +19,7 @@ import sys
 import time
 from multiprocessing.connection import Connection
 
+from gristmill import startup
 from gristmill.engine import faults
 from gristmill.engine.heartbeat import Heartbeat
 from gristmill.engine.messages import (Abort, AddRequest, CoreFailed, Ready, Rejected, Shutdown,
@@ -33,6 +34,7 @@ EXIT_INJECTED = 17
 
 def main(argv: list[str]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    startup.show_messages_if_asked()
     inbox_fd, outbox_fd, heartbeat_fd, parent_pid = (int(a) for a in argv)
     inbox = Connection(inbox_fd, writable=False)
     outbox = Connection(outbox_fd, readable=False)

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from gristmill import startup
 from gristmill.config import EngineConfig
 from gristmill.engine.messages import SampledToken, SchedulerOutput
 from gristmill.model.backends import pick_backend
@@ -74,7 +75,9 @@ class ModelRunner:
         self.quantization = quant.resolve_quantization(config.quantization, self.device)
         self.backend = pick_backend(self.device, self.dtype)
         free_at_start = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0
-        self.model = self._build_model()
+        weights = self.quantization or str(self.dtype).removeprefix("torch.")
+        with startup.phase(f"loading {self.model_dir.name} ({weights}) on {self.device}"):
+            self.model = self._build_model()
         self.backend.prepare(self.model)
         self.block_size = config.block_size
         self.num_blocks = self._num_kv_blocks(free_at_start)

@@ -7,6 +7,7 @@ use a pure-torch path, which gives the same results, only slower.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import functools
 import hashlib
@@ -15,6 +16,8 @@ import os
 from pathlib import Path
 
 import torch
+
+from gristmill import startup
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +49,15 @@ def _build(name: str, sources: list[Path], flags: list[str]):
         with open(build_dir / "gristmill.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             (build_dir / "lock").unlink(missing_ok=True)
-            return load(name=f"gristmill_{name}_{key}", sources=[str(p) for p in sources],
-                        build_directory=str(build_dir), extra_cflags=flags, verbose=False)
+            module = f"gristmill_{name}_{key}"
+            what = f"compiling the C++ kernels '{name}' for this CPU"
+            built = (build_dir / f"{module}.so").exists()
+            with contextlib.nullcontext() if built else startup.phase(what, build_dir):
+                extension = load(name=module, sources=[str(p) for p in sources], build_directory=str(build_dir),
+                                 extra_cflags=flags, verbose=False)
+            if built:
+                startup.cached(f"C++ kernels '{name}'", build_dir)
+            return extension
     except Exception as exc:  # noqa: BLE001 - the torch path still works
         logger.warning("C++ kernel %s unavailable (%s); using the slower pure-torch path", name, exc)
         return None

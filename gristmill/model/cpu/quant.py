@@ -8,6 +8,7 @@ checkpoint files it came from, so a later start loads it instead of quantizing a
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -17,6 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from gristmill import startup
 from gristmill.model.cpu import kernels
 from gristmill.model.cpu.qlinear import LAYERS
 from gristmill.model.layers.linear import fuse_projections
@@ -59,21 +61,27 @@ def quantize_model(model: nn.Module, scheme: str = "int8", cache_file: Path | No
         except Exception as exc:  # noqa: BLE001 - a damaged cache is rebuilt, not fatal
             logger.warning("ignoring unreadable quantized cache %s (%s)", cache_file, exc)
     state, quantized_now = {}, False
-    for name, linear in linears.items():
-        kind = LAYERS[_HEAD_SCHEMES[scheme] if name == "lm_head" else scheme]
-        layer = kind(linear.in_features, linear.out_features, linear.bias is not None)
-        stored = {buf: cached.get(f"{name}.{buf}") for buf, _ in layer.named_buffers(recurse=False)}
-        if all(t is not None and t.shape == getattr(layer, buf).shape for buf, t in stored.items()):
-            layer.load_state_dict(stored)
-        else:
-            layer, quantized_now = kind.from_linear(linear), True
-        layer.split_sizes = getattr(linear, "split_sizes", None)
-        layer.reuse_output = name == "lm_head"
-        state.update({f"{name}.{buf}": tensor for buf, tensor in layer.named_buffers(recurse=False)})
-        parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
-    if cache_file is not None and (quantized_now or len(cached) != len(state)):
-        _save_atomically(state, cache_file, save_file)
+    what = f"quantizing the weights to {scheme}"
+    with contextlib.ExitStack() as saying:
+        for name, linear in linears.items():
+            kind = LAYERS[_HEAD_SCHEMES[scheme] if name == "lm_head" else scheme]
+            layer = kind(linear.in_features, linear.out_features, linear.bias is not None)
+            stored = {buf: cached.get(f"{name}.{buf}") for buf, _ in layer.named_buffers(recurse=False)}
+            if all(t is not None and t.shape == getattr(layer, buf).shape for buf, t in stored.items()):
+                layer.load_state_dict(stored)
+            else:
+                if not quantized_now:  # the first layer the cache lacks: say so once
+                    saying.enter_context(startup.phase(what, cache_file))
+                layer, quantized_now = kind.from_linear(linear), True
+            layer.split_sizes = getattr(linear, "split_sizes", None)
+            layer.reuse_output = name == "lm_head"
+            state.update({f"{name}.{buf}": tensor for buf, tensor in layer.named_buffers(recurse=False)})
+            parent_name, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
+        if cache_file is not None and (quantized_now or len(cached) != len(state)):
+            _save_atomically(state, cache_file, save_file)
+    if not quantized_now and cache_file is not None:
+        startup.cached(f"{scheme} weights", cache_file)
 
 
 def _save_atomically(state: dict, path: Path, save_file) -> None:

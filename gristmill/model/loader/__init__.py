@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from gristmill import startup
 from gristmill.paths import DEFAULT_MODEL_NAME, cache_root, default_model_path  # noqa: F401 - re-exported
 
 logger = logging.getLogger(__name__)
@@ -67,13 +68,15 @@ def converted_gguf_dir(gguf_path: Path, cache_dir: str | None = None) -> Path:
     stat = gguf_path.stat()
     key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:v1".encode()).hexdigest()[:16]
     target = cache_root(cache_dir) / "gguf" / f"{gguf_path.stem}-{key}"
+    what = f"converting {gguf_path.name} to safetensors"
     if (target / "model.safetensors").exists():
+        startup.cached(what, target)
         return target
-    logger.info("converting %s once into %s", gguf_path, target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
     try:
-        convert_gguf(gguf_path, tmp)
+        with startup.phase(what, target):
+            convert_gguf(gguf_path, tmp)
         try:
             tmp.rename(target)
         except OSError:  # another process finished the same conversion first

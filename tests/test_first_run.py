@@ -1,0 +1,81 @@
+"""The first run a newcomer sees, on a fresh cache: the CLI says what the engine's start
+is doing (each step done once says where it is cached), and the summary keeps the
+start apart from the throughput. A tiny GGUF model keeps it fast; the compiled C++
+kernels are shared with the machine's cache (compiling them takes minutes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+from gristmill.paths import cache_root
+from tests.model.test_loader import write_tiny_gguf
+
+FIGURES = re.compile(r"[\d.]+ rows/s, [\d.]+ generated tokens/s over [\d.]+ s of generation "
+                     r"\(engine start: ([\d.]+) s, not counted\)")
+
+
+def _fresh_cache(tmp_path):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    shared = cache_root() / "kernels"
+    shared.mkdir(parents=True, exist_ok=True)
+    (cache / "kernels").symlink_to(shared, target_is_directory=True)
+    return cache
+
+
+def _batch(tmp_path, model, cache):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"row {i} says"}) + "\n" for i in range(4)))
+    env = {**os.environ, "GRISTMILL_CACHE": str(cache)}
+    env.pop("GRISTMILL_FAULTS", None)
+    return subprocess.run([sys.executable, "-m", "gristmill.cli", "batch", str(rows), "-o", str(tmp_path / "out.jsonl"),
+                           "--model", str(model), "--device", "cpu", "--max-tokens", "4"],
+                          capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_a_fresh_cache_says_what_the_start_does_and_the_figures_leave_it_out(tmp_path):
+    model = write_tiny_gguf(tmp_path / "models" / "tiny.gguf", "llama", "gpt2")
+    cache = _fresh_cache(tmp_path)
+
+    first = _batch(tmp_path, model, cache)
+    assert first.returncode == 0, first.stderr
+    err = first.stderr
+    assert f"gristmill: converting tiny.gguf to safetensors (once; cached in {cache / 'gguf'}" in err
+    assert re.search(r"converting tiny.gguf to safetensors: done in [\d.]+ s", err)
+    assert f"gristmill: quantizing the weights to int8 (once; cached in {cache / 'quantized'}" in err
+    kernels = re.escape(str(cache / "kernels"))  # compiled here unless an earlier test did it
+    assert re.search(rf"(compiling the C\+\+ kernels 'cpu_ops' for this CPU \(once; cached in "
+                     rf"|C\+\+ kernels 'cpu_ops': cached in ){kernels}", err)
+    assert re.search(r"gristmill: loading tiny-[0-9a-f]+ \(int8\) on cpu \.\.\.", err)
+    ready = re.search(r"gristmill: engine ready in ([\d.]+) s", err)
+    assert ready
+    # The bar starts with the rows, after the start-up messages.
+    assert err.index("engine ready in") < err.index("gristmill batch:")
+    figures = FIGURES.search(err.splitlines()[-1])
+    assert figures, err.splitlines()[-1]
+    assert "gristmill batch: 4 rows ok, 0 rows with errors" in err.splitlines()[-1]
+    assert float(figures.group(1)) >= float(ready.group(1))
+
+    again = _batch(tmp_path, model, cache)  # warm: nothing is done again, and it says where each is kept
+    assert again.returncode == 0, again.stderr
+    assert "(once;" not in again.stderr
+    assert f"converting tiny.gguf to safetensors: cached in {cache / 'gguf'}" in again.stderr
+    assert f"int8 weights: cached in {cache / 'quantized'}" in again.stderr
+    assert FIGURES.search(again.stderr.splitlines()[-1])
+
+
+def test_generate_keeps_the_start_apart_too(tmp_path):
+    model = write_tiny_gguf(tmp_path / "models" / "tiny.gguf", "llama", "gpt2")
+    env = {k: v for k, v in os.environ.items() if k != "GRISTMILL_FAULTS"}
+    env["GRISTMILL_CACHE"] = str(_fresh_cache(tmp_path))
+    result = subprocess.run([sys.executable, "-m", "gristmill.cli", "generate", "a", "b", "--model", str(model),
+                             "--device", "cpu", "--max-tokens", "3"], capture_output=True, text=True, timeout=300,
+                            env=env)
+    assert result.returncode == 0, result.stderr
+    last = result.stderr.splitlines()[-1]
+    assert last.startswith("2 prompts, 2 ok, 0 failed; ") and FIGURES.search(last), last
+    assert "gristmill: engine ready in" in result.stderr
