@@ -215,18 +215,16 @@ def run_figures(rows: int, tokens: int, run_time: float, start_seconds: float | 
 def cmd_serve(args) -> int:
     import logging
     import signal
-    import time
 
     import uvicorn
 
+    from gristmill import startup
     from gristmill.engine.async_engine import AsyncEngine
     from gristmill.errors import EngineDeadError
     from gristmill.paths import DEFAULT_MODEL_NAME
     from gristmill.server.app import build_app
     from gristmill.server.limits import ServerLimits
     from gristmill.server.run import DrainingServer
-
-    from gristmill import startup
 
     config = engine_config(args)
     startup.show_messages()
