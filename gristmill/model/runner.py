@@ -116,6 +116,11 @@ class ModelRunner:
 
     def _build_model(self) -> torch.nn.Module:
         clear_rotary_cache()
+        if self.quantization is not None:
+            cache_file = quant.cache_file_for(self.model_dir, cache_root(self.config.cache_dir), self.quantization)
+            model = self._load_quantized(cache_file)
+            if model is not None:
+                return model
         with torch.device("meta"):
             model = model_class(self.hf_config)(self.hf_config, self.max_model_len)
         model = model.to_empty(device="cpu")
@@ -130,9 +135,32 @@ class ModelRunner:
             if isinstance(module, RotaryEmbedding):
                 module.cos, module.sin = module.cos.float(), module.sin.float()
         if self.quantization is not None:
-            cache_file = quant.cache_file_for(self.model_dir, cache_root(self.config.cache_dir), self.quantization)
             quant.quantize_model(model, self.quantization, cache_file)
         return model
+
+    def _load_quantized(self, cache_file: Path) -> torch.nn.Module | None:
+        """The model of a warm start: its linears straight from the quantized cache, and
+        only the other weights (embedding, norms) read from the checkpoint, so the float
+        linears are never made. None when the cache lacks a layer (the cold path then
+        quantizes them and fills the cache)."""
+        with torch.device("meta"):
+            model = model_class(self.hf_config)(self.hf_config, self.max_model_len)
+        linear_tensors = {f"{name}.{kind}" for name, module in model.named_modules()
+                          if isinstance(module, torch.nn.Linear) for kind in ("weight", "bias")}
+        if not quant.load_quantized(model, self.quantization, cache_file):
+            return None
+        for module in model.modules():
+            for name, param in list(module.named_parameters(recurse=False)):
+                if param.is_meta:
+                    setattr(module, name, torch.nn.Parameter(torch.empty(param.shape, dtype=self.dtype),
+                                                             requires_grad=False))
+            for name, buffer in list(module.named_buffers(recurse=False)):
+                if buffer.is_meta:
+                    setattr(module, name, torch.empty(buffer.shape, dtype=buffer.dtype))
+            if isinstance(module, RotaryEmbedding):  # its tables stay float32 whatever the dtype
+                module.reset()
+        load_weights(model, self.model_dir, skip=linear_tensors)
+        return model.eval()
 
     # -- the KV cache ----------------------------------------------------------------
 

@@ -219,8 +219,10 @@ def test_engine_model_is_int8_by_default_and_cached_on_disk(tmp_path):
     assert attention.qkv_proj.split_sizes == [4 * 256, 256, 256] and not hasattr(attention, "q_proj")
     [cache] = (tmp_path / "quantized").glob("*.safetensors")
     written = cache.stat().st_mtime_ns
-    second = runner("int8")
+    second = runner("int8")  # a warm start: the linears come from the cache, never made in float
     assert cache.stat().st_mtime_ns == written  # loaded, not quantized and written again
+    assert second.model.model.layers[0].self_attn.qkv_proj.split_sizes == [4 * 256, 256, 256]
+    assert isinstance(second.model.lm_head, Int8Linear) and second.model.lm_head.reuse_output
     cache.write_bytes(b"not a safetensors file")  # a damaged cache is rebuilt, not fatal
     rebuilt = runner("int8")
     from safetensors.torch import load_file

@@ -84,6 +84,44 @@ def quantize_model(model: nn.Module, scheme: str = "int8", cache_file: Path | No
         startup.cached(f"{scheme} weights", cache_file)
 
 
+def load_quantized(model: nn.Module, scheme: str, cache_file: Path) -> bool:
+    """A warm start without the float weights of the linears: fuse the projections of
+    `model` (on the meta device) and put in each linear the `scheme` layer stored in
+    `cache_file`. True when the cache held every one of them; False (and `model` is
+    unusable) otherwise."""
+    from safetensors import safe_open
+
+    if not cache_file.exists():
+        return False
+    fuse_projections(model)
+    linears = {name: module for name, module in model.named_modules() if isinstance(module, nn.Linear)}
+    layers = {}
+    try:
+        with safe_open(str(cache_file), framework="pt") as f:
+            stored_names = set(f.keys())
+            for name, linear in linears.items():
+                kind = LAYERS[_HEAD_SCHEMES[scheme] if name == "lm_head" else scheme]
+                layer = kind(linear.in_features, linear.out_features, linear.bias is not None)
+                buffers = dict(layer.named_buffers(recurse=False))
+                if any(f"{name}.{buf}" not in stored_names for buf in buffers):
+                    return False
+                stored = {buf: f.get_tensor(f"{name}.{buf}") for buf in buffers}
+                if any(t.shape != buffers[buf].shape for buf, t in stored.items()):
+                    return False
+                layer.load_state_dict(stored)
+                layer.split_sizes = getattr(linear, "split_sizes", None)
+                layer.reuse_output = name == "lm_head"
+                layers[name] = layer
+    except Exception as exc:  # noqa: BLE001 - a damaged cache: the cold path rebuilds it
+        logger.warning("ignoring unreadable quantized cache %s (%s)", cache_file, exc)
+        return False
+    for name, layer in layers.items():
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
+    startup.cached(f"{scheme} weights", cache_file)
+    return True
+
+
 def _save_atomically(state: dict, path: Path, save_file) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".safetensors")

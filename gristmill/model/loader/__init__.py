@@ -208,8 +208,9 @@ def load_config(model_dir: Path):
     return config
 
 
-def load_weights(model: torch.nn.Module, model_dir: Path) -> None:
-    """Copy every `*.safetensors` tensor of `model_dir` into `model`; all must be used."""
+def load_weights(model: torch.nn.Module, model_dir: Path, skip: set[str] = frozenset()) -> None:
+    """Copy every `*.safetensors` tensor of `model_dir` into `model`; all must be used,
+    but those named in `skip` (weights the model holds in another form already)."""
     from safetensors import safe_open
 
     files = sorted(model_dir.glob("*.safetensors"))
@@ -222,6 +223,8 @@ def load_weights(model: torch.nn.Module, model_dir: Path) -> None:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
                     target_name = name.removeprefix("language_model.")
+                    if target_name in skip:
+                        continue
                     if target_name not in params:
                         if "rotary_emb" in name:
                             continue
