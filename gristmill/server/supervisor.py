@@ -141,7 +141,6 @@ class EngineSupervisor:
                     seconds = await restarts.restart(self.engine)
                 except EngineDeadError as exc:  # the new core failed to start
                     logger.error("restarting the engine failed: %s", exc.message)
-                    error = exc
                     if self.draining or not self.budget.take():
                         self._give_up(exc, "restarting it failed and the restart budget "
                                            f"({self.budget.describe()}) is spent")
