@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from gristmill.server.errors import RETRY_AFTER_S, envelope
+from gristmill.server.errors import envelope
 from gristmill.server.limits import ServerLimits
 from gristmill.server.protocol import CHAT_PATH, COMPLETIONS_PATH
 
@@ -107,15 +107,17 @@ class Gate:
             text = body.decode("utf-8")
         except UnicodeDecodeError as exc:
             return f"the request body is not valid UTF-8 (byte {exc.start}); send JSON encoded as UTF-8"
-        too_deep = (f"the request body's JSON nests deeper than {self.limits.max_json_depth} levels; "
-                    f"send a flatter request")
+        depth = self.limits.max_json_depth
+        if body.count(b"[") + body.count(b"{") <= depth:
+            return None  # too few brackets to nest deeper: the app parses it once, as usual
+        too_deep = f"the request body's JSON nests deeper than {depth} levels; send a flatter request"
         try:
             value = json.loads(text)
         except RecursionError:
             return too_deep
         except ValueError:
             return None  # not JSON: the app's own parsing says so
-        return too_deep if _deeper_than(value, self.limits.max_json_depth) else None
+        return too_deep if _deeper_than(value, depth) else None
 
     async def _refuse(self, scope, send, status: int, message: str, type_: str = "invalid_request_error",
                       param: str | None = None, retry_after: int | None = None) -> None:
@@ -125,7 +127,7 @@ class Gate:
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
                    (b"connection", b"close")]
         if retry_after is not None:
-            headers.append((b"retry-after", str(retry_after or RETRY_AFTER_S).encode()))
+            headers.append((b"retry-after", str(retry_after).encode()))
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": payload})
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import signal
 import socket
@@ -86,3 +88,39 @@ def server():
 @pytest.fixture(scope="package")
 def auth():
     return {"Authorization": f"Bearer {API_KEY}"}
+
+
+LONG = {"prompt": "Tell me a very long story.", "max_tokens": 3000, "ignore_eos": True}
+
+
+def long_requests(client: httpx.AsyncClient, srv: Server) -> list[asyncio.Task]:
+    """Two streamed and two plain long completions, started now; each task gives
+    (kind, status, body, time it ended)."""
+    url = f"{srv.url}/v1/completions"
+
+    async def streamed():
+        async with client.stream("POST", url, json={**LONG, "stream": True}) as r:
+            body = (await r.aread()).decode()
+        return "stream", r.status_code, body, time.monotonic()
+
+    async def plain():
+        r = await client.post(url, json=LONG)
+        return "plain", r.status_code, r.text, time.monotonic()
+
+    return [asyncio.create_task(f()) for f in (streamed, streamed, plain, plain)]
+
+
+def assert_ended_dead(results, since: float, slack: float, says: str = "") -> None:
+    """Each request ended within `slack` s of `since` with the engine's death: a plain
+    one 503 engine_dead_error, a stream an engine_dead_error event then [DONE]."""
+    for kind, status, body, ended in results:
+        assert ended - since < slack, kind
+        if kind == "plain":
+            assert status == 503
+            error = json.loads(body)["error"]
+        else:
+            assert status == 200
+            events = [e for e in body.split("\n\n") if e]
+            assert events[-1] == "data: [DONE]"
+            error = json.loads(events[-2][len("data: "):])["error"]
+        assert error["type"] == "engine_dead_error" and says in error["message"], error

@@ -5,34 +5,19 @@ second, /health says so, the server stays up and 503 (or exits with
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import time
 
 import httpx
 
-from tests.server.conftest import Server, pid_gone
-
-LONG = {"prompt": "Tell me a very long story.", "max_tokens": 3000, "ignore_eos": True}
-
+from tests.server.conftest import Server, assert_ended_dead, long_requests, pid_gone
 
 async def in_flight_then_kill(srv: Server):
     """Two streaming and two plain requests in flight, then SIGKILL of the engine core.
-    Returns (kill time, [(kind, status, body, time it ended)])."""
-    url = f"{srv.url}/v1/completions"
-
-    async def streamed(client):
-        async with client.stream("POST", url, json={**LONG, "stream": True}) as r:
-            body = (await r.aread()).decode()
-        return "stream", r.status_code, body, time.monotonic()
-
-    async def plain(client):
-        r = await client.post(url, json=LONG)
-        return "plain", r.status_code, r.text, time.monotonic()
-
+    Returns (kill time, /health's answer, when it came, [(kind, status, body, ended)])."""
     async with httpx.AsyncClient(timeout=60) as client:
-        tasks = [asyncio.create_task(f(client)) for f in (streamed, streamed, plain, plain)]
+        tasks = long_requests(client, srv)
         await asyncio.sleep(2.0)
         killed_at = time.monotonic()
         os.kill(srv.core_pid, signal.SIGKILL)
@@ -53,17 +38,7 @@ def test_sigkill_of_the_core_on_the_wire():
         assert health.status_code == 503 and health_at - killed_at < 1.0
         assert health.json()["status"] == "dead" and "SIGKILL" in health.json()["reason"]
         assert "not restarted: the restart budget (0 restarts within 600 s) is spent" in health.json()["reason"]
-        for kind, status, body, ended in results:
-            assert ended - killed_at < 1.0, kind
-            if kind == "plain":
-                assert status == 503
-                assert json.loads(body)["error"]["type"] == "engine_dead_error"
-            else:
-                assert status == 200
-                events = [e for e in body.split("\n\n") if e]
-                assert events[-1] == "data: [DONE]"
-                error = json.loads(events[-2][len("data: "):])["error"]
-                assert error["type"] == "engine_dead_error" and "SIGKILL" in error["message"]
+        assert_ended_dead(results, killed_at, 1.0, "SIGKILL")
         start = time.monotonic()
         later = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
         assert later.status_code == 503 and time.monotonic() - start < 1.0

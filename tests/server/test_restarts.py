@@ -6,16 +6,14 @@ same greedy text. Real server, real faults (GRISTMILL_FAULTS)."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 import httpx
 import pytest
 
 from tests.harness import process_gone
-from tests.server.conftest import Server
+from tests.server.conftest import Server, assert_ended_dead, long_requests
 
-LONG = {"prompt": "Tell me a very long story.", "max_tokens": 3000, "ignore_eos": True}
 GREEDY = {"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0}
 
 
@@ -33,18 +31,8 @@ async def _fault_mid_load(srv: Server, trigger: str):
     /health answers seen until it was 200 again, [(status, headers, body)] of requests
     sent while restarting)."""
     url = f"{srv.url}/v1/completions"
-
-    async def streamed(client):
-        async with client.stream("POST", url, json={**LONG, "stream": True}) as r:
-            body = (await r.aread()).decode()
-        return "stream", r.status_code, body, time.monotonic()
-
-    async def plain(client):
-        r = await client.post(url, json=LONG)
-        return "plain", r.status_code, r.text, time.monotonic()
-
     async with httpx.AsyncClient(timeout=120) as client:
-        tasks = [asyncio.create_task(f(client)) for f in (streamed, streamed, plain, plain)]
+        tasks = long_requests(client, srv)
         await asyncio.sleep(2.0)
         sent = time.monotonic()
         fault = asyncio.create_task(client.post(url, json={"prompt": f"{trigger} now", "max_tokens": 50}))
@@ -63,19 +51,6 @@ async def _fault_mid_load(srv: Server, trigger: str):
         return sent, await fault, results, healths, refused
 
 
-def _assert_ended_at_once(sent: float, results, slack: float):
-    for kind, status, body, ended in results:
-        assert ended - sent < slack, kind
-        if kind == "plain":
-            assert status == 503
-            assert json.loads(body)["error"]["type"] == "engine_dead_error"
-        else:
-            assert status == 200
-            events = [e for e in body.split("\n\n") if e]
-            assert events[-1] == "data: [DONE]"
-            assert json.loads(events[-2][len("data: "):])["error"]["type"] == "engine_dead_error"
-
-
 def _metric(srv: Server, name: str) -> float:
     text = httpx.get(f"{srv.url}/metrics").text
     return float(next(line.split()[1] for line in text.splitlines() if line.startswith(name + " ")))
@@ -87,7 +62,7 @@ def test_a_core_exit_mid_load_is_restarted_in_place(healing):
     sent, fault, results, healths, refused = asyncio.run(_fault_mid_load(healing, "KILL_THE_CORE"))
     # The core exits when the fault request is scheduled (the next step): every request
     # in flight ends within a second of that.
-    _assert_ended_at_once(sent, results, 1.5)
+    assert_ended_dead(results, sent, 1.5)
     assert fault.status_code == 503 and "exited with code 17" in fault.json()["error"]["message"]
     statuses = [body["status"] for _, body in healths]
     assert statuses[-1] == "ok" and set(statuses[:-1]) <= {"restarting"} and len(statuses) > 1
@@ -110,7 +85,7 @@ def test_a_hung_core_is_killed_and_restarted(healing):
     before = httpx.post(f"{healing.url}/v1/completions", json=GREEDY, timeout=60).json()["choices"][0]["text"]
     sent, fault, results, healths, _ = asyncio.run(_fault_mid_load(healing, "HANG_THE_CORE"))
     # A hang is seen when a step outlives --step-timeout-s (3 s).
-    _assert_ended_at_once(sent, results, 3 + 1.5)
+    assert_ended_dead(results, sent, 3 + 1.5)
     assert fault.status_code == 503 and "hung" in fault.json()["error"]["message"]
     assert healths[-1] == (200, {"status": "ok"})
     after = httpx.post(f"{healing.url}/v1/completions", json=GREEDY, timeout=60).json()["choices"][0]["text"]

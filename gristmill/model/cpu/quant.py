@@ -64,8 +64,7 @@ def quantize_model(model: nn.Module, scheme: str = "int8", cache_file: Path | No
     what = f"quantizing the weights to {scheme}"
     with contextlib.ExitStack() as saying:
         for name, linear in linears.items():
-            kind = LAYERS[_HEAD_SCHEMES[scheme] if name == "lm_head" else scheme]
-            layer = kind(linear.in_features, linear.out_features, linear.bias is not None)
+            kind, layer = _empty_layer(scheme, name, linear)
             stored = {buf: cached.get(f"{name}.{buf}") for buf, _ in layer.named_buffers(recurse=False)}
             if all(t is not None and t.shape == getattr(layer, buf).shape for buf, t in stored.items()):
                 layer.load_state_dict(stored)
@@ -73,11 +72,8 @@ def quantize_model(model: nn.Module, scheme: str = "int8", cache_file: Path | No
                 if not quantized_now:  # the first layer the cache lacks: say so once
                     saying.enter_context(startup.phase(what, cache_file))
                 layer, quantized_now = kind.from_linear(linear), True
-            layer.split_sizes = getattr(linear, "split_sizes", None)
-            layer.reuse_output = name == "lm_head"
             state.update({f"{name}.{buf}": tensor for buf, tensor in layer.named_buffers(recurse=False)})
-            parent_name, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
+            _put(model, name, layer, linear)
         if cache_file is not None and (quantized_now or len(cached) != len(state)):
             _save_atomically(state, cache_file, save_file)
     if not quantized_now and cache_file is not None:
@@ -100,8 +96,7 @@ def load_quantized(model: nn.Module, scheme: str, cache_file: Path) -> bool:
         with safe_open(str(cache_file), framework="pt") as f:
             stored_names = set(f.keys())
             for name, linear in linears.items():
-                kind = LAYERS[_HEAD_SCHEMES[scheme] if name == "lm_head" else scheme]
-                layer = kind(linear.in_features, linear.out_features, linear.bias is not None)
+                _, layer = _empty_layer(scheme, name, linear)
                 buffers = dict(layer.named_buffers(recurse=False))
                 if any(f"{name}.{buf}" not in stored_names for buf in buffers):
                     return False
@@ -109,17 +104,28 @@ def load_quantized(model: nn.Module, scheme: str, cache_file: Path) -> bool:
                 if any(t.shape != buffers[buf].shape for buf, t in stored.items()):
                     return False
                 layer.load_state_dict(stored)
-                layer.split_sizes = getattr(linear, "split_sizes", None)
-                layer.reuse_output = name == "lm_head"
                 layers[name] = layer
     except Exception as exc:  # noqa: BLE001 - a damaged cache: the cold path rebuilds it
         logger.warning("ignoring unreadable quantized cache %s (%s)", cache_file, exc)
         return False
     for name, layer in layers.items():
-        parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
+        _put(model, name, layer, linears[name])
     startup.cached(f"{scheme} weights", cache_file)
     return True
+
+
+def _empty_layer(scheme: str, name: str, linear: nn.Linear):
+    """(layer class, an empty layer of it) to stand in for `linear`."""
+    kind = LAYERS[_HEAD_SCHEMES[scheme] if name == "lm_head" else scheme]
+    return kind, kind(linear.in_features, linear.out_features, linear.bias is not None)
+
+
+def _put(model: nn.Module, name: str, layer: nn.Module, linear: nn.Linear) -> None:
+    """Put quantized `layer` where `linear` (named `name`) was."""
+    layer.split_sizes = getattr(linear, "split_sizes", None)
+    layer.reuse_output = name == "lm_head"
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
 
 
 def _save_atomically(state: dict, path: Path, save_file) -> None:
