@@ -7,23 +7,28 @@ BIN := $(VENV)/bin
 
 .PHONY: install run test bench clean
 
+# `make run` installs what the job needs; `make test` adds the test tools (Ray, Triton,
+# the openai client...), which would triple the first run's install.
 $(BIN)/gristmill: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
 	# torch first, pinned: the CPU build on disk, not GBs of CUDA packages.
-	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet --disable-pip-version-check torch==2.13.0
+	$(BIN)/pip install --quiet --disable-pip-version-check -e .
 	touch $(BIN)/gristmill
+
+$(VENV)/.test-tools: $(BIN)/gristmill
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[test]'
+	touch $(VENV)/.test-tools
 
 install: $(BIN)/gristmill
 
 run: install
 	$(BIN)/gristmill batch examples/prompts.jsonl -o results.jsonl --max-tokens 64
 
-test: install
+test: $(VENV)/.test-tools
 	$(BIN)/python -m pytest -q
 
-bench: install
+bench: $(VENV)/.test-tools
 	$(BIN)/python benchmarks/throughput.py
 
 clean:

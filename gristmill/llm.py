@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import time
 from collections.abc import Sequence
@@ -34,9 +35,14 @@ class LLM:
         self.config = EngineConfig.from_kwargs(model=model, **engine_options)
         faults.load()
         #: The HF directory the model was loaded from (a GGUF file's converted copy).
+        builder.start_kernels(self.config)  # a first start compiles them meanwhile
         self.model_dir = builder.resolve_model_dir(self.config)
+        # The tokenizer loads on a thread while the model loads (each takes seconds).
+        tokenizer = concurrent.futures.ThreadPoolExecutor(1, "gristmill-tokenizer")
+        loading = tokenizer.submit(builder.load_tokenizer, self.model_dir, self.config.cache_dir)
+        tokenizer.shutdown(wait=False)
         self.core = builder.build_core(self.config, self.model_dir)
-        self.tokenizer, eos_token_ids = builder.load_tokenizer(self.model_dir)
+        self.tokenizer, eos_token_ids = loading.result()
         self.capacity = self.core.capacity
         self.inputs = InputProcessor(self.tokenizer, eos_token_ids, self.capacity)
         # generate() hands out outputs only once finished: text is decoded at the end.

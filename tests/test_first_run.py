@@ -48,8 +48,8 @@ def test_a_fresh_cache_says_what_the_start_does_and_the_figures_leave_it_out(tmp
     assert re.search(r"converting tiny.gguf to safetensors: done in [\d.]+ s", err)
     assert f"gristmill: quantizing the weights to int8 (once; cached in {cache / 'quantized'}" in err
     kernels = re.escape(str(cache / "kernels"))  # compiled here unless an earlier test did it
-    assert re.search(rf"(compiling the C\+\+ kernels 'cpu_ops' for this CPU \(once; cached in "
-                     rf"|C\+\+ kernels 'cpu_ops': cached in ){kernels}", err)
+    assert re.search(rf"(compiling the C\+\+ kernels 'cpu_kernels' for this CPU \(once; cached in "
+                     rf"|C\+\+ kernels 'cpu_kernels': cached in ){kernels}", err)
     assert re.search(r"gristmill: loading tiny-[0-9a-f]+ \(int8\) on cpu \.\.\.", err)
     ready = re.search(r"gristmill: engine ready in ([\d.]+) s", err)
     assert ready
@@ -65,6 +65,7 @@ def test_a_fresh_cache_says_what_the_start_does_and_the_figures_leave_it_out(tmp
     assert "(once;" not in again.stderr
     assert f"converting tiny.gguf to safetensors: cached in {cache / 'gguf'}" in again.stderr
     assert f"int8 weights: cached in {cache / 'quantized'}" in again.stderr
+    assert len(list((cache / "tokenizers").glob("*.pickle"))) == 1  # the tokenizer, kept by the first run
     assert FIGURES.search(again.stderr.splitlines()[-1])
 
 
@@ -79,3 +80,30 @@ def test_generate_keeps_the_start_apart_too(tmp_path):
     last = result.stderr.splitlines()[-1]
     assert last.startswith("2 prompts, 2 ok, 0 failed; ") and FIGURES.search(last), last
     assert "gristmill: engine ready in" in result.stderr
+
+
+def test_the_tokenizer_is_kept_in_the_cache_and_a_damaged_copy_is_rebuilt(tmp_path, caplog):
+    from gristmill.model.loader import resolve_model
+    from gristmill.tokenizer import load_tokenizer
+
+    cache = tmp_path / "cache"
+    model_dir = resolve_model(str(write_tiny_gguf(tmp_path / "tiny.gguf", "llama", "llama")), str(cache))
+    text = "Hello, wörld!  <s> 123 \n\t tabs"
+    built = load_tokenizer(model_dir, "llama", cache)
+    [copy] = (cache / "tokenizers").glob("*.pickle")
+    written = copy.stat().st_mtime_ns
+    loaded = load_tokenizer(model_dir, "llama", cache)  # from the copy: nothing written again
+    assert copy.stat().st_mtime_ns == written
+    assert type(loaded) is type(built) and loaded(text).input_ids == built(text).input_ids
+    assert loaded.decode(built(text).input_ids) == built.decode(built(text).input_ids)
+    assert loaded.get_vocab() == built.get_vocab() and loaded.all_special_ids == built.all_special_ids
+
+    copy.write_bytes(b"not a pickle")
+    rebuilt = load_tokenizer(model_dir, "llama", cache)
+    assert "ignoring unreadable cached tokenizer" in caplog.text
+    assert rebuilt(text).input_ids == built(text).input_ids
+    assert load_tokenizer(model_dir, "llama", cache)(text).input_ids == built(text).input_ids  # rewritten, readable
+
+    (model_dir / "tokenizer_config.json").touch()  # a changed tokenizer file: a copy of its own
+    load_tokenizer(model_dir, "llama", cache)
+    assert len(list((cache / "tokenizers").glob("*.pickle"))) == 2

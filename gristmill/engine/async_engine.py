@@ -51,10 +51,8 @@ class AsyncEngine:
         started = time.monotonic()
         faults.load()  # a malformed GRISTMILL_FAULTS fails here, before any process starts
         self.config = config = config or EngineConfig.from_kwargs(**options)
+        builder.start_kernels(self.config)  # a first start compiles them meanwhile
         model_dir = builder.resolve_model_dir(config)  # converts a GGUF once, here
-        # Before the core starts, not beside it: loading a tokenizer holds the GIL for a
-        # second or more (JSON parsing in C), which would hold up seeing the core die.
-        self.tokenizer, eos_token_ids = builder.load_tokenizer(model_dir)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, RequestStream] = {}
         self._by_child: dict[str, RequestStream] = {}
@@ -67,7 +65,12 @@ class AsyncEngine:
         self._core_config = dataclasses.replace(config, model=str(model_dir))
         self._closed = False
         self._lock = threading.Lock()  # shutdown against a restart's swap of cores
-        self._client, ready = self._start_core()
+        # The tokenizer loads while the core loads the model. Nothing watches the core yet
+        # (that starts with client.start()), so its second or more of JSON parsing, which
+        # holds the GIL, holds up no death report.
+        tokenizer = []
+        self._client, ready = self._start_core(lambda: tokenizer.extend(builder.load_tokenizer(model_dir, config.cache_dir)))
+        self.tokenizer, eos_token_ids = tokenizer
         self.capacity = ready.capacity
         self.inputs = InputProcessor(self.tokenizer, eos_token_ids, self.capacity)
         self.outputs = OutputProcessor(self.tokenizer)
@@ -76,9 +79,11 @@ class AsyncEngine:
         self.start_seconds = time.monotonic() - started
         startup.logger.info("engine ready in %.1f s", self.start_seconds)
 
-    def _start_core(self) -> tuple[CoreClient, Ready]:
+    def _start_core(self, meanwhile: Callable[[], object] = lambda: None) -> tuple[CoreClient, Ready]:
+        """A new core, ready; `meanwhile` runs here while it starts."""
         client = CoreClient(self._core_config, self._on_core_message, self._on_core_death)
         try:
+            meanwhile()
             return client, client.wait_ready()
         except BaseException:
             client.shutdown()

@@ -3,6 +3,8 @@
 `LLM` (everything in one process), `AsyncEngine` (the client side) and the engine-core
 process all build through here:
 
+- `start_kernels(config)`: on a first start on a CPU, starts compiling the C++ kernels on
+  a thread (once per machine), so the model is converted and loaded meanwhile.
 - `resolve_model_dir(config)`: the HF directory of `config.model`; a GGUF file is
   converted once into the cache, in the caller's process, so a core never converts.
 - `build_core(config)`: an `EngineCore` over a `ModelRunner` (loads the weights).
@@ -17,6 +19,14 @@ from gristmill.config import EngineConfig
 from gristmill.engine.core import EngineCore
 
 
+def start_kernels(config: EngineConfig) -> None:
+    from gristmill.model.cpu import kernels  # imports no torch, nor does is_built
+
+    q4 = config.quantization == "q4"
+    if config.device in ("auto", "cpu") and not kernels.is_built(q4):
+        kernels.build_in_background(q4, unless_cuda=config.device == "auto")
+
+
 def resolve_model_dir(config: EngineConfig) -> Path:
     from gristmill.model.loader import resolve_model
     return resolve_model(config.model, config.cache_dir)
@@ -28,18 +38,20 @@ def build_core(config: EngineConfig, model_dir: Path | None = None) -> EngineCor
 
     def grammars():
         from gristmill.structured.grammars import BACKENDS
-        tokenizer, eos_ids = load_tokenizer(runner.model_dir)
+        tokenizer, eos_ids = load_tokenizer(runner.model_dir, config.cache_dir)
         return BACKENDS[config.structured_output_backend](tokenizer, runner.vocab_size, eos_ids)
 
     return EngineCore(config, runner, grammars)
 
 
-def load_tokenizer(model_dir: Path) -> tuple[object, frozenset[int]]:
-    """(tokenizer, end-of-sequence token ids) of the model in `model_dir`."""
+def load_tokenizer(model_dir: Path, cache_dir: str | None = None) -> tuple[object, frozenset[int]]:
+    """(tokenizer, end-of-sequence token ids) of the model in `model_dir`; a copy of the
+    tokenizer is cached under `cache_dir` (or GRISTMILL_CACHE) for faster starts."""
     from gristmill.model.loader import load_config
+    from gristmill.paths import cache_root
     from gristmill.tokenizer import eos_token_ids
     from gristmill.tokenizer import load_tokenizer as load
 
     hf_config = load_config(model_dir)
-    tokenizer = load(model_dir, hf_config.model_type)
+    tokenizer = load(model_dir, hf_config.model_type, cache_root(cache_dir))
     return tokenizer, eos_token_ids(tokenizer, model_dir, hf_config)

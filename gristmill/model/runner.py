@@ -20,7 +20,7 @@ from gristmill.config import EngineConfig
 from gristmill.engine.messages import SampledToken, SchedulerOutput
 from gristmill.model.backends import pick_backend
 from gristmill.model.context import forward_context
-from gristmill.model.cpu import quant
+from gristmill.model.cpu import kernels, quant
 from gristmill.model.layers import PagedAttention, RotaryEmbedding, clear_rotary_cache
 from gristmill.model.logits import LogitsControls
 from gristmill.model.loader import load_config, load_weights, resolve_model
@@ -68,6 +68,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             self._check_cuda()
         self.dtype = pick_dtype(config.dtype, self.device)
+        if self.device.type == "cpu":  # a first start compiles them while it converts the model
+            kernels.build_in_background(q4=config.quantization == "q4")
         self.model_dir = model_dir or resolve_model(config.model, config.cache_dir)
         self.hf_config = load_config(self.model_dir)
         self.max_model_len = config.max_model_len or self.hf_config.max_position_embeddings
@@ -140,14 +142,13 @@ class ModelRunner:
 
     def _load_quantized(self, cache_file: Path) -> torch.nn.Module | None:
         """The model of a warm start: its linears straight from the quantized cache, and
-        only the other weights (embedding, norms) read from the checkpoint, so the float
-        linears are never made. None when the cache lacks a layer (the cold path then
+        only the other weights (norms; the embedding unless it is read from the int8 head)
+        read from the checkpoint, so the float linears are never made. None when the cache lacks a layer (the cold path then
         quantizes them and fills the cache)."""
         with torch.device("meta"):
             model = model_class(self.hf_config)(self.hf_config, self.max_model_len)
-        linear_tensors = {f"{name}.{kind}" for name, module in model.named_modules()
-                          if isinstance(module, torch.nn.Linear) for kind in ("weight", "bias")}
-        if not quant.load_quantized(model, self.quantization, cache_file):
+        held = quant.load_quantized(model, self.quantization, cache_file)
+        if held is None:
             return None
         for module in model.modules():
             for name, param in list(module.named_parameters(recurse=False)):
@@ -159,7 +160,7 @@ class ModelRunner:
                     setattr(module, name, torch.empty(buffer.shape, dtype=buffer.dtype))
             if isinstance(module, RotaryEmbedding):  # its tables stay float32 whatever the dtype
                 module.reset()
-        load_weights(model, self.model_dir, skip=linear_tensors)
+        load_weights(model, self.model_dir, skip=held)
         return model.eval()
 
     # -- the KV cache ----------------------------------------------------------------
@@ -189,8 +190,11 @@ class ModelRunner:
         attn = self._kv_layers()
         kv_heads, head_dim = attn[0].num_kv_heads, attn[0].head_dim
         # One allocation for every layer: (2, num_layers, num_blocks, block_size, kv_heads, head_dim).
-        self.kv_cache = torch.zeros(2, len(attn), self.num_blocks, self.block_size, kv_heads, head_dim,
-                                    device=self.device, dtype=self.dtype)
+        shape = (2, len(attn), self.num_blocks, self.block_size, kv_heads, head_dim)
+        if self.device.type == "cpu":
+            self.kv_cache = _untouched_zeros(shape, self.dtype)
+        else:
+            self.kv_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
         for i, layer in enumerate(attn):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
 
@@ -395,6 +399,13 @@ class ModelRunner:
             generator = self.generators[request.request_id] = torch.Generator(device=self.device)
             generator.manual_seed(seed)
         return generator
+
+
+def _untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of zeros whose pages the OS maps only when first written (numpy's
+    zeros is a calloc): a KV cache of 1 GiB costs memory for the blocks in use, not at start."""
+    nbytes = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
 def _unfiltered(params) -> bool:

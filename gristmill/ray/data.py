@@ -139,7 +139,7 @@ def _tokenizer(config: EngineProcessorConfig):
 
     model_dir = builder.resolve_model_dir(config.engine)
     if model_dir not in _tokenizers:
-        _tokenizers[model_dir] = builder.load_tokenizer(model_dir)[0]
+        _tokenizers[model_dir] = builder.load_tokenizer(model_dir, config.engine.cache_dir)[0]
     return _tokenizers[model_dir]
 
 

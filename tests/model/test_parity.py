@@ -327,7 +327,7 @@ def test_decode_stack_equals_layer_by_layer(family, quantization):
             one_by_one = Backend.run_layers(backend, layers, inputs.positions, x)  # the plain layer loop
             if stack is not None:
                 stacked_steps += 1
-                assert torch.equal(stack(backend.ops, inputs.positions, x, md), one_by_one), f"step {stacked_steps}"
+                assert torch.equal(stack(inputs.positions, x, md), one_by_one), f"step {stacked_steps}"
         logits = runner.model.compute_logits(runner.model.model.norm(one_by_one)[inputs.sample_indices])
         sched.update(out, {item.request.request_id: SampledToken(int(logits[row].argmax()))
                            for row, item in enumerate(inputs.sample_items)})

@@ -15,8 +15,8 @@ from torch import nn
 
 from gristmill import EngineConfig, RequestError
 from gristmill.model.cpu import kernels
-from gristmill.model.cpu.qlinear import (Int8Linear, Q4Linear, dequantize_q4, quantize_weight, quantize_weight_q4,
-                                     unpack_blocks, unpack_weight, unpack_weight_q4)
+from gristmill.model.cpu.qlinear import (Int8Embedding, Int8Linear, Q4Linear, dequantize_q4, quantize_weight,
+                                     quantize_weight_q4, unpack_blocks, unpack_weight, unpack_weight_q4)
 from gristmill.model.cpu.quant import resolve_quantization
 
 EXT = kernels.int8_extension()
@@ -229,8 +229,14 @@ def test_engine_model_is_int8_by_default_and_cached_on_disk(tmp_path):
     assert len(load_file(str(cache))) == 3 * len(linears)  # qweight, scale, qsum per layer
     reference = runner(None)
     assert any(isinstance(m, nn.Linear) for m in reference.model.modules())
-    # The float embedding is untouched by quantizing the tied LM head.
-    assert torch.equal(first.model.model.embed_tokens.weight, reference.model.model.embed_tokens.weight)
+    # The embeddings are read from the tied int8 head (no float table is kept): the
+    # GGUF's Q8_0 table comes back exactly, row for row.
+    for model in (first.model, second.model, rebuilt.model):
+        assert isinstance(model.model.embed_tokens, Int8Embedding)
+        assert not any(p.numel() >= first.vocab_size for p in model.parameters())
+    for ids in torch.arange(first.vocab_size).split(1 << 15):
+        assert torch.equal(first.model.model.embed_tokens(ids), reference.model.model.embed_tokens(ids))
+        assert torch.equal(second.model.model.embed_tokens(ids), reference.model.model.embed_tokens(ids))
     ids = list(range(2, 40))
     scores = [r.score(ids) for r in (first, second, rebuilt, reference)]
     assert torch.equal(scores[0], scores[1]) and torch.equal(scores[0], scores[2])
@@ -313,3 +319,15 @@ def test_a_build_lock_left_by_a_killed_builder_does_not_hang_the_next_start(tmp_
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "True", done.stderr
     assert not (tmp_path / "kernels" / built.name / "lock").exists()
+
+
+def test_the_4bit_kernel_is_built_only_for_4bit_models_and_checking_needs_no_torch():
+    # What a first start compiles follows the quantization: the int8 default leaves the
+    # q4 kernel out; a client asks whether anything must compile without importing torch.
+    code = ("import sys\nfrom gristmill.model.cpu import kernels\nbuilt = kernels.is_built()\n"
+            "assert 'torch' not in sys.modules\next = kernels.extension()\n"
+            "print(built, hasattr(ext, 'int8_linear'), hasattr(ext, 'q4_linear'), "
+            "hasattr(kernels.q4_extension(), 'q4_linear'), kernels.extension() is kernels.q4_extension())")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "True", "False", "True", "True"]

@@ -30,6 +30,26 @@ def test_cpu_runner_picks_the_cpu_backend_and_a_one_gib_cache_by_default(tiny_ll
     assert half.num_blocks == runner.num_blocks // 2
 
 
+def _rss_bytes() -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS in /proc/self/status")
+
+
+def test_the_cpu_kv_cache_costs_memory_only_for_the_blocks_written(tiny_llama):
+    # A 1 GiB cache on a laptop: its pages are mapped when a block is first written, so
+    # a start (and a small job) does not hold a gigabyte it never touches.
+    before = _rss_bytes()
+    runner = ModelRunner(EngineConfig(model=str(tiny_llama), device="cpu", quantization=None))
+    assert runner.kv_cache.numel() * runner.kv_cache.element_size() == 2**30
+    assert _rss_bytes() - before < 2**30 // 4
+    assert not runner.kv_cache[:, :, -8:].any()  # zeros, as a fresh cache must read
+    runner.kv_cache[:, :, :runner.num_blocks // 4].fill_(1.0)  # a quarter of the blocks: those pages only
+    grown = _rss_bytes() - before
+    assert 200 * 2**20 <= grown < 2**30 // 2
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error of a machine without a GPU")
 def test_cuda_without_a_gpu_is_a_clear_error(tiny_llama):
     with pytest.raises(RuntimeError, match="torch sees no CUDA GPU.*use device='cpu' or 'auto'"):

@@ -69,4 +69,4 @@ class CpuBackend(Backend):
             stack = DecodeStack.of(layers)
         if stack is None:
             return super().run_layers(layers, positions, x)
-        return stack(self.ops, positions, x, md)
+        return stack(positions, x, md)

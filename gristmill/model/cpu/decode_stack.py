@@ -22,7 +22,10 @@ class DecodeStack:
         from gristmill.model.cpu import qlinear
 
         kinds = {qlinear.Int8Linear: 1, qlinear.Q4Linear: 2}
-        ext = kernels.int8_extension()
+        q4 = any(isinstance(m, qlinear.Q4Linear) for layer in layers for m in layer.modules())
+        self.ops = ext = kernels.q4_extension() if q4 else kernels.int8_extension()
+        if ext is None:
+            raise ValueError("the decode stack needs the compiled kernels")
         tensors, ints, scales = [], [], []
         first = layers[0]
         for layer in layers:
@@ -71,6 +74,6 @@ class DecodeStack:
         layers.__dict__["_decode_stack"] = (key, stack)
         return stack
 
-    def __call__(self, ops, positions: torch.Tensor, x: torch.Tensor, md) -> torch.Tensor:
-        return ops.decode_stack(x, positions, md.slot_mapping, md.decode_block_tables,
+    def __call__(self, positions: torch.Tensor, x: torch.Tensor, md) -> torch.Tensor:
+        return self.ops.decode_stack(x, positions, md.slot_mapping, md.decode_block_tables,
                                 md.decode_context_lens, *self.args)

@@ -1,21 +1,25 @@
 """Optional C++ kernels, compiled once per machine on first use.
 
-`paged_decode_attention()`, `fused_ops()` and `int8_extension()` return the compiled op /
-module, or None when it cannot be built (no compiler, GRISTMILL_KERNELS=0): callers then
-use a pure-torch path, which gives the same results, only slower.
+`paged_decode_attention()`, `fused_ops()`, `int8_extension()` and `q4_extension()` return
+the compiled op / module, or None when it cannot be built (no compiler,
+GRISTMILL_KERNELS=0): callers then use a pure-torch path, which gives the same results,
+only slower.
+
+Importing this module imports no torch, and neither does `is_built`: a client can find
+out whether a first start must compile (and start it early, `build_in_background`)
+without loading torch.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
-import functools
 import hashlib
+import importlib.metadata
 import logging
 import os
+import threading
 from pathlib import Path
-
-import torch
 
 from gristmill import startup
 
@@ -23,51 +27,68 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 ISA_NAMES = {0: "portable", 1: "avx2", 2: "avx512_vnni"}
+# The 4-bit linear kernel is compiled in only for models that use it (q4=True).
+_SOURCES = ["bindings.cpp", "fused_ops.cpp", "paged_attention.cpp", "decode_stack.cpp", "int8_linear.cpp", "isa.cpp"]
+_Q4_SOURCES = _SOURCES + ["q4_linear.cpp"]
 
 
-def _build(name: str, sources: list[Path], flags: list[str]):
-    if os.environ.get("GRISTMILL_KERNELS", "1") == "0":
-        return None
-    from torch.utils.cpp_extension import load
+class _Build:
+    """One build of the kernels: its sources, flags, and where it lives in the cache."""
 
-    from gristmill.paths import cache_root
+    def __init__(self, q4: bool):
+        self.name = "cpu_kernels_q4" if q4 else "cpu_kernels"
+        self.sources = [_CSRC / f for f in (_Q4_SOURCES if q4 else _SOURCES)]
+        # -march=native lets the compiler vectorize the float loops for this CPU (the
+        # build is keyed by the CPU); the quantized linears still pick their vector path
+        # at run time (best_isa), so tests can pin each one.
+        self.flags = ["-O3", "-march=native", "-fopenmp", f"-DGRISTMILL_Q4={int(q4)}"]
+        from gristmill.paths import cache_root
 
-    # Headers count too: a changed header rebuilds every source that includes it. So does
-    # where the sources are: torch's build rebuilds when their paths change, so two
-    # installs sharing one build directory would rebuild each other's kernels at every start.
-    inputs = sorted(sources) + sorted(_CSRC.glob("*.h"))
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in inputs) + " ".join(flags).encode()
-                         + str(_CSRC.resolve()).encode()
-                         + torch.__version__.encode() + _cpu_identity(flags)).hexdigest()[:12]
-    build_dir = cache_root() / "kernels" / key
-    build_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        # torch's own build lock is a file that stays behind when its builder is killed,
-        # and every later build then waits on it forever. An flock is released by the OS
-        # when its holder dies: whoever holds it is the only builder, so a torch lock
-        # file found then is stale and goes.
-        with open(build_dir / "gristmill.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            (build_dir / "lock").unlink(missing_ok=True)
-            module = f"gristmill_{name}_{key}"
-            what = f"compiling the C++ kernels '{name}' for this CPU"
-            built = (build_dir / f"{module}.so").exists()
-            with contextlib.nullcontext() if built else startup.phase(what, build_dir):
-                extension = load(name=module, sources=[str(p) for p in sources], build_directory=str(build_dir),
-                                 extra_cflags=flags, verbose=False)
-            if built:
-                startup.cached(f"C++ kernels '{name}'", build_dir)
-            return extension
-    except Exception as exc:  # noqa: BLE001 - the torch path still works
-        logger.warning("C++ kernel %s unavailable (%s); using the slower pure-torch path", name, exc)
-        return None
+        # Headers count too: a changed header rebuilds every source that includes it. So
+        # does where the sources are: torch's build rebuilds when their paths change, so
+        # two installs sharing one build directory would rebuild each other's kernels.
+        inputs = sorted(self.sources) + sorted(_CSRC.glob("*.h"))
+        key = hashlib.sha256(b"".join(p.read_bytes() for p in inputs) + " ".join(self.flags).encode()
+                             + str(_CSRC.resolve()).encode() + importlib.metadata.version("torch").encode()
+                             + _cpu_identity()).hexdigest()[:12]
+        self.dir = cache_root() / "kernels" / key
+        self.module = f"gristmill_{self.name}_{key}"
+
+    @property
+    def built(self) -> bool:
+        return (self.dir / f"{self.module}.so").exists()
+
+    def load(self):
+        """Build (once) and import the extension; None when it cannot be built."""
+        if os.environ.get("GRISTMILL_KERNELS", "1") == "0":
+            return None
+        self.dir.mkdir(parents=True, exist_ok=True)
+        try:
+            from torch.utils.cpp_extension import load
+
+            # torch's own build lock is a file that stays behind when its builder is
+            # killed, and every later build then waits on it forever. An flock is released
+            # by the OS when its holder dies: whoever holds it is the only builder, so a
+            # torch lock file found then is stale and goes.
+            with open(self.dir / "gristmill.lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                (self.dir / "lock").unlink(missing_ok=True)
+                built = self.built
+                what = f"compiling the C++ kernels '{self.name}' for this CPU"
+                with contextlib.nullcontext() if built else startup.phase(what, self.dir):
+                    extension = load(name=self.module, sources=[str(p) for p in self.sources],
+                                     build_directory=str(self.dir), extra_cflags=self.flags, verbose=False)
+                if built:
+                    startup.cached(f"C++ kernels '{self.name}'", self.dir)
+                return extension
+        except Exception as exc:  # noqa: BLE001 - the torch path still works
+            logger.warning("C++ kernels %s unavailable (%s); using the slower pure-torch path", self.name, exc)
+            return None
 
 
-def _cpu_identity(flags: list[str]) -> bytes:
+def _cpu_identity() -> bytes:
     """What a -march=native build depends on: the CPU's model and feature flags, so a
     cache shared between machines never hands one a binary built for another."""
-    if "-march=native" not in flags:
-        return b""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
@@ -77,34 +98,59 @@ def _cpu_identity(flags: list[str]) -> bytes:
     return "\n".join(dict.fromkeys(wanted)).encode()
 
 
-@functools.cache
-def _cpu_ops_extension():
-    # The decode stack runs the quantized linear kernels too, so they are compiled in here
-    # as well (their vector paths are still picked at run time).
-    sources = ["fused_ops.cpp", "paged_attention.cpp", "decode_stack.cpp", "int8_linear.cpp", "q4_linear.cpp",
-               "isa.cpp"]
-    return _build("cpu_ops", [_CSRC / f for f in sources], ["-O3", "-march=native", "-fopenmp"])
+_lock = threading.Lock()
+_loaded: dict[bool, object] = {}  # with q4 -> the extension (None: it cannot be built)
 
 
-@functools.cache
-def _int8_extension():
-    # No -march=native: the vector paths carry their own target attributes and are picked
-    # at run time from what the CPU reports, so the portable path stays portable.
-    sources = ["linear_module.cpp", "int8_linear.cpp", "q4_linear.cpp", "isa.cpp"]
-    return _build("quantized_linear", [_CSRC / f for f in sources], ["-O3", "-fopenmp"])
+def extension(q4: bool = False):
+    """The kernels, built for this CPU on first use (or None). A process that has the
+    build with the 4-bit kernel uses it for everything."""
+    if _loaded.get(True) is not None:
+        return _loaded[True]
+    if q4 not in _loaded:
+        with _lock:  # one build and one load, whichever thread asks first
+            if q4 not in _loaded:
+                _loaded[q4] = _Build(q4).load()
+    return _loaded[q4]
+
+
+def is_built(q4: bool = False) -> bool:
+    """Whether the kernels are in the cache already (a warm start): no torch needed."""
+    return os.environ.get("GRISTMILL_KERNELS", "1") == "0" or _Build(q4).built
+
+
+def build_in_background(q4: bool = False, unless_cuda: bool = False) -> threading.Thread:
+    """Start building (or loading) the kernels on a thread, so a first start compiles them
+    while it converts and loads the model; whoever asks for them later waits for it.
+    unless_cuda: not when torch sees a GPU (where device="auto" will not use them)."""
+    def run():
+        if unless_cuda:
+            import torch
+            if torch.cuda.is_available():
+                return
+        extension(q4)
+
+    thread = threading.Thread(target=run, name="gristmill-kernels", daemon=True)
+    thread.start()
+    return thread
 
 
 def paged_decode_attention():
-    ext = _cpu_ops_extension()
+    ext = extension()
     return None if ext is None else ext.paged_decode_attention
 
 
 def fused_ops():
-    """The CPU float32 extension: the fused ops (`rms_norm`, `residual_norm`, `qkv_rotary`;
+    """The CPU float32 ops (`rms_norm`, `residual_norm`, `qkv_rotary`, `mask_logits`;
     csrc/fused_ops.cpp), `paged_decode_attention` and `decode_stack`; or None."""
-    return _cpu_ops_extension()
+    return extension()
 
 
 def int8_extension():
-    """The quantized linear extension (`int8_linear`, `q4_linear`, `best_isa`), or None."""
-    return _int8_extension()
+    """The int8 linear kernel (`int8_linear`, `best_isa`) and the rest, or None."""
+    return extension()
+
+
+def q4_extension():
+    """The kernels with the 4-bit linear kernel (`q4_linear`) too, or None."""
+    return extension(q4=True)

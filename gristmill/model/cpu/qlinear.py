@@ -165,7 +165,7 @@ class QuantizedLinear(nn.Module):
         """The function of one (rows, in_features) float32 input and an output buffer that
         runs this layer: the kernel with its weights, bias and code path bound (a batch-1
         step makes ~70 of these calls, so looking each of them up every time counts)."""
-        ext = kernels.int8_extension()
+        ext = kernels.q4_extension() if self.kernel == "q4_linear" else kernels.int8_extension()
         if ext is None:
             call = lambda flat, out: self.reference(flat)  # noqa: E731
         else:
@@ -256,4 +256,27 @@ class Q4Linear(QuantizedLinear):
 
 
 LAYERS = {"int8": Int8Linear, "q4": Q4Linear}
+
+
+class Int8Embedding(nn.Module):
+    """Token embeddings read from the int8 LM head they are tied to: token t's embedding
+    is row t of the head's weight, so the float table (vocab x hidden float32: 671 MB of
+    Gemma 3 270M's ~1 GB) need not be kept at all. A GGUF's Q8_0 table comes back exactly
+    (same int8 values, same fp16 scales); a float checkpoint's, as the head sees it."""
+
+    def __init__(self, head: Int8Linear):
+        super().__init__()
+        object.__setattr__(self, "head", head)  # not a submodule: the model owns it as lm_head
+        self.embedding_dim = head.in_features
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        block, channel = flat // _BLOCK, flat % _BLOCK
+        q = self.head.qweight[block, :, channel]  # (n, Kp / 4, 4)
+        scale = self.head.scale[block, :, channel]  # (n, Kp / 32)
+        rows = q.view(flat.shape[0], -1, Q).float() * scale.float()[:, :, None]
+        return rows.view(*ids.shape, -1)[..., :self.embedding_dim]
+
+    def extra_repr(self) -> str:
+        return f"{self.head.out_features}, {self.embedding_dim}, from the int8 LM head"
 

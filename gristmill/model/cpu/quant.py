@@ -20,7 +20,7 @@ from torch import nn
 
 from gristmill import startup
 from gristmill.model.cpu import kernels
-from gristmill.model.cpu.qlinear import LAYERS
+from gristmill.model.cpu.qlinear import LAYERS, Int8Embedding, Int8Linear
 from gristmill.model.layers.linear import fuse_projections
 
 logger = logging.getLogger(__name__)
@@ -76,19 +76,23 @@ def quantize_model(model: nn.Module, scheme: str = "int8", cache_file: Path | No
             _put(model, name, layer, linear)
         if cache_file is not None and (quantized_now or len(cached) != len(state)):
             _save_atomically(state, cache_file, save_file)
+    embed_from_head(model)
     if not quantized_now and cache_file is not None:
         startup.cached(f"{scheme} weights", cache_file)
 
 
-def load_quantized(model: nn.Module, scheme: str, cache_file: Path) -> bool:
+def load_quantized(model: nn.Module, scheme: str, cache_file: Path) -> set[str] | None:
     """A warm start without the float weights of the linears: fuse the projections of
     `model` (on the meta device) and put in each linear the `scheme` layer stored in
-    `cache_file`. True when the cache held every one of them; False (and `model` is
-    unusable) otherwise."""
+    `cache_file`. Returns the checkpoint tensors the model now holds in quantized form
+    (to skip when loading the rest), or None when the cache lacks a layer (`model` is
+    then unusable)."""
     from safetensors import safe_open
 
     if not cache_file.exists():
-        return False
+        return None
+    held = {f"{name}.{kind}" for name, module in model.named_modules()
+            if isinstance(module, nn.Linear) for kind in ("weight", "bias")}
     fuse_projections(model)
     linears = {name: module for name, module in model.named_modules() if isinstance(module, nn.Linear)}
     layers = {}
@@ -99,18 +103,30 @@ def load_quantized(model: nn.Module, scheme: str, cache_file: Path) -> bool:
                 _, layer = _empty_layer(scheme, name, linear)
                 buffers = dict(layer.named_buffers(recurse=False))
                 if any(f"{name}.{buf}" not in stored_names for buf in buffers):
-                    return False
+                    return None
                 stored = {buf: f.get_tensor(f"{name}.{buf}") for buf in buffers}
                 if any(t.shape != buffers[buf].shape for buf, t in stored.items()):
-                    return False
+                    return None
                 layer.load_state_dict(stored)
                 layers[name] = layer
     except Exception as exc:  # noqa: BLE001 - a damaged cache: the cold path rebuilds it
         logger.warning("ignoring unreadable quantized cache %s (%s)", cache_file, exc)
-        return False
+        return None
     for name, layer in layers.items():
         _put(model, name, layer, linears[name])
+    if embed_from_head(model):
+        held.add("model.embed_tokens.weight")
     startup.cached(f"{scheme} weights", cache_file)
+    return held
+
+
+def embed_from_head(model: nn.Module) -> bool:
+    """Tied embeddings and an int8 LM head: the embeddings are read from the head
+    (`Int8Embedding`) and the float table goes. True when so."""
+    head = getattr(model, "lm_head", None)
+    if not (model.config.tie_word_embeddings and isinstance(head, Int8Linear)):
+        return False
+    model.model.embed_tokens = Int8Embedding(head)
     return True
 
 

@@ -16,8 +16,15 @@ from gristmill.model.layers.norm import RMSNorm, residual_norm
 from gristmill.model.layers.rotary import RotaryEmbedding, clear_rotary_cache, rope_inv_freq, shared_rotary
 
 __all__ = ["ACTIVATIONS", "GATE_UP", "QKV", "GatedMLP", "PagedAttention", "RMSNorm", "RotaryEmbedding",
-           "attention_inputs", "clear_rotary_cache", "fuse_projections", "project", "residual_norm",
-           "rope_inv_freq", "run_layers", "shared_rotary"]
+           "attention_inputs", "clear_rotary_cache", "embedding", "fuse_projections", "project",
+           "residual_norm", "rope_inv_freq", "run_layers", "shared_rotary"]
+
+
+def embedding(vocab_size: int, hidden_size: int) -> nn.Embedding:
+    """A token embedding whose table is left for the checkpoint to fill: nn.Embedding's
+    random init costs seconds on a 262k vocabulary, and on the meta device (where models
+    are built) it imports torch._dynamo, another 2 s of every start."""
+    return nn.Embedding(vocab_size, hidden_size, _weight=torch.empty(vocab_size, hidden_size))
 
 
 def run_layers(layers: nn.ModuleList, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

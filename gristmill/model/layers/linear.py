@@ -33,10 +33,18 @@ def fuse_projections(model: nn.Module) -> None:
                 continue
             layer = nn.Linear(linears[0].in_features, sum(lin.out_features for lin in linears),
                               bias=has_bias.pop(), device="meta")
-            layer.weight = nn.Parameter(torch.cat([lin.weight.detach() for lin in linears]), requires_grad=False)
+            layer.weight = nn.Parameter(_cat([lin.weight for lin in linears]), requires_grad=False)
             if layer.bias is not None:
-                layer.bias = nn.Parameter(torch.cat([lin.bias.detach() for lin in linears]), requires_grad=False)
+                layer.bias = nn.Parameter(_cat([lin.bias for lin in linears]), requires_grad=False)
             for name in parts:
                 delattr(module, name)
             setattr(module, fused, layer)
             layer.split_sizes = [lin.out_features for lin in linears]
+
+
+def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    if tensors[0].is_meta:  # a model built to be filled from a cache: only the shape counts
+        # (torch.cat of meta tensors runs a Python reference that imports torch._dynamo: 2 s)
+        return torch.empty((sum(t.shape[0] for t in tensors), *tensors[0].shape[1:]), device="meta",
+                           dtype=tensors[0].dtype)
+    return torch.cat([t.detach() for t in tensors])

@@ -3,6 +3,7 @@
 A GGUF file is converted once into an HF-style directory in the cache (config.json,
 model.safetensors, tokenizer files) keyed by the file's path, size and mtime; later
 loads read that directory, which takes seconds instead of a dequantize per start.
+Finding and converting a model imports no torch (clients do both); loading weights does.
 """
 
 from __future__ import annotations
@@ -13,12 +14,15 @@ import logging
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from gristmill import startup
 from gristmill.paths import DEFAULT_MODEL_NAME, cache_root, default_model_path  # noqa: F401 - re-exported
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +94,7 @@ def converted_gguf_dir(gguf_path: Path, cache_dir: str | None = None) -> Path:
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Dequantize a GGUF file into config.json + model.safetensors + tokenizer files."""
     import gguf
-    from safetensors.torch import save_file
+    from safetensors.numpy import save_file
 
     from gristmill.model.loader.gguf_file import GGUFFile
 
@@ -118,9 +122,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
             heads = config["num_attention_heads"] if ".q_proj." in name else config["num_key_value_heads"]
             weights = _unpermute_rotary(weights, heads)
-        tensors[name] = torch.from_numpy(weights)
+        tensors[name] = weights
     config["tie_word_embeddings"] = "lm_head.weight" not in tensors
-    save_file(tensors, str(out_dir / "model.safetensors"))
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})  # as torch writes it
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     from gristmill.tokenizer import convert_gguf_tokenizer
     convert_gguf_tokenizer(reader.fields, model_type, out_dir, gguf_path)
@@ -211,6 +215,7 @@ def load_config(model_dir: Path):
 def load_weights(model: torch.nn.Module, model_dir: Path, skip: set[str] = frozenset()) -> None:
     """Copy every `*.safetensors` tensor of `model_dir` into `model`; all must be used,
     but those named in `skip` (weights the model holds in another form already)."""
+    import torch
     from safetensors import safe_open
 
     files = sorted(model_dir.glob("*.safetensors"))

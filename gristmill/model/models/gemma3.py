@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gristmill.model.layers import (GatedMLP, PagedAttention, RMSNorm, attention_inputs, residual_norm,
+from gristmill.model.layers import (GatedMLP, PagedAttention, RMSNorm, attention_inputs, embedding, residual_norm,
                                     run_layers, shared_rotary)
 
 
@@ -59,7 +59,7 @@ class Gemma3DecoderLayer(nn.Module):
 class Gemma3TextModel(nn.Module):
     def __init__(self, config, max_positions: int):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Gemma3DecoderLayer(config, layer_type, max_positions)
                                     for layer_type in config.layer_types)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=1.0)

@@ -14,7 +14,9 @@
 #include "cpu_ops.h"
 #include "linear_common.h"
 
-#include <ATen/ATen.h>
+#include <ATen/ops/gelu.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/silu.h>
 
 namespace {
 
@@ -22,20 +24,24 @@ constexpr int64_t kTensorsPerLayer = 26;
 constexpr int64_t kIntsPerLayer = 10;
 enum Kind : int64_t { kFloat = 0, kInt8 = 1, kQ4 = 2 };
 
-torch::Tensor linear_of(const torch::Tensor& x, const torch::Tensor* t, int64_t kind, int64_t out_features,
+at::Tensor linear_of(const at::Tensor& x, const at::Tensor* t, int64_t kind, int64_t out_features,
                         int64_t isa) {
-  static const torch::Tensor none;
+  static const at::Tensor none;
   switch (kind) {
-    case kInt8: return int8_linear(x, t[0], t[1], t[2], t[3], out_features, isa, torch::empty({0}));
-    case kQ4: return q4_linear(x, t[0], t[1], t[2], t[3], out_features, isa, torch::empty({0}));
-    default: return at::linear(x, t[0], t[3].numel() ? c10::optional<torch::Tensor>(t[3]) : c10::nullopt);
+    case kInt8: return int8_linear(x, t[0], t[1], t[2], t[3], out_features, isa, x.new_empty({0}));
+#if GRISTMILL_Q4
+    case kQ4: return q4_linear(x, t[0], t[1], t[2], t[3], out_features, isa, x.new_empty({0}));
+#else
+    case kQ4: TORCH_CHECK(false, "decode_stack: these kernels were built without q4_linear");
+#endif
+    default: return at::linear(x, t[0], t[3].numel() ? c10::optional<at::Tensor>(t[3]) : c10::nullopt);
   }
 }
 
-torch::Tensor act_mul(const torch::Tensor& gate_up, int64_t activation) {
+at::Tensor act_mul(const at::Tensor& gate_up, int64_t activation) {
   const int64_t half = gate_up.size(1) / 2;
   auto gate = gate_up.narrow(1, 0, half), up = gate_up.narrow(1, half, half);
-  torch::Tensor a;
+  at::Tensor a;
   if (activation == 0) a = at::silu(gate);
   else if (activation == 1) a = at::gelu(gate, "tanh");
   else a = at::gelu(gate);
@@ -44,7 +50,7 @@ torch::Tensor act_mul(const torch::Tensor& gate_up, int64_t activation) {
 
 // k, v: (n, kv_heads, head_dim) into their slots of the (blocks, block_size, kv_heads,
 // head_dim) caches.
-void write_cache(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_cache, torch::Tensor& v_cache,
+void write_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
                  const int64_t* slots, int64_t n) {
   const int64_t row = k.size(1) * k.size(2), num_slots = k_cache.numel() / row;
   float* kc = k_cache.data_ptr<float>();
@@ -60,9 +66,9 @@ void write_cache(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& 
 
 }  // namespace
 
-torch::Tensor decode_stack(torch::Tensor x, torch::Tensor positions, torch::Tensor slot_mapping,
-                           torch::Tensor block_tables, torch::Tensor context_lens,
-                           std::vector<torch::Tensor> tensors, std::vector<int64_t> ints,
+at::Tensor decode_stack(at::Tensor x, at::Tensor positions, at::Tensor slot_mapping,
+                           at::Tensor block_tables, at::Tensor context_lens,
+                           std::vector<at::Tensor> tensors, std::vector<int64_t> ints,
                            std::vector<double> scales, int64_t num_heads, int64_t num_kv_heads,
                            int64_t head_dim, int64_t activation, double norm_offset, double eps) {
   const int64_t num_layers = static_cast<int64_t>(scales.size());
@@ -77,10 +83,10 @@ torch::Tensor decode_stack(torch::Tensor x, torch::Tensor positions, torch::Tens
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   x = x.contiguous();
   for (int64_t l = 0; l < num_layers; ++l) {
-    const torch::Tensor* t = tensors.data() + l * kTensorsPerLayer;
+    const at::Tensor* t = tensors.data() + l * kTensorsPerLayer;
     const int64_t* li = ints.data() + l * kIntsPerLayer;
     const int64_t isa = li[9];
-    torch::Tensor k_cache = t[24], v_cache = t[25];
+    at::Tensor k_cache = t[24], v_cache = t[25];
 
     auto h = rms_norm(x, t[0], norm_offset, eps);
     auto qkv = linear_of(h, t + 6, li[0], li[4], isa);
@@ -93,7 +99,7 @@ torch::Tensor decode_stack(torch::Tensor x, torch::Tensor positions, torch::Tens
     auto res = residual_norm(x, o, t[1], t[2], norm_offset, eps);
     auto gate_up = linear_of(res[1], t + 14, li[2], li[6], isa);
     auto down = linear_of(act_mul(gate_up, activation), t + 18, li[3], li[7], isa);
-    x = residual_norm(res[0], down, t[3], torch::empty({0}), norm_offset, eps)[0];
+    x = residual_norm(res[0], down, t[3], x.new_empty({0}), norm_offset, eps)[0];
   }
   return x;
 }

@@ -5,7 +5,6 @@
 // Rows run in parallel only when there are enough of them to pay for waking threads.
 #include "cpu_ops.h"
 
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
@@ -40,26 +39,26 @@ inline void norm_row(const float* x, const float* w, float offset, float* out, i
   }
 }
 
-const float* weight_or_null(const torch::Tensor& w, int64_t n, const char* name) {
+const float* weight_or_null(const at::Tensor& w, int64_t n, const char* name) {
   if (w.numel() == 0) return nullptr;
   TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && w.numel() == n,
               name, " must be a contiguous float32 tensor of ", n, " values");
   return w.data_ptr<float>();
 }
 
-void check_rows(const torch::Tensor& x, const char* name) {
+void check_rows(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat, name, " must be a CPU float32 tensor");
 }
 
 }  // namespace
 
 // x: (..., d) -> x / rms(x) * (weight + offset), weight (d,).
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double offset, double eps) {
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double offset, double eps) {
   check_rows(x, "x");
   x = x.contiguous();
   const int64_t d = x.size(-1), rows = x.numel() / d;
   const float* w = weight_or_null(weight, d, "weight");
-  auto out = torch::empty_like(x);
+  auto out = x.new_empty(x.sizes());
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, rows, grain_for(d), [&](int64_t begin, int64_t end) {
@@ -71,8 +70,8 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double offset, dou
 // The residual stream around a sublayer: x_new = x + norm(delta) * (delta_weight +
 // offset) (or x + delta when delta_weight is empty), and h = norm(x_new) * (out_weight +
 // offset) (empty when out_weight is empty). x, delta: (rows, d).
-std::vector<torch::Tensor> residual_norm(torch::Tensor x, torch::Tensor delta, torch::Tensor delta_weight,
-                                         torch::Tensor out_weight, double offset, double eps) {
+std::vector<at::Tensor> residual_norm(at::Tensor x, at::Tensor delta, at::Tensor delta_weight,
+                                         at::Tensor out_weight, double offset, double eps) {
   check_rows(x, "x");
   check_rows(delta, "delta");
   x = x.contiguous();
@@ -81,8 +80,8 @@ std::vector<torch::Tensor> residual_norm(torch::Tensor x, torch::Tensor delta, t
   const int64_t d = x.size(-1), rows = x.numel() / d;
   const float* wd = weight_or_null(delta_weight, d, "delta_weight");
   const float* wo = weight_or_null(out_weight, d, "out_weight");
-  auto x_new = torch::empty_like(x);
-  auto h = wo ? torch::empty_like(x) : torch::empty({0}, x.options());
+  auto x_new = x.new_empty(x.sizes());
+  auto h = wo ? x.new_empty(x.sizes()) : x.new_empty({0});
   const float* xp = x.data_ptr<float>();
   const float* dp = delta.data_ptr<float>();
   float* xn = x_new.data_ptr<float>();
@@ -112,12 +111,12 @@ std::vector<torch::Tensor> residual_norm(torch::Tensor x, torch::Tensor delta, t
 // (rows, KV, D), contiguous; q and k get their per-head RMSNorm (when q_weight / k_weight
 // are given; times weight + offset) and then rotate-half rotary at each row's position from the
 // (max_positions, D / 2) cos / sin tables.
-std::vector<torch::Tensor> qkv_rotary(torch::Tensor q_in, torch::Tensor k_in, torch::Tensor v_in,
+std::vector<at::Tensor> qkv_rotary(at::Tensor q_in, at::Tensor k_in, at::Tensor v_in,
                                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                                      torch::Tensor q_weight, torch::Tensor k_weight, double offset, double eps,
-                                      torch::Tensor cos, torch::Tensor sin, torch::Tensor positions) {
+                                      at::Tensor q_weight, at::Tensor k_weight, double offset, double eps,
+                                      at::Tensor cos, at::Tensor sin, at::Tensor positions) {
   const int64_t rows = positions.numel(), half = head_dim / 2;
-  auto check_input = [&](torch::Tensor& t, int64_t heads, const char* name) {
+  auto check_input = [&](at::Tensor& t, int64_t heads, const char* name) {
     check_rows(t, name);
     if (t.dim() != 2 || t.stride(1) != 1) t = t.reshape({rows, -1}).contiguous();
     TORCH_CHECK(t.size(0) == rows && t.size(1) == heads * head_dim, name, " must be (rows, heads * head_dim)");
@@ -135,9 +134,9 @@ std::vector<torch::Tensor> qkv_rotary(torch::Tensor q_in, torch::Tensor k_in, to
   const int64_t max_pos = cos.size(0);
   const float* wq = weight_or_null(q_weight, head_dim, "q_weight");
   const float* wk = weight_or_null(k_weight, head_dim, "k_weight");
-  auto q = torch::empty({rows, num_heads, head_dim}, q_in.options());
-  auto k = torch::empty({rows, num_kv_heads, head_dim}, q_in.options());
-  auto v = torch::empty({rows, num_kv_heads, head_dim}, q_in.options());
+  auto q = q_in.new_empty({rows, num_heads, head_dim});
+  auto k = q_in.new_empty({rows, num_kv_heads, head_dim});
+  auto v = q_in.new_empty({rows, num_kv_heads, head_dim});
   const int64_t* pos = positions.data_ptr<int64_t>();
   for (int64_t r = 0; r < rows; ++r)
     TORCH_CHECK(pos[r] >= 0 && pos[r] < max_pos, "position ", pos[r], " is past the rotary table (", max_pos, ")");
@@ -180,10 +179,10 @@ std::vector<torch::Tensor> qkv_rotary(torch::Tensor q_in, torch::Tensor k_in, to
 // Structured output: logits[rows[k]][t] = -inf for every token t whose bit is clear in
 // bitmask[k] (int32 words, bit i of word w = token 32 w + i), in place. One pass over the
 // words: a word of all ones (most of a JSON string's tokens) costs one compare.
-void mask_logits(torch::Tensor logits, torch::Tensor bitmask, std::vector<int64_t> rows) {
-  TORCH_CHECK(logits.dtype() == torch::kFloat32 && logits.is_contiguous() && logits.dim() == 2,
+void mask_logits(at::Tensor logits, at::Tensor bitmask, std::vector<int64_t> rows) {
+  TORCH_CHECK(logits.dtype() == at::kFloat && logits.is_contiguous() && logits.dim() == 2,
               "mask_logits: logits must be contiguous float32 (rows, vocab)");
-  TORCH_CHECK(bitmask.dtype() == torch::kInt32 && bitmask.is_contiguous() &&
+  TORCH_CHECK(bitmask.dtype() == at::kInt && bitmask.is_contiguous() &&
               bitmask.size(0) == static_cast<int64_t>(rows.size()), "mask_logits: one int32 mask row per row");
   const int64_t vocab = logits.size(1), words = bitmask.size(1);
   TORCH_CHECK(words * 32 >= vocab, "mask_logits: the mask is narrower than the vocabulary");
@@ -209,16 +208,4 @@ void mask_logits(torch::Tensor logits, torch::Tensor bitmask, std::vector<int64_
       }
     }
   });
-}
-
-// The CPU float32 extension: these fused ops, the paged decode attention, and the decode
-// stack that runs a step's layers with them.
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("mask_logits", &mask_logits, "structured output: -inf for the tokens a bitmask row does not allow");
-  m.def("paged_decode_attention", &paged_decode_attention,
-        "decode attention over a paged KV cache (CPU, float32)");
-  m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension");
-  m.def("residual_norm", &residual_norm, "x + norm(delta) * w, and the norm of that for the next sublayer");
-  m.def("qkv_rotary", &qkv_rotary, "split fused qkv into heads, q/k norm, rotary");
-  m.def("decode_stack", &decode_stack, "a decode-only step's decoder layers in one call");
 }

@@ -183,8 +183,8 @@ TileFn tile_for(int64_t isa) {
 // float16; wsum: the same shape, int16, each block's weight sum. Np % 32 == 0, Kp % 32 == 0,
 // Kp >= K. bias: (N,) float32 or empty. Returns (M, N) float32, N = out_features.
 // out: (M, N) float32 contiguous to write into, or empty to allocate one.
-torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor wscale, torch::Tensor wsum,
-                          torch::Tensor bias, int64_t out_features, int64_t isa, torch::Tensor out) {
+at::Tensor int8_linear(at::Tensor x, at::Tensor qweight, at::Tensor wscale, at::Tensor wsum,
+                          at::Tensor bias, int64_t out_features, int64_t isa, at::Tensor out) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "int8_linear: x must be (M, K) float32");
   TORCH_CHECK(qweight.dim() == 4 && qweight.scalar_type() == at::kChar && qweight.size(2) == kBlock &&
                   qweight.size(3) == 4 && qweight.size(0) % (kTileN / kBlock) == 0 &&

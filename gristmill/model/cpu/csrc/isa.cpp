@@ -1,6 +1,5 @@
-// The code path this CPU runs best, detected at run time (the kernels are compiled without
-// assuming any): shared by every extension that runs the quantized linear kernels.
-#include "linear_common.h"
+// The code path this CPU runs best, detected at run time (the kernels never assume one).
+#include "isa.h"
 
 namespace {
 

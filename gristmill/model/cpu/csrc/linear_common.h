@@ -1,11 +1,11 @@
 // What the quantized linear kernels share: the run-time choice of code path, the
 // quantization of activations (per row, in blocks of 32 input channels, to int8 with a
 // float scale), and the loop over output tiles. int8_linear.cpp and q4_linear.cpp each
-// add their weight layout and their tile code; linear_module.cpp binds them.
+// add their weight layout and their tile code; bindings.cpp binds them.
 #pragma once
 
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "aten_light.h"
+#include "isa.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -17,15 +17,11 @@
 #include <cstring>
 #include <vector>
 
-enum Isa : int64_t { kPortable = 0, kAvx2 = 1, kAvx512Vnni = 2 };
 
-// 0 portable, 1 avx2, 2 avx512_vnni: the best this CPU runs (asked once, at run time).
-int64_t best_isa();
-
-torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor wscale, torch::Tensor wsum,
-                          torch::Tensor bias, int64_t out_features, int64_t isa, torch::Tensor out);
-torch::Tensor q4_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor wscale, torch::Tensor wmin,
-                        torch::Tensor bias, int64_t out_features, int64_t isa, torch::Tensor out);
+at::Tensor int8_linear(at::Tensor x, at::Tensor qweight, at::Tensor wscale, at::Tensor wsum,
+                          at::Tensor bias, int64_t out_features, int64_t isa, at::Tensor out);
+at::Tensor q4_linear(at::Tensor x, at::Tensor qweight, at::Tensor wscale, at::Tensor wmin,
+                        at::Tensor bias, int64_t out_features, int64_t isa, at::Tensor out);
 
 namespace linear {
 
@@ -72,7 +68,7 @@ struct Rows {
 
 // With `shift`, bytes hold x + 128 as uint8 (the vpdpbusd layout); padding then holds
 // 128, which meets zero weights and is taken back out with the block sums.
-inline Rows quantize_rows(const torch::Tensor& x, int64_t kp, bool shift, bool with_sums) {
+inline Rows quantize_rows(const at::Tensor& x, int64_t kp, bool shift, bool with_sums) {
   const int64_t m_total = x.size(0), k = x.size(1), qblocks = kp / kQ;
   Rows rows;
   rows.kp = kp;
@@ -107,8 +103,8 @@ inline Rows quantize_rows(const torch::Tensor& x, int64_t kp, bool shift, bool w
 }
 
 // `out` when given (checked: contiguous float32 (M, N)), else a new (M, N) tensor.
-inline torch::Tensor output_for(const torch::Tensor& x, int64_t n_out, torch::Tensor out) {
-  if (out.numel() == 0) return torch::empty({x.size(0), n_out}, x.options());
+inline at::Tensor output_for(const at::Tensor& x, int64_t n_out, at::Tensor out) {
+  if (out.numel() == 0) return x.new_empty({x.size(0), n_out});
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2 &&
                   out.size(0) == x.size(0) && out.size(1) == n_out,
               "quantized linear: out must be contiguous float32 (M, N)");

@@ -1,8 +1,7 @@
 // Decode attention straight from the paged KV cache on CPU: one query token per
 // sequence attends to its cached keys and values through its block table, without
 // gathering them into a padded copy first.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "aten_light.h"
 
 #include <cmath>
 #include <limits>
@@ -23,8 +22,8 @@ inline float dot(const float* a, const float* b, int64_t n) {
 // k_cache, v_cache: (num_blocks, block_size, num_kv_heads, head_dim) float32, contiguous.
 // block_tables: (batch, max_blocks) int64; context_lens: (batch,) int64.
 // window: keys older than the last `window` positions are masked (0 = no window).
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor context_lens,
+at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                                     at::Tensor block_tables, at::Tensor context_lens,
                                      double scale, int64_t window) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat,
               "paged_decode_attention takes float32 tensors");
@@ -34,7 +33,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   const int64_t batch = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   const int64_t group = num_heads / num_kv_heads, max_blocks = block_tables.size(1);
-  auto out = torch::empty_like(q);
+  auto out = q.new_empty(q.sizes());
 
   const float* q_ptr = q.data_ptr<float>();
   const float* k_ptr = k_cache.data_ptr<float>();

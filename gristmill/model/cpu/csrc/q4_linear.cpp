@@ -139,8 +139,8 @@ TileFn tile_for(int64_t isa) {
 // x: (M, K) float32. qweight: (Np / 16, Kp / 4, 32) uint8; wscale, wmin: (Np / 16, Kp / 32, 16)
 // float16. Np % 32 == 0, Kp % 32 == 0, Kp >= K. bias: (N,) float32 or empty. Returns (M, N)
 // float32, N = out_features, written into `out` when it is not empty.
-torch::Tensor q4_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor wscale, torch::Tensor wmin,
-                        torch::Tensor bias, int64_t out_features, int64_t isa, torch::Tensor out) {
+at::Tensor q4_linear(at::Tensor x, at::Tensor qweight, at::Tensor wscale, at::Tensor wmin,
+                        at::Tensor bias, int64_t out_features, int64_t isa, at::Tensor out) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "q4_linear: x must be (M, K) float32");
   TORCH_CHECK(qweight.dim() == 3 && qweight.scalar_type() == at::kByte && qweight.size(2) == kGroupBytes &&
                   qweight.size(0) % (kTileN / kBlock) == 0 && qweight.size(1) % (kQ / 4) == 0 &&

@@ -1,0 +1,23 @@
+// The one Python module of the CPU kernels: the fused float32 ops, the paged decode
+// attention, the decode stack and the quantized linears (q4 only where GRISTMILL_Q4 is 1:
+// the build for 4-bit models). The only file that includes pybind11 (torch's casters for
+// at::Tensor), so the kernels themselves compile fast.
+#include <torch/csrc/utils/pybind.h>
+
+#include "cpu_ops.h"
+#include "linear_common.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("mask_logits", &mask_logits, "structured output: -inf for the tokens a bitmask row does not allow");
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "decode attention over a paged KV cache (CPU, float32)");
+  m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension");
+  m.def("residual_norm", &residual_norm, "x + norm(delta) * w, and the norm of that for the next sublayer");
+  m.def("qkv_rotary", &qkv_rotary, "split fused qkv into heads, q/k norm, rotary");
+  m.def("decode_stack", &decode_stack, "a decode-only step's decoder layers in one call");
+  m.def("int8_linear", &int8_linear, "int8 linear layer: block-quantized weights and activations");
+#if GRISTMILL_Q4
+  m.def("q4_linear", &q4_linear, "4-bit weight linear layer: block scales and minimums, int8 activations");
+#endif
+  m.def("best_isa", &best_isa, "0 portable, 1 avx2, 2 avx512_vnni: the best this CPU runs");
+}
