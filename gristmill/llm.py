@@ -34,8 +34,8 @@ class LLM:
         started = time.monotonic()
         self.config = EngineConfig.from_kwargs(model=model, **engine_options)
         faults.load()
-        #: The HF directory the model was loaded from (a GGUF file's converted copy).
         builder.start_kernels(self.config)  # a first start compiles them meanwhile
+        #: The HF directory the model was loaded from (a GGUF file's converted copy).
         self.model_dir = builder.resolve_model_dir(self.config)
         # The tokenizer loads on a thread while the model loads (each takes seconds).
         tokenizer = concurrent.futures.ThreadPoolExecutor(1, "gristmill-tokenizer")

@@ -68,9 +68,10 @@ class AsyncEngine:
         # The tokenizer loads while the core loads the model. Nothing watches the core yet
         # (that starts with client.start()), so its second or more of JSON parsing, which
         # holds the GIL, holds up no death report.
-        tokenizer = []
-        self._client, ready = self._start_core(lambda: tokenizer.extend(builder.load_tokenizer(model_dir, config.cache_dir)))
-        self.tokenizer, eos_token_ids = tokenizer
+        loaded = []
+        self._client, ready = self._start_core(
+            lambda: loaded.extend(builder.load_tokenizer(model_dir, config.cache_dir)))
+        self.tokenizer, eos_token_ids = loaded
         self.capacity = ready.capacity
         self.inputs = InputProcessor(self.tokenizer, eos_token_ids, self.capacity)
         self.outputs = OutputProcessor(self.tokenizer)

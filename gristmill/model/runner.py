@@ -138,13 +138,15 @@ class ModelRunner:
                 module.cos, module.sin = module.cos.float(), module.sin.float()
         if self.quantization is not None:
             quant.quantize_model(model, self.quantization, cache_file)
+        for param in model.parameters():  # a GGUF's Q8_0 blocks, kept by load_weights for quantizing
+            param.__dict__.pop("q8_0", None)
         return model
 
     def _load_quantized(self, cache_file: Path) -> torch.nn.Module | None:
         """The model of a warm start: its linears straight from the quantized cache, and
-        only the other weights (norms; the embedding unless it is read from the int8 head)
-        read from the checkpoint, so the float linears are never made. None when the cache lacks a layer (the cold path then
-        quantizes them and fills the cache)."""
+        only the other weights (norms; the embedding unless it is read from the int8
+        head) read from the checkpoint, so the float linears are never made. None when
+        the cache lacks a layer (the cold path then quantizes them and fills the cache)."""
         with torch.device("meta"):
             model = model_class(self.hf_config)(self.hf_config, self.max_model_len)
         held = quant.load_quantized(model, self.quantization, cache_file)

@@ -15,8 +15,9 @@ from torch import nn
 
 from gristmill import EngineConfig, RequestError
 from gristmill.model.cpu import kernels
-from gristmill.model.cpu.qlinear import (Int8Embedding, Int8Linear, Q4Linear, dequantize_q4, quantize_weight,
-                                     quantize_weight_q4, unpack_blocks, unpack_weight, unpack_weight_q4)
+from gristmill.model.cpu.qlinear import (Int8Embedding, Int8Linear, Q4Linear, dequantize_q4, pack_q8_0,
+                                     quantize_weight, quantize_weight_q4, unpack_blocks, unpack_weight,
+                                     unpack_weight_q4)
 from gristmill.model.cpu.quant import resolve_quantization
 
 EXT = kernels.int8_extension()
@@ -234,6 +235,12 @@ def test_engine_model_is_int8_by_default_and_cached_on_disk(tmp_path):
     for model in (first.model, second.model, rebuilt.model):
         assert isinstance(model.model.embed_tokens, Int8Embedding)
         assert not any(p.numel() >= first.vocab_size for p in model.parameters())
+    # The cold start packed the GGUF's Q8_0 table as it is: the very weights quantizing its
+    # float32 dequantization gives, without making them.
+    packed = quantize_weight(reference.model.model.embed_tokens.weight)
+    assert all(torch.equal(getattr(first.model.lm_head, name), tensor)
+               for name, tensor in zip(("qweight", "scale", "qsum"), packed))
+    assert not any(hasattr(p, "q8_0") for r in (first, reference) for p in r.model.parameters())
     for ids in torch.arange(first.vocab_size).split(1 << 15):
         assert torch.equal(first.model.model.embed_tokens(ids), reference.model.model.embed_tokens(ids))
         assert torch.equal(second.model.model.embed_tokens(ids), reference.model.model.embed_tokens(ids))
@@ -331,3 +338,22 @@ def test_the_4bit_kernel_is_built_only_for_4bit_models_and_checking_needs_no_tor
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["True", "True", "False", "True", "True"]
+
+
+@pytest.mark.parametrize("out_features", [64, 50])  # 50: padded to 64 rows
+def test_q8_0_blocks_pack_into_the_weights_their_dequantization_quantizes_to(out_features):
+    # llama.cpp's Q8_0: d = absmax / 127 stored in fp16, q = round(x / d). Packing q and d
+    # as they are must give what quantize_weight gives for q * d, bit for bit.
+    import gguf
+    import numpy as np
+
+    from gristmill.model.loader import dequantize_q8_0
+
+    rng = np.random.default_rng(0)
+    weights = rng.standard_normal((out_features, 96)).astype(np.float32)
+    weights[3, :32] = 0.0  # an all-zero block: scale 0
+    raw = gguf.quantize(weights, gguf.GGMLQuantizationType.Q8_0).reshape(-1, 34)
+    scales = torch.from_numpy(raw[:, :2].copy().view(np.float16).reshape(out_features, 3))
+    values = torch.from_numpy(raw[:, 2:].copy().view(np.int8).reshape(out_features, 96))
+    direct, requantized = pack_q8_0(values, scales), quantize_weight(dequantize_q8_0(values, scales))
+    assert all(torch.equal(a, b) for a, b in zip(direct, requantized))

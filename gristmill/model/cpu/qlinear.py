@@ -52,10 +52,29 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     int8 values (Np / 16, Kp / 4, 16, 4), fp16 block scales and int16 block sums, both
     (Np / 16, Kp / 32, 16)."""
     blocks = _padded_blocks(weight)
-    rows, qblocks, _ = blocks.shape
     scale = (blocks.abs().amax(dim=2) / 127).half()  # the values are rounded against the fp16 scale
     divisor = scale.float().clamp(min=torch.finfo(torch.float32).tiny)[:, :, None]
     q = torch.round(blocks / divisor).clamp_(-127, 127).to(torch.int8)
+    return _pack(q, scale)
+
+
+def pack_q8_0(values: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Q8_0 matrix as it is, (out, in) int8 values and (out, in / 32) fp16 scales (as
+    llama.cpp makes them: the same rounding as `quantize_weight`), in the int8 kernel's
+    packed form: what quantize_weight gives for its dequantized floats, without them."""
+    out_features, in_features = values.shape
+    rows, cols = _padded(out_features, in_features)
+    q = torch.zeros(rows, cols, dtype=torch.int8)
+    q[:out_features, :in_features] = values
+    scale = torch.zeros(rows, cols // Q, dtype=torch.float16)
+    scale[:out_features, :in_features // Q] = scales
+    return _pack(q.view(rows, cols // Q, Q), scale)
+
+
+def _pack(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(Np, Kp / 32, 32) int8 values and (Np, Kp / 32) fp16 scales -> packed values, block
+    scales and block sums."""
+    rows, qblocks, _ = q.shape
     sums = q.sum(dim=2, dtype=torch.int16)
     packed = q.view(rows // _BLOCK, _BLOCK, qblocks * Q // 4, 4).permute(0, 2, 1, 3).contiguous()
     return packed, _per_block(scale), _per_block(sums)
@@ -147,7 +166,9 @@ class QuantizedLinear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "QuantizedLinear":
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None)
-        for name, tensor in zip(layer._buffers_of_kernel, cls.pack(linear.weight)):
+        q8_0 = getattr(linear.weight, "q8_0", None)  # a GGUF's own Q8_0 blocks (model/loader)
+        packed = pack_q8_0(*q8_0) if q8_0 is not None and cls.pack is quantize_weight else cls.pack(linear.weight)
+        for name, tensor in zip(layer._buffers_of_kernel, packed):
             setattr(layer, name, tensor)
         if linear.bias is not None:
             layer.bias = linear.bias.detach().float().clone()

@@ -33,18 +33,23 @@ def fuse_projections(model: nn.Module) -> None:
                 continue
             layer = nn.Linear(linears[0].in_features, sum(lin.out_features for lin in linears),
                               bias=has_bias.pop(), device="meta")
-            layer.weight = nn.Parameter(_cat([lin.weight for lin in linears]), requires_grad=False)
+            layer.weight = _cat([lin.weight for lin in linears])
             if layer.bias is not None:
-                layer.bias = nn.Parameter(_cat([lin.bias for lin in linears]), requires_grad=False)
+                layer.bias = _cat([lin.bias for lin in linears])
             for name in parts:
                 delattr(module, name)
             setattr(module, fused, layer)
             layer.split_sizes = [lin.out_features for lin in linears]
 
 
-def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+def _cat(tensors: list[torch.Tensor]) -> nn.Parameter:
+    """The parameters stacked by rows, as one parameter."""
     if tensors[0].is_meta:  # a model built to be filled from a cache: only the shape counts
         # (torch.cat of meta tensors runs a Python reference that imports torch._dynamo: 2 s)
-        return torch.empty((sum(t.shape[0] for t in tensors), *tensors[0].shape[1:]), device="meta",
-                           dtype=tensors[0].dtype)
-    return torch.cat([t.detach() for t in tensors])
+        return nn.Parameter(torch.empty((sum(t.shape[0] for t in tensors), *tensors[0].shape[1:]), device="meta",
+                                        dtype=tensors[0].dtype), requires_grad=False)
+    fused = nn.Parameter(torch.cat([t.detach() for t in tensors]), requires_grad=False)
+    q8_0 = [getattr(t, "q8_0", None) for t in tensors]  # a GGUF's Q8_0 blocks (model/loader): rows stack too
+    if all(blocks is not None for blocks in q8_0):
+        fused.q8_0 = tuple(torch.cat(parts) for parts in zip(*q8_0))
+    return fused

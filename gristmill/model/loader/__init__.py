@@ -26,6 +26,13 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# A converted GGUF keeps its Q8_0 matrices as they are, as two tensors named by these
+# suffixes: int8 values (rows, cols) and fp16 scales per block of 32 (rows, cols / 32).
+# Loading dequantizes them exactly (values x scale, as llama.cpp does); int8 quantization
+# takes them as they are (quant.py). Dequantizing Gemma 3 270M's 262k x 640 embedding to
+# float32 on disk cost seconds of a first start and 680 MB.
+Q8_0_VALUES, Q8_0_SCALES = ".q8_0", ".q8_0_scale"
+
 # GGUF architecture -> HF model_type, and config keys read from the GGUF metadata.
 _GGUF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
 _GGUF_CONFIG_KEYS = {
@@ -70,7 +77,7 @@ def resolve_model(model: str | None, cache_dir: str | None = None) -> Path:
 
 def converted_gguf_dir(gguf_path: Path, cache_dir: str | None = None) -> Path:
     stat = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:v1".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:v2".encode()).hexdigest()[:16]
     target = cache_root(cache_dir) / "gguf" / f"{gguf_path.stem}-{key}"
     what = f"converting {gguf_path.name} to safetensors"
     if (target / "model.safetensors").exists():
@@ -92,7 +99,8 @@ def converted_gguf_dir(gguf_path: Path, cache_dir: str | None = None) -> Path:
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
-    """Dequantize a GGUF file into config.json + model.safetensors + tokenizer files."""
+    """Convert a GGUF file into config.json + model.safetensors + tokenizer files: its
+    tensors dequantized to float32, but for Q8_0 matrices, kept as they are (Q8_0_VALUES)."""
     import gguf
     from safetensors.numpy import save_file
 
@@ -114,20 +122,31 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
                     np.asarray(tensor.data, dtype=np.float32), config)
                 continue
             raise ValueError(f"GGUF tensor {tensor.name!r} has no place in a {arch} model")
-        weights = gguf.dequantize(tensor.data, tensor.tensor_type)
-        weights = np.ascontiguousarray(weights.reshape(tuple(reversed(tensor.shape))),
-                                       dtype=np.float32)
-        if arch == "gemma3" and name.endswith("norm.weight"):
-            weights = weights - 1.0  # llama.cpp stores Gemma norms as (1 + w)
-        if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
-            heads = config["num_attention_heads"] if ".q_proj." in name else config["num_key_value_heads"]
-            weights = _unpermute_rotary(weights, heads)
-        tensors[name] = weights
-    config["tie_word_embeddings"] = "lm_head.weight" not in tensors
+        if tensor.tensor_type == gguf.GGMLQuantizationType.Q8_0 and len(tensor.shape) == 2:
+            parts = dict(zip((Q8_0_VALUES, Q8_0_SCALES), _q8_0_blocks(tensor)))
+        else:
+            weights = gguf.dequantize(tensor.data, tensor.tensor_type)
+            parts = {"": np.ascontiguousarray(weights.reshape(tuple(reversed(tensor.shape))), dtype=np.float32)}
+        for suffix, weights in parts.items():
+            if arch == "gemma3" and name.endswith("norm.weight"):  # (never Q8_0: vectors)
+                weights = weights - 1.0  # llama.cpp stores Gemma norms as (1 + w)
+            if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+                heads = config["num_attention_heads"] if ".q_proj." in name else config["num_key_value_heads"]
+                weights = _unpermute_rotary(weights, heads)
+            tensors[name + suffix] = weights
+    config["tie_word_embeddings"] = not any(name.startswith("lm_head.weight") for name in tensors)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})  # as torch writes it
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     from gristmill.tokenizer import convert_gguf_tokenizer
     convert_gguf_tokenizer(reader.fields, model_type, out_dir, gguf_path)
+
+
+def _q8_0_blocks(tensor) -> tuple[np.ndarray, np.ndarray]:
+    """A Q8_0 matrix's own numbers: int8 values (rows, cols) and fp16 scales (rows, cols / 32)."""
+    cols = tensor.shape[0]
+    blocks = np.asarray(tensor.data).reshape(-1, 34)  # per block: fp16 scale, then 32 int8 values
+    scales = np.ascontiguousarray(blocks[:, :2]).view(np.float16).reshape(-1, cols // 32)
+    return np.ascontiguousarray(blocks[:, 2:]).view(np.int8).reshape(-1, cols), scales
 
 
 def _field(reader, key: str, default=None):
@@ -227,7 +246,9 @@ def load_weights(model: torch.nn.Module, model_dir: Path, skip: set[str] = froze
         for file in files:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
-                    target_name = name.removeprefix("language_model.")
+                    if name.endswith(Q8_0_SCALES):
+                        continue  # read with its values
+                    target_name = name.removeprefix("language_model.").removesuffix(Q8_0_VALUES)
                     if target_name in skip:
                         continue
                     if target_name not in params:
@@ -235,11 +256,22 @@ def load_weights(model: torch.nn.Module, model_dir: Path, skip: set[str] = froze
                             continue
                         raise ValueError(f"checkpoint tensor {name!r} in {file.name} does not fit "
                                          f"this {type(model).__name__}")
-                    tensor = f.get_tensor(name)
-                    params[target_name].copy_(tensor)
+                    if name.endswith(Q8_0_VALUES):
+                        values = f.get_tensor(name)
+                        scales = f.get_tensor(name.removesuffix(Q8_0_VALUES) + Q8_0_SCALES)
+                        params[target_name].copy_(dequantize_q8_0(values, scales))
+                        params[target_name].q8_0 = (values, scales)  # for int8 quantization, as they are
+                    else:
+                        params[target_name].copy_(f.get_tensor(name))
                     loaded.add(target_name)
     tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
     missing = set(params) - loaded - tied
     if missing:
         raise ValueError(f"checkpoint in {model_dir} lacks {sorted(missing)[:5]} "
                          f"({len(missing)} tensors missing)")
+
+
+def dequantize_q8_0(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """(rows, cols) int8 values and (rows, cols / 32) fp16 scales -> float32 (rows, cols)."""
+    rows, cols = values.shape
+    return (values.view(rows, cols // 32, 32).float() * scales.float()[:, :, None]).view(rows, cols)
