@@ -43,9 +43,10 @@ END_OF_TURN_TOKENS = ("<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>")
 
 
 def load_tokenizer(model_dir: Path, model_type: str, cache: Path | None = None):
-    """The model's HF tokenizer. With `cache` (a directory), a copy is kept there as a
-    pickle keyed by the tokenizer files and the library versions: transformers takes ~3 s
-    to build a 262k-token tokenizer from its files, the pickle ~1 s to load."""
+    """The model's HF tokenizer. With `cache` (a directory), a copy is kept there, keyed
+    by the tokenizer files and the library versions: transformers takes ~3 s to build a
+    262k-token tokenizer from its files (holding the GIL for a second at a time); the
+    copy loads in about one, nearly all of it in Rust with the GIL released."""
     tokenizer = _load_cached(model_dir, cache)
     if tokenizer is None:
         from transformers import AutoTokenizer
@@ -57,45 +58,71 @@ def load_tokenizer(model_dir: Path, model_type: str, cache: Path | None = None):
     return tokenizer
 
 
-def _cache_file(model_dir: Path, cache: Path | None) -> Path | None:
+def is_cached(model_dir: Path, cache: Path | None) -> bool:
+    """Whether `load_tokenizer` will load a kept copy (and fast)."""
+    paths = _cache_paths(model_dir, cache)
+    return paths is not None and all(p.exists() for p in paths)
+
+
+def _cache_paths(model_dir: Path, cache: Path | None) -> tuple[Path, Path] | None:
+    """(the tokenizer object's state, its Rust tokenizer as JSON) in `cache`."""
     if cache is None:
         return None
     import importlib.metadata
 
-    files = sorted(f for f in model_dir.iterdir() if f.is_file() and not f.name.endswith((".safetensors", ".bin")))
-    parts = ["v1", str(model_dir.resolve()), importlib.metadata.version("transformers"),
-             importlib.metadata.version("tokenizers")]
-    parts += [f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files]
+    # The files as they really are (a symlinked copy of a model shares its tokenizer).
+    files = sorted((f.name, f.resolve()) for f in model_dir.iterdir()
+                   if f.is_file() and not f.name.endswith((".safetensors", ".bin")))
+    parts = ["v1", importlib.metadata.version("transformers"), importlib.metadata.version("tokenizers")]
+    parts += [f"{name}:{path}:{path.stat().st_size}:{path.stat().st_mtime_ns}" for name, path in files]
     key = hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
-    return cache / "tokenizers" / f"{model_dir.name}-{key}.pickle"
+    base = cache / "tokenizers" / key
+    return base.with_suffix(".pickle"), base.with_suffix(".json")
 
 
 def _load_cached(model_dir: Path, cache: Path | None):
-    path = _cache_file(model_dir, cache)
-    if path is None or not path.exists():
+    paths = _cache_paths(model_dir, cache)
+    if paths is None or not all(p.exists() for p in paths):
         return None
     try:
-        return pickle.loads(path.read_bytes())  # noqa: S301 - our own cache, as trusted as the kernels in it
+        from tokenizers import Tokenizer
+
+        kind, state = pickle.loads(paths[0].read_bytes())  # noqa: S301 - our own cache, as trusted as its kernels
+        tokenizer = kind.__new__(kind)
+        tokenizer.__dict__.update(state)
+        tokenizer._tokenizer = Tokenizer.from_file(str(paths[1]))  # releases the GIL while it parses
+        return tokenizer
     except Exception as exc:  # noqa: BLE001 - a damaged or stale copy: load from the files
-        logger.warning("ignoring unreadable cached tokenizer %s (%s)", path, exc)
+        logger.warning("ignoring unreadable cached tokenizer %s (%s)", paths[0], exc)
         return None
 
 
 def _save_cached(tokenizer, model_dir: Path, cache: Path | None) -> None:
-    path = _cache_file(model_dir, cache)
-    if path is None:
-        return
-    tmp = None
+    """Keep the tokenizer: its Python state pickled, its Rust tokenizer as JSON (the
+    tokenizer classes pickle their plain __dict__; the Rust part is what takes time)."""
+    from tokenizers import Tokenizer
+
+    paths = _cache_paths(model_dir, cache)
+    if paths is None or not isinstance(getattr(tokenizer, "_tokenizer", None), Tokenizer):
+        return  # (a tokenizer without a Rust one is left as it is)
+    state = {k: v for k, v in tokenizer.__dict__.items() if k != "_tokenizer"}
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-        with os.fdopen(fd, "wb") as f:
-            pickle.dump(tokenizer, f, protocol=pickle.HIGHEST_PROTOCOL)
-        os.replace(tmp, path)
+        _write_atomically(paths[1], tokenizer._tokenizer.to_str().encode())
+        _write_atomically(paths[0], pickle.dumps((type(tokenizer), state), protocol=pickle.HIGHEST_PROTOCOL))
     except Exception as exc:  # noqa: BLE001 - a cache that cannot be written only costs time
-        logger.warning("could not cache the tokenizer in %s (%s)", path, exc)
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
+        logger.warning("could not cache the tokenizer in %s (%s)", paths[0].parent, exc)
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> str:

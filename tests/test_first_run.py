@@ -91,6 +91,7 @@ def test_the_tokenizer_is_kept_in_the_cache_and_a_damaged_copy_is_rebuilt(tmp_pa
     text = "Hello, wörld!  <s> 123 \n\t tabs"
     built = load_tokenizer(model_dir, "llama", cache)
     [copy] = (cache / "tokenizers").glob("*.pickle")
+    assert len(list((cache / "tokenizers").glob("*.json"))) == 1  # its Rust tokenizer, beside it
     written = copy.stat().st_mtime_ns
     loaded = load_tokenizer(model_dir, "llama", cache)  # from the copy: nothing written again
     assert copy.stat().st_mtime_ns == written

@@ -54,14 +54,18 @@ class Generated:
 
 
 def sampling_params_of(row: dict, defaults: dict) -> SamplingParams:
-    """The row's SamplingParams: the processor's defaults, overridden by the row's own."""
+    """The row's SamplingParams: the processor's defaults, overridden by the row's own
+    (`"structured_output": false` drops a default constraint for the row)."""
     given = row.get("sampling_params")
     if given is None:
         given = {}
     if not isinstance(given, dict):
         raise RequestError(f"sampling_params must be a dict of SamplingParams fields, got "
                            f"{type(given).__name__}", param="sampling_params")
+    # A null is a missing value (Parquet and CSV rows have every column): the default stays.
     merged = {**defaults, **{k: v for k, v in given.items() if v is not None}}
+    if given.get("structured_output") is False:  # this row opts out of a default constraint
+        merged["structured_output"] = None
     unknown = sorted(set(merged) - _SAMPLING_FIELDS)
     if unknown:
         raise RequestError(f"unknown sampling_params {unknown}; valid: {sorted(_SAMPLING_FIELDS)}",

@@ -11,6 +11,7 @@ every in-flight request with EngineDeadError.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import itertools
 import logging
@@ -65,13 +66,17 @@ class AsyncEngine:
         self._core_config = dataclasses.replace(config, model=str(model_dir))
         self._closed = False
         self._lock = threading.Lock()  # shutdown against a restart's swap of cores
-        # The tokenizer loads while the core loads the model. Nothing watches the core yet
-        # (that starts with client.start()), so its second or more of JSON parsing, which
-        # holds the GIL, holds up no death report.
-        loaded = []
-        self._client, ready = self._start_core(
-            lambda: loaded.extend(builder.load_tokenizer(model_dir, config.cache_dir)))
-        self.tokenizer, eos_token_ids = loaded
+        if builder.tokenizer_is_cached(model_dir, config.cache_dir):
+            # A kept tokenizer loads on a thread while the core starts: it holds the GIL
+            # for a fraction of a second at a time, so a core that dies is still seen at once.
+            loader = concurrent.futures.ThreadPoolExecutor(1, "gristmill-tokenizer")
+            tokenizer = loader.submit(builder.load_tokenizer, model_dir, config.cache_dir)
+            loader.shutdown(wait=False)
+        else:  # built from its files it holds the GIL for a second at a time: before the core starts
+            tokenizer = concurrent.futures.Future()
+            tokenizer.set_result(builder.load_tokenizer(model_dir, config.cache_dir))
+        self._client, ready = self._start_core()
+        self.tokenizer, eos_token_ids = tokenizer.result()
         self.capacity = ready.capacity
         self.inputs = InputProcessor(self.tokenizer, eos_token_ids, self.capacity)
         self.outputs = OutputProcessor(self.tokenizer)
@@ -80,11 +85,9 @@ class AsyncEngine:
         self.start_seconds = time.monotonic() - started
         startup.logger.info("engine ready in %.1f s", self.start_seconds)
 
-    def _start_core(self, meanwhile: Callable[[], object] = lambda: None) -> tuple[CoreClient, Ready]:
-        """A new core, ready; `meanwhile` runs here while it starts."""
+    def _start_core(self) -> tuple[CoreClient, Ready]:
         client = CoreClient(self._core_config, self._on_core_message, self._on_core_death)
         try:
-            meanwhile()
             return client, client.wait_ready()
         except BaseException:
             client.shutdown()

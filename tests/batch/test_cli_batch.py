@@ -256,7 +256,8 @@ def test_json_schema_constrains_every_row_and_a_rows_own_constraint_wins(tmp_pat
     rows = [{"id": "a", "prompt": "What is the capital of France? Reply in JSON:"},
             {"id": "b", "messages": [{"role": "user", "content": "Name a color, as JSON."}]},
             {"id": "own", "prompt": "Is water wet?", "sampling_params": {"structured_output": {"choice": ["yes", "no"]}}},
-            {"id": "bad", "prompt": "x", "sampling_params": {"structured_output": {"regex": "[0-9"}}}]
+            {"id": "bad", "prompt": "x", "sampling_params": {"structured_output": {"regex": "[0-9"}}},
+            {"id": "free", "prompt": "The capital of France is", "sampling_params": {"structured_output": False}}]
     source = write_jsonl(tmp_path / "in.jsonl", rows)
     result = batch_cli(source, "-o", tmp_path / "out.jsonl", "--json-schema", tmp_path / "schema.json",
                        "--temperature", "0", "--max-tokens", "40", "--device", "cpu", "--max-model-len", "512")
@@ -268,6 +269,13 @@ def test_json_schema_constrains_every_row_and_a_rows_own_constraint_wins(tmp_pat
         assert list(value) == ["answer"] and isinstance(value["answer"], str) and len(value["answer"]) <= 12
     assert out["own"]["generated_text"] in ("yes", "no") and out["own"][ERROR_COLUMN] == ""
     assert out["bad"][ERROR_COLUMN].startswith("RequestError: structured_output.regex is not valid")
+    # A row that opts out runs free: the same text as the model's unconstrained greedy answer.
+    free = batch_cli(write_jsonl(tmp_path / "free.jsonl", [rows[-1]]), "-o", tmp_path / "free_out.jsonl",
+                     "--temperature", "0", "--max-tokens", "40", "--device", "cpu", "--max-model-len", "512")
+    assert free.returncode == 0, free.stderr
+    [unconstrained] = read_jsonl(tmp_path / "free_out.jsonl")
+    assert out["free"][ERROR_COLUMN] == "" and out["free"]["generated_text"] == unconstrained["generated_text"]
+    assert not out["free"]["generated_text"].lstrip().startswith("{")
     # A schema file that is not one is refused before any engine starts.
     (tmp_path / "broken.json").write_text("{not json")
     refused = batch_cli(source, "-o", tmp_path / "out2.jsonl", "--json-schema", tmp_path / "broken.json")
