@@ -130,7 +130,7 @@ class ModelRunner:
             if isinstance(module, RotaryEmbedding):
                 module.reset()
         _tie_weights(model)
-        load_weights(model, self.model_dir)
+        load_weights(model, self.model_dir, q8_0=self.quantization is not None)
         model = model.to(device=self.device, dtype=self.dtype).eval()
         _tie_weights(model)
         for module in model.modules():  # rotary tables stay float32 whatever the dtype

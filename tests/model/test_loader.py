@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from gristmill.model.loader import _unpermute_rotary, convert_gguf, dequantize_q8_0, resolve_model
+from gristmill.model.loader import Q8_0_FILE, _unpermute_rotary, convert_gguf, dequantize_q8_0, resolve_model
 
 TEXT = Path(__file__).parent.parent / "data" / "public_domain_english.txt"
 
@@ -225,17 +225,18 @@ def test_convert_gguf_config_and_weights(tmp_path, arch, vocab):
     assert (config["vocab_size"], config["hidden_size"], config["num_hidden_layers"]) == (n_vocab, HIDDEN, 1)
     assert config["rms_norm_eps"] == float(np.float32(1e-6))
     assert config["tie_word_embeddings"] == (arch == "gemma3")
-    weights = load_file(str(out / "model.safetensors"))
-    # The Q8_0 embedding is kept as it is, values and scales; it dequantizes exactly to
-    # what llama.cpp's own dequantization gives. Everything else is float32.
-    values, scales = weights.pop("model.embed_tokens.weight.q8_0"), weights.pop("model.embed_tokens.weight.q8_0_scale")
-    assert (values.dtype, values.shape, scales.dtype, scales.shape) == (
-        np.int8, (n_vocab, HIDDEN), np.float16, (n_vocab, HIDDEN // 32))
-    [embedding] = [t for t in gguf.GGUFReader(str(path)).tensors if t.name == "token_embd.weight"]
-    expected = gguf.dequantize(embedding.data, embedding.tensor_type).reshape(n_vocab, HIDDEN)
-    assert np.array_equal(dequantize_q8_0(torch.from_numpy(values), torch.from_numpy(scales)).numpy(), expected)
+    weights = load_file(str(out / "model.safetensors"))  # an HF checkpoint: float32 throughout
+    assert weights["model.embed_tokens.weight"].shape == (n_vocab, HIDDEN)
     assert weights["model.layers.0.mlp.down_proj.weight"].shape == (HIDDEN, FFN)
     assert all(w.dtype == np.float32 for w in weights.values())
+    # Beside it, the Q8_0 embedding as it is: values and scales that dequantize exactly to it.
+    blocks = load_file(str(out / Q8_0_FILE))
+    assert sorted(blocks) == ["model.embed_tokens.weight.q8_0", "model.embed_tokens.weight.q8_0_scale"]
+    values, scales = blocks["model.embed_tokens.weight.q8_0"], blocks["model.embed_tokens.weight.q8_0_scale"]
+    assert (values.dtype, values.shape, scales.dtype, scales.shape) == (
+        np.int8, (n_vocab, HIDDEN), np.float16, (n_vocab, HIDDEN // 32))
+    dequantized = dequantize_q8_0(torch.from_numpy(values), torch.from_numpy(scales)).numpy()
+    assert np.array_equal(dequantized, weights["model.embed_tokens.weight"])
     if arch == "qwen2":
         assert weights["model.layers.0.self_attn.q_proj.bias"].shape == (HEADS * HEAD_DIM,)
 

@@ -26,11 +26,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# A converted GGUF keeps its Q8_0 matrices as they are, as two tensors named by these
-# suffixes: int8 values (rows, cols) and fp16 scales per block of 32 (rows, cols / 32).
-# Loading dequantizes them exactly (values x scale, as llama.cpp does); int8 quantization
-# takes them as they are (quant.py). Dequantizing Gemma 3 270M's 262k x 640 embedding to
-# float32 on disk cost seconds of a first start and 680 MB.
+# A converted GGUF is an HF directory (float32 model.safetensors, which transformers
+# loads too) plus, for its Q8_0 matrices, their own numbers in Q8_0_FILE: int8 values
+# (rows, cols) and fp16 scales per block of 32 (rows, cols / 32), named by these
+# suffixes. int8 quantization packs those as they are (quant.py) instead of quantizing
+# their float32 dequantization again, which gives the same weights.
+Q8_0_FILE = "gristmill-q8_0.safetensors"
 Q8_0_VALUES, Q8_0_SCALES = ".q8_0", ".q8_0_scale"
 
 # GGUF architecture -> HF model_type, and config keys read from the GGUF metadata.
@@ -77,7 +78,7 @@ def resolve_model(model: str | None, cache_dir: str | None = None) -> Path:
 
 def converted_gguf_dir(gguf_path: Path, cache_dir: str | None = None) -> Path:
     stat = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:v2".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:v3".encode()).hexdigest()[:16]
     target = cache_root(cache_dir) / "gguf" / f"{gguf_path.stem}-{key}"
     what = f"converting {gguf_path.name} to safetensors"
     if (target / "model.safetensors").exists():
@@ -99,8 +100,8 @@ def converted_gguf_dir(gguf_path: Path, cache_dir: str | None = None) -> Path:
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
-    """Convert a GGUF file into config.json + model.safetensors + tokenizer files: its
-    tensors dequantized to float32, but for Q8_0 matrices, kept as they are (Q8_0_VALUES)."""
+    """Convert a GGUF file into config.json + model.safetensors (float32) + tokenizer
+    files, and Q8_0_FILE with its Q8_0 matrices as they are."""
     import gguf
     from safetensors.numpy import save_file
 
@@ -113,7 +114,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {sorted(_GGUF_MODEL_TYPES)}")
     config = _gguf_config(reader, arch, model_type)
     layer_names = _GEMMA_LAYER_TENSORS if arch == "gemma3" else _LAYER_TENSORS
-    tensors = {}
+    tensors, blocks = {}, {}
     for tensor in reader.tensors:
         name = _hf_tensor_name(tensor.name, layer_names)
         if name is None:
@@ -122,20 +123,21 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
                     np.asarray(tensor.data, dtype=np.float32), config)
                 continue
             raise ValueError(f"GGUF tensor {tensor.name!r} has no place in a {arch} model")
+        weights = gguf.dequantize(tensor.data, tensor.tensor_type)
+        parts = {"": np.ascontiguousarray(weights.reshape(tuple(reversed(tensor.shape))), dtype=np.float32)}
         if tensor.tensor_type == gguf.GGMLQuantizationType.Q8_0 and len(tensor.shape) == 2:
-            parts = dict(zip((Q8_0_VALUES, Q8_0_SCALES), _q8_0_blocks(tensor)))
-        else:
-            weights = gguf.dequantize(tensor.data, tensor.tensor_type)
-            parts = {"": np.ascontiguousarray(weights.reshape(tuple(reversed(tensor.shape))), dtype=np.float32)}
+            parts.update(zip((Q8_0_VALUES, Q8_0_SCALES), _q8_0_blocks(tensor)))
         for suffix, weights in parts.items():
             if arch == "gemma3" and name.endswith("norm.weight"):  # (never Q8_0: vectors)
                 weights = weights - 1.0  # llama.cpp stores Gemma norms as (1 + w)
             if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
                 heads = config["num_attention_heads"] if ".q_proj." in name else config["num_key_value_heads"]
                 weights = _unpermute_rotary(weights, heads)
-            tensors[name + suffix] = weights
-    config["tie_word_embeddings"] = not any(name.startswith("lm_head.weight") for name in tensors)
+            (blocks if suffix else tensors)[name + suffix] = weights
+    config["tie_word_embeddings"] = "lm_head.weight" not in tensors
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})  # as torch writes it
+    if blocks:
+        save_file(blocks, str(out_dir / Q8_0_FILE))
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     from gristmill.tokenizer import convert_gguf_tokenizer
     convert_gguf_tokenizer(reader.fields, model_type, out_dir, gguf_path)
@@ -231,13 +233,16 @@ def load_config(model_dir: Path):
     return config
 
 
-def load_weights(model: torch.nn.Module, model_dir: Path, skip: set[str] = frozenset()) -> None:
+def load_weights(model: torch.nn.Module, model_dir: Path, skip: set[str] = frozenset(),
+                 q8_0: bool = False) -> None:
     """Copy every `*.safetensors` tensor of `model_dir` into `model`; all must be used,
-    but those named in `skip` (weights the model holds in another form already)."""
+    but those named in `skip` (weights the model holds in another form already). With
+    `q8_0`, a converted GGUF's Q8_0 matrices are given to their parameters as they are
+    (`param.q8_0 = (values, scales)`), for int8 quantization."""
     import torch
     from safetensors import safe_open
 
-    files = sorted(model_dir.glob("*.safetensors"))
+    files = sorted(f for f in model_dir.glob("*.safetensors") if f.name != Q8_0_FILE)
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
     params = dict(model.named_parameters())
@@ -246,9 +251,7 @@ def load_weights(model: torch.nn.Module, model_dir: Path, skip: set[str] = froze
         for file in files:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
-                    if name.endswith(Q8_0_SCALES):
-                        continue  # read with its values
-                    target_name = name.removeprefix("language_model.").removesuffix(Q8_0_VALUES)
+                    target_name = name.removeprefix("language_model.")
                     if target_name in skip:
                         continue
                     if target_name not in params:
@@ -256,19 +259,19 @@ def load_weights(model: torch.nn.Module, model_dir: Path, skip: set[str] = froze
                             continue
                         raise ValueError(f"checkpoint tensor {name!r} in {file.name} does not fit "
                                          f"this {type(model).__name__}")
-                    if name.endswith(Q8_0_VALUES):
-                        values = f.get_tensor(name)
-                        scales = f.get_tensor(name.removesuffix(Q8_0_VALUES) + Q8_0_SCALES)
-                        params[target_name].copy_(dequantize_q8_0(values, scales))
-                        params[target_name].q8_0 = (values, scales)  # for int8 quantization, as they are
-                    else:
-                        params[target_name].copy_(f.get_tensor(name))
+                    params[target_name].copy_(f.get_tensor(name))
                     loaded.add(target_name)
     tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
     missing = set(params) - loaded - tied
     if missing:
         raise ValueError(f"checkpoint in {model_dir} lacks {sorted(missing)[:5]} "
                          f"({len(missing)} tensors missing)")
+    if q8_0 and (model_dir / Q8_0_FILE).exists():
+        with safe_open(str(model_dir / Q8_0_FILE), framework="pt") as f:
+            for name in f.keys():
+                target_name = name.removesuffix(Q8_0_VALUES)
+                if name.endswith(Q8_0_VALUES) and target_name in loaded:
+                    params[target_name].q8_0 = (f.get_tensor(name), f.get_tensor(target_name + Q8_0_SCALES))
 
 
 def dequantize_q8_0(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
