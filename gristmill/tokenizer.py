@@ -156,9 +156,10 @@ def _text_content(content) -> str:
     raise RequestError("message content must be a string or a list of text parts", param="messages")
 
 
-def eos_token_ids(tokenizer, model_dir: Path, config) -> frozenset[int]:
-    """Every id that ends generation: the config's, generation_config's, the tokenizer's,
-    and the family's end-of-turn token."""
+def eos_token_ids(tokenizer, model_dir: Path, config: dict) -> frozenset[int]:
+    """Every id that ends generation: the config's (`config`: config.json as read, its
+    text half's too for a multimodal wrapper), generation_config's, the tokenizer's, and
+    the family's end-of-turn token."""
     ids: set[int] = set()
 
     def add(value):
@@ -167,7 +168,8 @@ def eos_token_ids(tokenizer, model_dir: Path, config) -> frozenset[int]:
         elif isinstance(value, (list, tuple)):
             ids.update(v for v in value if isinstance(v, int))
 
-    add(getattr(config, "eos_token_id", None))
+    add(config.get("eos_token_id"))
+    add((config.get("text_config") or {}).get("eos_token_id"))
     gen_config = model_dir / "generation_config.json"
     if gen_config.exists():
         add(json.loads(gen_config.read_text()).get("eos_token_id"))

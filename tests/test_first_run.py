@@ -108,3 +108,21 @@ def test_the_tokenizer_is_kept_in_the_cache_and_a_damaged_copy_is_rebuilt(tmp_pa
     (model_dir / "tokenizer_config.json").touch()  # a changed tokenizer file: a copy of its own
     load_tokenizer(model_dir, "llama", cache)
     assert len(list((cache / "tokenizers").glob("*.pickle"))) == 2
+
+
+def test_a_client_on_a_warm_cache_imports_no_torch(tmp_path):
+    # The engine's client side (what the server, a batch job or a Ray actor runs) needs
+    # neither torch nor transformers' config classes once the model is converted and its
+    # tokenizer kept: its core process loads the model.
+    model = write_tiny_gguf(tmp_path / "models" / "tiny.gguf", "llama", "gpt2")
+    code = ("import sys\nfrom gristmill.engine.async_engine import AsyncEngine\n"
+            f"engine = AsyncEngine(model={str(model)!r}, device='cpu', max_model_len=128)\n"
+            "print('torch' in sys.modules, engine.tokenizer.decode(engine.tokenizer('a b').input_ids))\n"
+            "engine.shutdown()\n")
+    env = {k: v for k, v in os.environ.items() if k != "GRISTMILL_FAULTS"}
+    env["GRISTMILL_CACHE"] = str(_fresh_cache(tmp_path))
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+            for _ in range(2)]
+    assert all(run.returncode == 0 for run in runs), [run.stderr for run in runs]
+    assert runs[1].stdout.split()[0] == "False", runs[1].stdout  # warm: the client never imported it
+    assert runs[0].stdout.split()[1:] == runs[1].stdout.split()[1:]  # the kept tokenizer is the same one

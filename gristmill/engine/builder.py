@@ -53,12 +53,16 @@ def tokenizer_is_cached(model_dir: Path, cache_dir: str | None = None) -> bool:
 
 def load_tokenizer(model_dir: Path, cache_dir: str | None = None) -> tuple[object, frozenset[int]]:
     """(tokenizer, end-of-sequence token ids) of the model in `model_dir`; a copy of the
-    tokenizer is cached under `cache_dir` (or GRISTMILL_CACHE) for faster starts."""
-    from gristmill.model.loader import load_config
+    tokenizer is cached under `cache_dir` (or GRISTMILL_CACHE) for faster starts. Reads
+    config.json as JSON: transformers' config classes import torch, which a client
+    (server, batch job) otherwise never needs."""
+    import json
+
     from gristmill.paths import cache_root
     from gristmill.tokenizer import eos_token_ids
     from gristmill.tokenizer import load_tokenizer as load
 
-    hf_config = load_config(model_dir)
-    tokenizer = load(model_dir, hf_config.model_type, cache_root(cache_dir))
-    return tokenizer, eos_token_ids(tokenizer, model_dir, hf_config)
+    config = json.loads((model_dir / "config.json").read_text())
+    model_type = (config.get("text_config") or {}).get("model_type") or config.get("model_type", "")
+    tokenizer = load(model_dir, model_type, cache_root(cache_dir))
+    return tokenizer, eos_token_ids(tokenizer, model_dir, config)
