@@ -37,7 +37,10 @@ class LLM:
         builder.start_kernels(self.config)  # a first start compiles them meanwhile
         #: The HF directory the model was loaded from (a GGUF file's converted copy).
         self.model_dir = builder.resolve_model_dir(self.config)
-        # The tokenizer loads on a thread while the model loads (each takes seconds).
+        # The tokenizer loads on a thread while the model loads (each takes seconds). What
+        # the model needs of transformers is imported first, here: two threads importing
+        # from transformers at once can find its lazy modules half made.
+        builder.model_config(self.model_dir)
         tokenizer = concurrent.futures.ThreadPoolExecutor(1, "gristmill-tokenizer")
         loading = tokenizer.submit(builder.load_tokenizer, self.model_dir, self.config.cache_dir)
         tokenizer.shutdown(wait=False)

@@ -33,6 +33,12 @@ def resolve_model_dir(config: EngineConfig) -> Path:
     return resolve_model(config.model, config.cache_dir)
 
 
+def model_config(model_dir: Path):
+    """The model's HF config (what the core reads first; imports torch and transformers)."""
+    from gristmill.model.loader import load_config
+    return load_config(model_dir)
+
+
 def build_core(config: EngineConfig, model_dir: Path | None = None) -> EngineCore:
     from gristmill.model.runner import ModelRunner
     runner = ModelRunner(config, model_dir)
