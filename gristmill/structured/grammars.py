@@ -84,8 +84,9 @@ class _LLGuidanceMatcher(Matcher):
         return _reason(self._matcher.get_error()) if self._matcher.is_error() else None
 
     def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
-        import llguidance.torch
-        llguidance.torch.fill_next_token_bitmask(self._matcher, bitmask, row)
+        words = bitmask[row]
+        _check_bitmask(words)
+        self._matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
 
     def allows(self, token_id: int) -> bool:
         return self._matcher.validate_tokens([token_id]) == 1
@@ -103,7 +104,15 @@ class LLGuidanceGrammars:
             raise RequestError("structured_output_backend='llguidance' needs the llguidance package: "
                                "pip install 'llguidance>=1.9,<2'", param="structured_output") from None
         self._llguidance = llguidance
-        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=sorted(eos_token_ids))
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None and backend.padding is None and backend.truncation is None:
+            # What llguidance.hf.from_tokenizer does, without the copy it makes to turn
+            # padding and truncation off (a second of a 262k vocabulary's set-up).
+            self.tokenizer = llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size,
+                                                    eos_token=sorted(eos_token_ids))
+        else:
+            self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
+                                                          eos_token=sorted(eos_token_ids))
         self.compile = lru_cache(maxsize=256)(self._compile)
         # The first mask ever computed for a tokenizer builds llguidance's tables for it
         # (seconds for a 262k vocabulary): here, with the rest of the set-up, rather than
@@ -235,14 +244,22 @@ def fill_masks(matchers: list[Matcher], bitmask: torch.Tensor) -> None:
     global _executor
     if matchers and all(isinstance(m, _LLGuidanceMatcher) for m in matchers):
         import llguidance
-        import llguidance.torch
         if _executor is None:
             _executor = llguidance.LLExecutor()
-        llguidance.torch.fill_next_token_bitmask_par(_executor, [(m._matcher, k) for k, m in enumerate(matchers)],
-                                                     bitmask)
+        _check_bitmask(bitmask)
+        _executor.unsafe_compute_mask_ptr([(m._matcher, k) for k, m in enumerate(matchers)], bitmask.data_ptr(),
+                                          bitmask.shape[1] * 4, bitmask.shape[0])
         return
     for k, matcher in enumerate(matchers):
         matcher.fill_mask(bitmask, k)
+
+
+def _check_bitmask(bitmask: torch.Tensor) -> None:
+    """What llguidance writes its masks into by address (as its llguidance.torch helpers
+    do; importing those costs 3 s: a torch.compile decorator that imports torch._dynamo)."""
+    import torch
+    if not (bitmask.dtype == torch.int32 and bitmask.is_cpu and bitmask.is_contiguous()):
+        raise ValueError("a token bitmask must be a contiguous int32 tensor on the host")
 
 
 def apply_masks(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
