@@ -45,8 +45,8 @@ END_OF_TURN_TOKENS = ("<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>")
 def load_tokenizer(model_dir: Path, model_type: str, cache: Path | None = None):
     """The model's HF tokenizer. With `cache` (a directory), a copy is kept there, keyed
     by the tokenizer files and the library versions: transformers takes ~3 s to build a
-    262k-token tokenizer from its files (holding the GIL for a second at a time); the
-    copy loads in about one, nearly all of it in Rust with the GIL released."""
+    262k-token tokenizer from its files; the copy loads in about one (most of it the Rust
+    tokenizer's parse, which holds the GIL)."""
     tokenizer = _load_cached(model_dir, cache)
     if tokenizer is None:
         from transformers import AutoTokenizer
@@ -56,12 +56,6 @@ def load_tokenizer(model_dir: Path, model_type: str, cache: Path | None = None):
     if not tokenizer.chat_template and model_type.startswith("gemma"):
         tokenizer.chat_template = GEMMA_CHAT_TEMPLATE
     return tokenizer
-
-
-def is_cached(model_dir: Path, cache: Path | None) -> bool:
-    """Whether `load_tokenizer` will load a kept copy (and fast)."""
-    paths = _cache_paths(model_dir, cache)
-    return paths is not None and all(p.exists() for p in paths)
 
 
 def _cache_paths(model_dir: Path, cache: Path | None) -> tuple[Path, Path] | None:
@@ -90,7 +84,7 @@ def _load_cached(model_dir: Path, cache: Path | None):
         kind, state = pickle.loads(paths[0].read_bytes())  # noqa: S301 - our own cache, as trusted as its kernels
         tokenizer = kind.__new__(kind)
         tokenizer.__dict__.update(state)
-        tokenizer._tokenizer = Tokenizer.from_file(str(paths[1]))  # releases the GIL while it parses
+        tokenizer._tokenizer = Tokenizer.from_file(str(paths[1]))
         return tokenizer
     except Exception as exc:  # noqa: BLE001 - a damaged or stale copy: load from the files
         logger.warning("ignoring unreadable cached tokenizer %s (%s)", paths[0], exc)

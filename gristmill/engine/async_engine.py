@@ -11,7 +11,6 @@ every in-flight request with EngineDeadError.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
 import itertools
 import logging
@@ -66,17 +65,11 @@ class AsyncEngine:
         self._core_config = dataclasses.replace(config, model=str(model_dir))
         self._closed = False
         self._lock = threading.Lock()  # shutdown against a restart's swap of cores
-        if builder.tokenizer_is_cached(model_dir, config.cache_dir):
-            # A kept tokenizer loads on a thread while the core starts: it holds the GIL
-            # for a fraction of a second at a time, so a core that dies is still seen at once.
-            loader = concurrent.futures.ThreadPoolExecutor(1, "gristmill-tokenizer")
-            tokenizer = loader.submit(builder.load_tokenizer, model_dir, config.cache_dir)
-            loader.shutdown(wait=False)
-        else:  # built from its files it holds the GIL for a second at a time: before the core starts
-            tokenizer = concurrent.futures.Future()
-            tokenizer.set_result(builder.load_tokenizer(model_dir, config.cache_dir))
+        # Before the core starts, not beside it: loading a tokenizer holds the GIL for a
+        # second at a time (the Rust tokenizer's parse of a 262k vocabulary, even from the
+        # kept copy), which would hold up seeing a core that dies while it starts.
+        self.tokenizer, eos_token_ids = builder.load_tokenizer(model_dir, config.cache_dir)
         self._client, ready = self._start_core()
-        self.tokenizer, eos_token_ids = tokenizer.result()
         self.capacity = ready.capacity
         self.inputs = InputProcessor(self.tokenizer, eos_token_ids, self.capacity)
         self.outputs = OutputProcessor(self.tokenizer)

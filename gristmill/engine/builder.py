@@ -9,7 +9,7 @@ process all build through here:
   converted once into the cache, in the caller's process, so a core never converts.
 - `build_core(config)`: an `EngineCore` over a `ModelRunner` (loads the weights).
 - `load_tokenizer(model_dir)`: the tokenizer and the ids that end a sequence (a copy is
-  kept in the cache; `tokenizer_is_cached` says whether one is).
+  kept in the cache).
 """
 
 from __future__ import annotations
@@ -49,12 +49,6 @@ def build_core(config: EngineConfig, model_dir: Path | None = None) -> EngineCor
         return BACKENDS[config.structured_output_backend](tokenizer, runner.vocab_size, eos_ids)
 
     return EngineCore(config, runner, grammars)
-
-
-def tokenizer_is_cached(model_dir: Path, cache_dir: str | None = None) -> bool:
-    from gristmill.paths import cache_root
-    from gristmill.tokenizer import is_cached
-    return is_cached(model_dir, cache_root(cache_dir))
 
 
 def load_tokenizer(model_dir: Path, cache_dir: str | None = None) -> tuple[object, frozenset[int]]:
