@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from gristmill.model.loader import Q8_0_FILE, _unpermute_rotary, convert_gguf, dequantize_q8_0, resolve_model
+from gristmill.model.loader import Q8_0_FILE, _unpermute_rotary, convert_gguf, resolve_model
 
 TEXT = Path(__file__).parent.parent / "data" / "public_domain_english.txt"
 
@@ -261,3 +261,10 @@ def test_convert_gguf_without_vocabulary_is_a_value_error(tmp_path):
     writer.close()
     with pytest.raises(ValueError, match="no tokenizer.ggml.tokens"):
         convert_gguf(path, tmp_path)
+
+
+def dequantize_q8_0(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """(rows, cols) int8 values and (rows, cols / 32) fp16 scales -> float32 (rows, cols),
+    as llama.cpp dequantizes Q8_0: value x scale."""
+    rows, cols = values.shape
+    return (values.view(rows, cols // 32, 32).float() * scales.float()[:, :, None]).view(rows, cols)

@@ -347,7 +347,7 @@ def test_q8_0_blocks_pack_into_the_weights_their_dequantization_quantizes_to(out
     import gguf
     import numpy as np
 
-    from gristmill.model.loader import dequantize_q8_0
+    from tests.model.test_loader import dequantize_q8_0
 
     rng = np.random.default_rng(0)
     weights = rng.standard_normal((out_features, 96)).astype(np.float32)

@@ -1,9 +1,8 @@
 """Optional C++ kernels, compiled once per machine on first use.
 
-`paged_decode_attention()`, `fused_ops()`, `int8_extension()` and `q4_extension()` return
-the compiled op / module, or None when it cannot be built (no compiler,
-GRISTMILL_KERNELS=0): callers then use a pure-torch path, which gives the same results,
-only slower.
+`fused_ops()`, `int8_extension()` and `q4_extension()` return the compiled module, or None
+when it cannot be built (no compiler, GRISTMILL_KERNELS=0): callers then use a pure-torch
+path, which gives the same results, only slower.
 
 Importing this module imports no torch, and neither does `is_built`: a client can find
 out whether a first start must compile (and start it early, `build_in_background`)
@@ -133,11 +132,6 @@ def build_in_background(q4: bool = False, unless_cuda: bool = False) -> threadin
     thread = threading.Thread(target=run, name="gristmill-kernels", daemon=True)
     thread.start()
     return thread
-
-
-def paged_decode_attention():
-    ext = extension()
-    return None if ext is None else ext.paged_decode_attention
 
 
 def fused_ops():

@@ -272,9 +272,3 @@ def load_weights(model: torch.nn.Module, model_dir: Path, skip: set[str] = froze
                 target_name = name.removesuffix(Q8_0_VALUES)
                 if name.endswith(Q8_0_VALUES) and target_name in loaded:
                     params[target_name].q8_0 = (f.get_tensor(name), f.get_tensor(target_name + Q8_0_SCALES))
-
-
-def dequantize_q8_0(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """(rows, cols) int8 values and (rows, cols / 32) fp16 scales -> float32 (rows, cols)."""
-    rows, cols = values.shape
-    return (values.view(rows, cols // 32, 32).float() * scales.float()[:, :, None]).view(rows, cols)
