@@ -19,7 +19,10 @@ def _stream(tokenizer, skip_special_tokens: bool, context: list[int]):
         return None
     stream = DecodeStream(skip_special_tokens=skip_special_tokens)
     if context:
-        stream.step(backend, context)
+        try:
+            stream.step(backend, context)
+        except Exception:  # a prompt that ends inside a character it cannot follow: no stream
+            return None
     return lambda token_id: stream.step(backend, token_id)
 
 
@@ -61,6 +64,9 @@ class IncrementalDetokenizer:
         self._holdback = max((len(s) for s in stop), default=1) - 1
         self._decode = _decoder(tokenizer, skip_special_tokens)
         self._step = _stream(tokenizer, skip_special_tokens, self.ids)
+        # The stream's tokens whose text it has not given yet; on a stream error the
+        # two-decode path takes over from `self.ids`, the tokens whose text is out.
+        self._pending: list[int] = []
 
     @property
     def text(self) -> str:
@@ -78,19 +84,29 @@ class IncrementalDetokenizer:
 
     def _add(self, token_ids: list[int]) -> bool:
         if self._step is not None:
-            if not self.stop:  # nothing to look for between tokens: one call for them all
-                new_text = self._step(list(token_ids))
-                if new_text:
-                    self._text += new_text
-                return False
-            for token_id in token_ids:
-                if self.stopped:
-                    break
-                self.num_tokens += 1
-                new_text = self._step(token_id)
-                if new_text:
-                    self._append(new_text)
-            return self.stopped
+            fed = 0
+            try:
+                if not self.stop:  # nothing to look for between tokens: one call for them all
+                    fed = len(token_ids)
+                    self.num_tokens += fed
+                    self._stream_text(list(token_ids), self._text_out)
+                    return False
+                for token_id in token_ids:
+                    if self.stopped:
+                        break
+                    fed += 1
+                    self.num_tokens += 1
+                    self._stream_text([token_id], self._append)
+                return self.stopped
+            except Exception:
+                # The Rust stream refuses some byte-fallback sequences ("Invalid prefix
+                # encountered while decoding stream") that decoding whole ids handles:
+                # the two-decode path goes on from the last text the stream gave.
+                self._step = None
+                self.num_tokens -= len(self._pending)
+                token_ids = self._pending + list(token_ids[fed:])
+                self._pending = []
+                self.prefix_offset, self.read_offset = 0, len(self.ids)
         for token_id in token_ids:
             if self.stopped:
                 break
@@ -104,6 +120,18 @@ class IncrementalDetokenizer:
                 self.read_offset = len(self.ids)
                 self._append(new_text)
         return self.stopped
+
+    def _stream_text(self, token_ids: list[int], take) -> None:
+        self._pending.extend(token_ids)
+        new_text = self._step(token_ids if len(token_ids) > 1 else token_ids[0])
+        if new_text:
+            # The pending tokens' text is out: keep the last few as context.
+            self.ids = (self.ids + self._pending)[-_CONTEXT_TOKENS:]
+            self._pending = []
+            take(new_text)
+
+    def _text_out(self, new_text: str) -> None:
+        self._text += new_text
 
     def _append(self, new_text: str) -> None:
         start = max(0, len(self._text) - self._holdback)

@@ -74,3 +74,23 @@ def test_held_tokens_decoded_once_at_the_end_give_the_same_text(tokenizer):
         assert held.text == _text(tokenizer, prompt, output)[0] and held.held == []
     # With stop strings the text is still checked token by token.
     assert IncrementalDetokenizer(tokenizer, [2], ["x"], incremental=False).held is None
+
+
+def test_a_sequence_the_stream_refuses_falls_back_to_the_two_decode_text(tokenizer):
+    """Byte-fallback tokens after a prompt that ends inside a character: the Rust stream
+    raises "Invalid prefix encountered while decoding stream" (the server once answered
+    500 to such a fuzzed request); the detokenizer goes on with the two-decode path from
+    the last text the stream gave, and gives the two-decode text. (Fed several tokens a
+    call without stop strings, the stream takes these sequences and decodes them its own
+    way: nothing raises there.)"""
+    prompt = tokenizer("\x85\U000de6eeÃ±").input_ids
+    for output in ([396, 237072, 432, 371, 371, 237072, 14144, 237072],
+                   [237072, 54132, 432, 396, 393, 3727, 239293, 481]):
+        for chunk, stop in ((1, ()), (1, ("never-there",)), (3, ("never-there",)), (8, ("never-there",))):
+            detok = IncrementalDetokenizer(tokenizer, prompt, list(stop))
+            for i in range(0, len(output), chunk):
+                assert detok.add_tokens(output[i:i + chunk]) is False
+            assert detok._step is None, "the stream took this sequence: the case no longer tests the fallback"
+            assert detok.text == _text(tokenizer, prompt, output, stop=stop, stream=False)[0], (output, chunk)
+            assert len(detok.text) >= 8  # nothing dropped on the way
+            assert detok.num_tokens == len(output)
