@@ -55,7 +55,7 @@ def main() -> None:
                                  structured_output={"json": SCHEMA})
 
     start = time.perf_counter()
-    grammars = llm.core._make_grammars()
+    grammars = llm.core._make_grammars(llm.inputs.eos_token_ids)
     setup = time.perf_counter() - start
     constraint = parse_constraint({"json": SCHEMA})
     start = time.perf_counter()

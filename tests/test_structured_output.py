@@ -7,6 +7,7 @@ async scheduling (the CUDA default) the outputs are the same."""
 from __future__ import annotations
 
 import json
+import random
 import re
 
 import pytest
@@ -225,3 +226,42 @@ def test_a_grammar_engine_failure_mid_request_fails_only_that_request(monkeypatc
         assert llm.core.block_manager.num_free_blocks == llm.core.block_manager.num_total_blocks
     finally:
         faults.load()
+
+
+def test_grammars_read_from_the_tokenizer_file_give_the_masks_of_the_hf_tokenizer(default_llm):
+    """The engine core builds llguidance's tokenizer from the model's tokenizer.json
+    without loading an HF tokenizer; its masks are those of one built from the HF
+    tokenizer, state by state, and a file that pads or truncates falls back to the HF one."""
+    from gristmill.structured.grammars import LLGuidanceGrammars, allowed_tokens, fill_masks, torch_bitmask
+
+    runner, eos = default_llm.core.executor, default_llm.inputs.eos_token_ids
+
+    def never():
+        raise AssertionError("the HF tokenizer was loaded although the file serves")
+
+    from_file = LLGuidanceGrammars(never, runner.vocab_size, eos, runner.model_dir / "tokenizer.json")
+    from_hf = LLGuidanceGrammars(lambda: default_llm.tokenizer, runner.vocab_size, eos)
+    rng = random.Random(0)
+    for constraint in ({"json": PERSON}, {"regex": "[0-9]{3}-[0-9]{4}"}, {"choice": ["yes", "no"]}):
+        a, b = (g.matcher(parse_constraint(constraint)) for g in (from_file, from_hf))
+        for _ in range(12):  # a walk through the grammar along tokens both allow
+            masks = [torch_bitmask(1, runner.vocab_size) for _ in range(2)]
+            fill_masks([a], masks[0])
+            fill_masks([b], masks[1])
+            assert masks[0].equal(masks[1]) and not masks[0].eq(-1).all(), constraint
+            allowed = allowed_tokens(masks[0], runner.vocab_size)[0].nonzero()[:, 0].tolist()
+            token = rng.choice(allowed)
+            assert a.accept(token) and b.accept(token)
+            if a.finished:
+                assert b.finished
+                break
+
+    padded = runner.model_dir.parent / "padded-tokenizer.json"
+    try:
+        data = json.loads((runner.model_dir / "tokenizer.json").read_text())
+        padded.write_text(json.dumps({**data, "padding": {"strategy": "BatchLongest", "pad_id": 0}}))
+        loaded = []
+        LLGuidanceGrammars(lambda: loaded.append(1) or default_llm.tokenizer, runner.vocab_size, eos, padded)
+        assert loaded == [1]
+    finally:
+        padded.unlink(missing_ok=True)

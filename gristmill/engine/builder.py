@@ -43,10 +43,11 @@ def build_core(config: EngineConfig, model_dir: Path | None = None) -> EngineCor
     from gristmill.model.runner import ModelRunner
     runner = ModelRunner(config, model_dir)
 
-    def grammars():
+    def grammars(eos_token_ids: frozenset[int]):
         from gristmill.structured.grammars import BACKENDS
-        tokenizer, eos_ids = load_tokenizer(runner.model_dir, config.cache_dir)
-        return BACKENDS[config.structured_output_backend](tokenizer, runner.vocab_size, eos_ids)
+        return BACKENDS[config.structured_output_backend](
+            lambda: load_tokenizer(runner.model_dir, config.cache_dir)[0], runner.vocab_size, eos_token_ids,
+            runner.model_dir / "tokenizer.json")
 
     return EngineCore(config, runner, grammars)
 

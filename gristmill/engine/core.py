@@ -44,9 +44,10 @@ class AsyncExecutor(Executor, Protocol):
 
 class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor,
-                 grammars: Callable[[], object] | None = None):
-        """`grammars`: builds the structured-output grammar engine
-        (gristmill.structured.grammars.Grammars) when a first request asks for one."""
+                 grammars: Callable[[frozenset[int]], object] | None = None):
+        """`grammars(eos_token_ids)`: builds the structured-output grammar engine
+        (gristmill.structured.grammars.Grammars) when a first request asks for one, with
+        the end-of-sequence ids its client sent."""
         self.config = config
         self.executor = executor
         self._make_grammars = grammars
@@ -123,7 +124,7 @@ class EngineCore:
                 f"request id {request_id!r} was sent while a request with that id was in the engine; "
                 f"both were ended, send each request under its own id", param="request_id"))
         try:
-            matcher = self._matcher(message.sampling_params)
+            matcher = self._matcher(message.sampling_params, message.eos_token_ids)
         except RequestError as exc:
             return error_string(exc)
         request = Request(request_id, list(message.prompt_token_ids), message.sampling_params,
@@ -132,7 +133,7 @@ class EngineCore:
         self.scheduler.add_request(request)
         return None
 
-    def _matcher(self, params):
+    def _matcher(self, params, eos_token_ids: frozenset[int]):
         """The structured-output matcher of a request, or None; a constraint the grammar
         engine cannot compile is a RequestError, before the request takes anything."""
         constraint = parse_constraint(params.structured_output)
@@ -142,7 +143,7 @@ class EngineCore:
             if self._make_grammars is None:
                 raise RequestError("this engine has no grammar engine for structured_output",
                                    param="structured_output")
-            self._grammars = self._make_grammars()
+            self._grammars = self._make_grammars(frozenset(eos_token_ids))
         return self._grammars.matcher(constraint)
 
     def abort(self, request_ids, reason: str = "abort") -> None:

@@ -18,7 +18,9 @@ import json
 import logging
 import re
 import time
+from collections.abc import Callable
 from functools import lru_cache
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gristmill.errors import RequestError
@@ -96,29 +98,40 @@ class LLGuidanceGrammars:
     """`Constraint`s compiled by llguidance (1.9.x, the default engine) for one model's
     tokenizer; the same interface as `Grammars` (xgrammar)."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids):
+    def __init__(self, load_tokenizer: Callable[[], object], vocab_size: int, eos_token_ids,
+                 tokenizer_file: Path | None = None):
+        """`load_tokenizer()` gives the HF tokenizer; it is not called when
+        `tokenizer_file` (the model's tokenizer.json) has no padding or truncation:
+        llguidance then reads that file itself, and the engine core never loads an HF
+        tokenizer (a second of holding the GIL for Gemma 3's 262k vocabulary)."""
         try:
             import llguidance
             import llguidance.hf
         except ImportError:
             raise RequestError("structured_output_backend='llguidance' needs the llguidance package: "
                                "pip install 'llguidance>=1.9,<2'", param="structured_output") from None
+        start = time.perf_counter()
         self._llguidance = llguidance
-        backend = getattr(tokenizer, "backend_tokenizer", None)
-        if backend is not None and backend.padding is None and backend.truncation is None:
-            # What llguidance.hf.from_tokenizer does, without the copy it makes to turn
-            # padding and truncation off (a second of a 262k vocabulary's set-up).
-            self.tokenizer = llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size,
-                                                    eos_token=sorted(eos_token_ids))
+        eos = sorted(eos_token_ids)
+        if tokenizer_file is not None and _plain_tokenizer_file(tokenizer_file):
+            self.tokenizer = llguidance.LLTokenizer(str(tokenizer_file), n_vocab=vocab_size, eos_token=eos)
         else:
-            self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
-                                                          eos_token=sorted(eos_token_ids))
+            tokenizer = load_tokenizer()
+            backend = getattr(tokenizer, "backend_tokenizer", None)
+            if backend is not None and backend.padding is None and backend.truncation is None:
+                # What llguidance.hf.from_tokenizer does, without the copy it makes to turn
+                # padding and truncation off (a second of a 262k vocabulary's set-up).
+                self.tokenizer = llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=eos)
+            else:
+                self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
         self.compile = lru_cache(maxsize=256)(self._compile)
         # The first mask ever computed for a tokenizer builds llguidance's tables for it
         # (seconds for a 262k vocabulary): here, with the rest of the set-up, rather than
         # inside the first constrained step.
         warm = self.matcher(Constraint("choice", '["a"]'))
         fill_masks([warm], torch_bitmask(1, vocab_size))
+        logger.info("grammar engine (llguidance) ready for a %d-token vocabulary in %.1f s", vocab_size,
+                    time.perf_counter() - start)
 
     def matcher(self, constraint: Constraint) -> Matcher:
         matcher = self._llguidance.LLMatcher(self.tokenizer, self.compile(constraint))
@@ -133,12 +146,13 @@ class LLGuidanceGrammars:
 class Grammars:
     """`Constraint`s compiled by xgrammar for one model's tokenizer (set up once, ~1-5 s)."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids):
+    def __init__(self, load_tokenizer: Callable[[], object], vocab_size: int, eos_token_ids,
+                 tokenizer_file: Path | None = None):
         import xgrammar
 
         start = time.perf_counter()
         self._xgrammar = xgrammar
-        self.info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+        self.info = xgrammar.TokenizerInfo.from_huggingface(load_tokenizer(), vocab_size=vocab_size,
                                                             stop_token_ids=sorted(eos_token_ids))
         self.compiler = xgrammar.GrammarCompiler(self.info, max_threads=2)
         self.compile = lru_cache(maxsize=256)(self._compile)
@@ -156,6 +170,18 @@ class Grammars:
             if constraint.kind == "json_object":
                 return compiler.compile_builtin_json_grammar()
             return compiler.compile_grammar(_grammar(constraint))
+
+
+def _plain_tokenizer_file(path: Path) -> bool:
+    """A tokenizers JSON file whose first keys say it pads and truncates nothing (as
+    tokenizers writes them: version, truncation, padding)."""
+    try:
+        with open(path, "rb") as file:
+            head = file.read(512)
+    except OSError:
+        return False
+    return re.match(rb'\{\s*"version"\s*:\s*"[^"]*"\s*,\s*"truncation"\s*:\s*null\s*,\s*"padding"\s*:\s*null\s*,',
+                    head) is not None
 
 
 def check(constraint: Constraint) -> None:
