@@ -27,6 +27,20 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    """When a request's tokens reached its client (`time.monotonic()` seconds)."""
+
+    arrival_time: float
+    #: (time, tokens) for each engine step that brought the request tokens, so an output
+    #: asked for only when it finishes still tells its latencies.
+    token_arrivals: list[tuple[float, int]] = field(default_factory=list)
+
+    @property
+    def first_token_time(self) -> float | None:
+        return self.token_arrivals[0][0] if self.token_arrivals else None
+
+
+@dataclass
 class RequestOutput:
     """A request's result. `text`, `token_ids`, ... are those of its first completion."""
 
@@ -34,6 +48,8 @@ class RequestOutput:
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
+    #: Timings (AsyncEngine); updated until the request finishes. None offline (LLM).
+    metrics: RequestMetrics | None = None
 
     @property
     def finished(self) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field, replace
 
 from gristmill.errors import RequestError
@@ -16,8 +17,9 @@ MAX_BAD_WORDS = 100
 class SamplingParams:
     """How one request samples and stops. Invalid values raise `RequestError`."""
 
-    #: Most tokens to generate (the prompt is not counted).
-    max_tokens: int = 16
+    #: Most tokens to generate (the prompt is not counted). None: as many as the context
+    #: and the KV cache leave room for after the prompt (filled in where it is tokenized).
+    max_tokens: int | None = 16
     #: 0 picks the most likely token (greedy); higher flattens the distribution.
     temperature: float = 1.0
     #: Keep the smallest set of tokens whose probability adds up to top_p (1 = all).
@@ -64,6 +66,24 @@ class SamplingParams:
     #: Words the completion must not contain: each is tokenized (alone and after a space),
     #: and the last token of each form is banned wherever the completion ends with the rest.
     bad_words: list[str] = field(default_factory=list)
+    #: `validate()` passed and no field was assigned since: the engine's client does not
+    #: check it again (a list or dict changed in place is not seen; the core checks
+    #: every request it receives anyway).
+    _valid: bool = field(default=False, init=False, repr=False, compare=False)
+
+    def __setattr__(self, name, value):
+        object.__setattr__(self, name, value)
+        if name != "_valid":
+            object.__setattr__(self, "_valid", False)
+
+    def __getstate__(self) -> dict:
+        # Without `_valid`: a receiver (the engine core) checks what it is sent.
+        return {name: getattr(self, name) for name in self.__dataclass_fields__ if name != "_valid"}
+
+    def __setstate__(self, state: dict) -> None:
+        for name, value in state.items():
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "_valid", False)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -85,8 +105,9 @@ class SamplingParams:
             if not ok:
                 raise RequestError(message, param=param)
 
-        check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
-              f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens",
+              f"max_tokens must be an integer >= 1 (or None: the room left after the prompt), "
+              f"got {self.max_tokens!r}")
         check(_is_number(self.temperature) and self.temperature >= 0, "temperature",
               f"temperature must be a number >= 0 (0 = greedy), got {self.temperature!r}")
         check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p",
@@ -120,7 +141,7 @@ class SamplingParams:
             check(_is_number(value) and -2 <= value <= 2, name, f"{name} must be a number in [-2, 2], got {value!r}")
         check(_is_number(self.repetition_penalty) and 0 < self.repetition_penalty < float("inf"),
               "repetition_penalty", f"repetition_penalty must be a number > 0 (1 = off), got {self.repetition_penalty!r}")
-        check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+        check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= (self.max_tokens or self.min_tokens), "min_tokens",
               f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
         check(len(self.bad_words) <= MAX_BAD_WORDS and all(isinstance(w, str) and w.strip() for w in self.bad_words),
               "bad_words", f"bad_words must be a list of at most {MAX_BAD_WORDS} non-blank strings, "
@@ -129,6 +150,12 @@ class SamplingParams:
         if constraint is not None:  # its schema, regex or grammar parses (the engine compiles it for its tokenizer)
             from gristmill.structured.grammars import check
             check(constraint)
+        object.__setattr__(self, "_valid", True)
+
+    def ensure_valid(self) -> None:
+        """`validate()` unless it passed and nothing was assigned since."""
+        if not self._valid:
+            self.validate()
 
     @property
     def greedy(self) -> bool:
@@ -141,6 +168,15 @@ class SamplingParams:
 
     def clone(self, **changes) -> "SamplingParams":
         return replace(self, **changes)
+
+    def derived(self, **changes) -> "SamplingParams":
+        """A copy with `changes` the caller knows keep it valid (one completion of n, its
+        seed, the room left as max_tokens): not validated again."""
+        new = copy.copy(self)
+        for name, value in changes.items():
+            object.__setattr__(new, name, value)
+        object.__setattr__(new, "_valid", self._valid)
+        return new
 
 
 def _is_int(value) -> bool:

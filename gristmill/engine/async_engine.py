@@ -26,10 +26,10 @@ from gristmill.engine.core_client import CoreClient
 from gristmill.engine.messages import Abort, Ready, Rejected, StatsQuery, StatsReply, StepOutputs
 from gristmill.engine.output_processor import OutputProcessor
 from gristmill.engine.processor import InputProcessor
-from gristmill.engine.stream import RequestStream
+from gristmill.engine.stream import OUTPUT_KINDS, RequestStream
 from gristmill.errors import (EngineDeadError, EngineOverloadedError, GenerationError, GristmillError,
                              RequestError)
-from gristmill.outputs import CompletionOutput, RequestOutput
+from gristmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from gristmill.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -117,12 +117,15 @@ class AsyncEngine:
         self._raise_if_dead()
 
     async def generate(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None, *, add_special_tokens: bool = True
-                       ) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, *, add_special_tokens: bool = True,
+                       output_kind: str = "cumulative") -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; the last has `finished` set. Raises RequestError,
         PromptTooLongError, GenerationError, EngineOverloadedError or EngineDeadError.
-        Cancelling the consuming task (or leaving the loop early) aborts the request."""
-        stream = self.add_request(prompt, sampling_params, request_id, add_special_tokens=add_special_tokens)
+        Cancelling the consuming task (or leaving the loop early) aborts the request.
+        `output_kind`: "cumulative" (each output holds everything so far), "delta" (only
+        what is new) or "final" (one output, at the end; nothing copied per step)."""
+        stream = self.add_request(prompt, sampling_params, request_id, add_special_tokens=add_special_tokens,
+                                  output_kind=output_kind)
         try:
             async for output in stream:
                 yield output
@@ -131,20 +134,23 @@ class AsyncEngine:
 
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
                     request_id: str | None = None, *, add_special_tokens: bool = True,
-                    max_buffered: int | None = None) -> RequestStream:
+                    max_buffered: int | None = None, output_kind: str = "cumulative") -> RequestStream:
         """Validate and submit a request now (errors raise here, before any output), and
         return its stream. Call it from a running event loop. The caller must `aclose()`
         the stream (that aborts the request if unfinished). `max_buffered`: outputs that
         may wait unread before the request is aborted (a reader too slow for it) and the
-        stream ends with GenerationError."""
+        stream ends with GenerationError. `output_kind`: see `generate`."""
+        if output_kind not in OUTPUT_KINDS:
+            raise RequestError(f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {output_kind!r}",
+                               param="output_kind")
         return self._open(prompt, sampling_params or SamplingParams(), request_id, add_special_tokens,
-                          max_buffered)
+                          max_buffered, output_kind)
 
     async def abort(self, request_id: str) -> None:
         stream = self._streams.get(request_id)
         if stream is not None:
             self._abort(stream)
-            stream.push(_snapshot(stream.output))
+            stream.push(_outgoing(stream, stream.output))
 
     async def stats(self) -> dict:
         self._raise_if_dead()
@@ -215,7 +221,7 @@ class AsyncEngine:
     # -- requests in (on the event loop) ------------------------------------------------
 
     def _open(self, prompt, params: SamplingParams, request_id: str | None,
-              add_special_tokens: bool, max_buffered: int | None = None) -> RequestStream:
+              add_special_tokens: bool, max_buffered: int | None, output_kind: str) -> RequestStream:
         self._raise_if_dead()
         self._bind_loop()
         request_id = request_id or uuid.uuid4().hex
@@ -231,13 +237,14 @@ class AsyncEngine:
             raise RequestError(f"request id {request_id!r} is already in use; use a unique id",
                                param="request_id")
         self._check_capacity(len(requests))
-        output = RequestOutput(request_id, prompt_text, token_ids, [CompletionOutput(i) for i in range(params.n)])
+        output = RequestOutput(request_id, prompt_text, token_ids, [CompletionOutput(i) for i in range(params.n)],
+                               RequestMetrics(time.monotonic()))
         try:
             self.outputs.add(output, child_ids, params)
         except GenerationError:
             self.num_errors += 1
             raise
-        stream = RequestStream(output, child_ids, self._release, max_buffered)
+        stream = RequestStream(output, child_ids, self._release, max_buffered, output_kind)
         self._streams[request_id] = stream
         self._by_child.update((child, stream) for child in child_ids)
         try:
@@ -325,14 +332,14 @@ class AsyncEngine:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue
-            snapshot = _snapshot(output)
-            for completion in output.outputs:
-                completion.delta_text = ""
-            errors = [c.error for c in snapshot.outputs if c.finish_reason == "error"]
-            if errors and snapshot.finished:
+            pushed = _outgoing(stream, output)
+            if pushed is None:
+                continue
+            errors = [c.error for c in output.outputs if c.finish_reason == "error"]
+            if errors and output.finished:
                 self.num_errors += 1
                 stream.push(GenerationError(errors[0].split(": ", 1)[-1]))
-            elif stream.push(snapshot):  # its reader fell too far behind
+            elif stream.push(pushed):  # its reader fell too far behind
                 self.num_errors += 1
                 self._abort(stream)
 
@@ -381,11 +388,35 @@ class AsyncEngine:
             _call_threadsafe(loop, fn, *args)
 
 
+def _outgoing(stream: RequestStream, output: RequestOutput) -> RequestOutput | None:
+    """What `stream` is handed of `output` now, by its output kind (None: nothing yet)."""
+    if stream.output_kind == "final":
+        if not output.finished:
+            return None
+        for completion in output.outputs:
+            completion.delta_text = completion.text
+        return output  # finished: nothing changes it any more
+    pushed = _delta(output, stream.sent) if stream.output_kind == "delta" else _snapshot(output)
+    for completion in output.outputs:
+        completion.delta_text = ""
+    return pushed
+
+
 def _snapshot(output: RequestOutput) -> RequestOutput:
     return RequestOutput(output.request_id, output.prompt, output.prompt_token_ids, [
         dataclasses.replace(c, token_ids=list(c.token_ids),
                             logprobs=None if c.logprobs is None else list(c.logprobs))
-        for c in output.outputs])
+        for c in output.outputs], output.metrics)
+
+
+def _delta(output: RequestOutput, sent: list[int]) -> RequestOutput:
+    """What is new in `output` since `sent[i]` tokens of completion i were handed out."""
+    completions = []
+    for c in output.outputs:
+        start, sent[c.index] = sent[c.index], len(c.token_ids)
+        completions.append(dataclasses.replace(c, text=c.delta_text, token_ids=c.token_ids[start:],
+                                               logprobs=None if c.logprobs is None else c.logprobs[start:]))
+    return RequestOutput(output.request_id, output.prompt, output.prompt_token_ids, completions, output.metrics)
 
 
 def _call_threadsafe(loop: asyncio.AbstractEventLoop, fn: Callable, *args) -> None:

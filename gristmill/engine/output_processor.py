@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from gristmill.engine import faults
@@ -65,8 +66,9 @@ class OutputProcessor:
         the engine itself stays healthy."""
         changed: dict[int, RequestOutput] = {}
         to_finish: list[str] = []
+        now = time.monotonic()
         try:
-            self._process(updates, step, changed, to_finish)
+            self._process(updates, step, changed, to_finish, now)
         except Exception as exc:  # noqa: BLE001 - isolate the batch, not the engine
             error = GenerationError(f"processing a batch of engine outputs failed: {exc}")
             for update in updates:
@@ -77,7 +79,7 @@ class OutputProcessor:
         return list(changed.values()), list(dict.fromkeys(to_finish))
 
     def _process(self, updates: list[RequestUpdate], step: int | None,
-                 changed: dict[int, RequestOutput], to_finish: list[str]) -> None:
+                 changed: dict[int, RequestOutput], to_finish: list[str], now: float) -> None:
         for update in updates:
             live = self._live.get(update.request_id)
             if live is None:
@@ -86,6 +88,9 @@ class OutputProcessor:
                 faults.check("output_batch", prompt=live.parent.prompt, step=step)
             output = live.output
             output.token_ids.extend(update.new_token_ids)
+            metrics = live.parent.metrics
+            if metrics is not None and update.new_token_ids:
+                metrics.token_arrivals.append((now, len(update.new_token_ids)))
             if update.new_logprobs is not None and output.logprobs is not None:
                 output.logprobs.extend(update.new_logprobs)
             changed[id(live.parent)] = live.parent

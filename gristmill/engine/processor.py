@@ -36,15 +36,23 @@ class InputProcessor:
 
     def make_requests(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                       prompt: str | None = None) -> list[AddRequest]:
-        """One AddRequest per completion (`params.n`); raises RequestError when invalid."""
-        params.validate()
+        """One AddRequest per completion (`params.n`); raises RequestError when invalid.
+        `params.max_tokens=None` becomes the room left after this prompt."""
+        params.ensure_valid()
+        if params.max_tokens is None:
+            room = max(1, self.max_new_tokens(len(prompt_token_ids)))
+            if params.min_tokens > room:
+                raise RequestError(f"min_tokens ({params.min_tokens}) is more than the {room} tokens the context "
+                                   f"leaves after this {len(prompt_token_ids)}-token prompt; lower min_tokens",
+                                   param="min_tokens")
+            params = params.derived(max_tokens=room)
         check_fits(len(prompt_token_ids), params.max_tokens, self.capacity)
         fault_tag = prompt if faults.ACTIVE else None
         bad_words = self.bad_words_ids(params.bad_words)
         if params.n == 1:
             return [AddRequest(request_id, prompt_token_ids, params, self.eos_token_ids, fault_tag, bad_words)]
         return [AddRequest(child_request_id(request_id, i), prompt_token_ids,
-                           params.clone(n=1, seed=_child_seed(params.seed, i)), self.eos_token_ids, fault_tag,
+                           params.derived(n=1, seed=_child_seed(params.seed, i)), self.eos_token_ids, fault_tag,
                            bad_words)
                 for i in range(params.n)]
 
@@ -116,7 +124,7 @@ def check_add_request(message: AddRequest, capacity: Capacity) -> None:
     if not isinstance(params, SamplingParams):
         raise RequestError(f"sampling_params must be SamplingParams, got {type(params).__name__}",
                            param="sampling_params")
-    params.validate()
+    params.ensure_valid()  # a message off the wire always (unpickled params are unchecked)
     if params.n != 1:
         raise RequestError(f"the engine core takes one completion per request, got n={params.n}", param="n")
     check_token_ids(message.prompt_token_ids, capacity.vocab_size)

@@ -8,6 +8,14 @@ from collections.abc import Callable
 from gristmill.errors import GenerationError
 from gristmill.outputs import RequestOutput
 
+#: What the outputs of a request stream hold:
+#: - "cumulative": every output holds all the text, tokens and logprobs so far, and
+#:   `delta_text` what is new;
+#: - "delta": only what is new since the previous output (`text` = `delta_text`);
+#: - "final": one output, when the request finishes, with all of it (nothing is copied
+#:   per step: for batch rows and whole HTTP responses).
+OUTPUT_KINDS = ("cumulative", "delta", "final")
+
 
 class RequestStream:
     """The outputs of one request (see `AsyncEngine.add_request`), on the event loop
@@ -19,7 +27,7 @@ class RequestStream:
     """
 
     def __init__(self, output: RequestOutput, child_ids: list[str], release: Callable[["RequestStream"], None],
-                 max_buffered: int | None = None):
+                 max_buffered: int | None = None, output_kind: str = "cumulative"):
         #: The engine's view of the request; consumers read the pushed snapshots.
         self.output = output
         #: Engine request ids of its completions (one per `n`).
@@ -27,6 +35,10 @@ class RequestStream:
         self._release = release
         #: Outputs that may wait unread (None: no limit); past it the stream fails.
         self.max_buffered = max_buffered
+        #: What each pushed output holds (`OUTPUT_KINDS`).
+        self.output_kind = output_kind
+        #: Tokens of each completion handed out so far ("delta").
+        self.sent = [0] * len(output.outputs)
         self.overflowed = False
         self._queue: asyncio.Queue = asyncio.Queue()
         self._done = False

@@ -88,11 +88,11 @@ class RequestTimer:
         self.num_prompt_tokens = 0
         self.num_tokens = 0
 
-    def tokens(self, count: int) -> None:
-        """`count` more tokens arrived now."""
+    def tokens(self, count: int, at: float | None = None) -> None:
+        """`count` more tokens arrived now (or at `at`, a `time.monotonic()` time)."""
         if count <= 0:
             return
-        now = time.monotonic()
+        now = time.monotonic() if at is None else at
         if self.first is None:
             self.first = now
         elif self.last is not None:

@@ -125,10 +125,8 @@ class OpenAIServing:
         check_chat(body, self.limits)
         messages = [m.model_dump() for m in body.messages]
         text = render_chat(self.engine.tokenizer, messages, add_generation_prompt=True)
+        # None, as vLLM: whatever room the context leaves (counted where the prompt is tokenized).
         max_tokens = body.max_completion_tokens or body.max_tokens
-        if max_tokens is None:  # as vLLM: whatever room the context leaves
-            prompt_token_ids = self.engine.inputs.tokenize(text, add_special_tokens=False)
-            max_tokens = max(1, self.engine.max_new_tokens(prompt_token_ids))
         top = (body.top_logprobs or 0) if body.logprobs else None
         params = self._params(body, max_tokens, top)
         job = _Job(True, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), body.n, body.logprobs,
@@ -139,7 +137,7 @@ class OpenAIServing:
         """The prompt as echo returns it: token ids are decoded as the engine reads them."""
         return prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(prompt)
 
-    def _params(self, body, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def _params(self, body, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         unsupported = body.unsupported_field()
         if unsupported is not None:
             raise RequestError(f"{unsupported} would change the output and is not supported by this server; "
@@ -173,7 +171,7 @@ class OpenAIServing:
                 raise RequestError("stream=True needs the HTTP server (gristmill serve); this entry point "
                                    "returns whole responses: leave stream out", param="stream")
             job, prompts, params = (self._chat_job if chat else self._completion_job)(body)
-            await self._submit(job, prompts, params)
+            await self._submit(job, prompts, params, "final")
             timer.num_prompt_tokens = job.prompt_tokens
             try:
                 finals = await self._collect(job, timer)
@@ -185,13 +183,15 @@ class OpenAIServing:
         timer.finished(_overall_reason(finals))
         return self._response(job, finals)
 
-    async def _submit(self, job: _Job, prompts, params: SamplingParams) -> None:
-        """Every prompt of the job into the engine, or none (a failure closes those in)."""
+    async def _submit(self, job: _Job, prompts, params: SamplingParams, output_kind: str) -> None:
+        """Every prompt of the job into the engine, or none (a failure closes those in).
+        `output_kind` "final" for a whole response: nothing is copied per step."""
         try:
             for i, (prompt, special) in enumerate(prompts):
                 handle = self.engine.add_request(prompt, params, f"{job.request_id}-{i}",
                                                  add_special_tokens=special,
-                                                 max_buffered=self.limits.max_stream_buffer)
+                                                 max_buffered=self.limits.max_stream_buffer,
+                                                 output_kind=output_kind)
                 job.streams.append(handle)
                 job.prompt_tokens += len(handle.prompt_token_ids)
         except Exception:
@@ -201,7 +201,7 @@ class OpenAIServing:
     async def _run(self, job: _Job, prompts, params: SamplingParams, stream: bool, request: Request):
         timer = RequestTimer(self.metrics)
         try:
-            await self._submit(job, prompts, params)
+            await self._submit(job, prompts, params, "cumulative" if stream else "final")
         except Exception as exc:
             timer.failed(exc)
             return self._error_response(exc)
@@ -221,15 +221,17 @@ class OpenAIServing:
         return JSONResponse(self._response(job, finals))
 
     async def _collect(self, job: _Job, timer: RequestTimer) -> list[RequestOutput]:
-        async def drain(handle: RequestStream) -> RequestOutput:
-            seen = 0
+        """The final outputs of a job's streams (asked for with output_kind "final"); the
+        timer gets their tokens at the times they arrived."""
+        async def final(handle: RequestStream) -> RequestOutput:
             async for out in handle:
-                count = sum(len(c.token_ids) for c in out.outputs)
-                timer.tokens(count - seen)
-                seen = count
+                pass
             return out
 
-        return await asyncio.gather(*(drain(h) for h in job.streams))
+        finals = await asyncio.gather(*(final(h) for h in job.streams))
+        for at, count in sorted(a for out in finals if out.metrics for a in out.metrics.token_arrivals):
+            timer.tokens(count, at)
+        return finals
 
     async def _stream(self, job: _Job, timer: RequestTimer):
         finals: list[RequestOutput] = []

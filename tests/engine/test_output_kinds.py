@@ -1,0 +1,89 @@
+"""What a request stream hands out (`output_kind`), on the bundled model through a real
+engine-core process: "cumulative" (everything so far, each step), "delta" (what is new)
+and "final" (one output at the end, nothing copied per step) describe the same request;
+max_tokens=None is the room the context leaves, counted where the prompt is tokenized,
+once; the client validates a request's SamplingParams once."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gristmill import AsyncEngine, EngineConfig, RequestError, SamplingParams
+
+MAX_MODEL_LEN = 96
+
+
+@pytest.fixture(scope="module")
+def engine():
+    engine = AsyncEngine(EngineConfig(device="cpu", max_model_len=MAX_MODEL_LEN))
+    yield engine
+    engine.shutdown()
+
+
+def collect(engine, prompt, params, kind):
+    async def run():
+        return [out async for out in engine.generate(prompt, params, output_kind=kind)]
+    return asyncio.run(run())
+
+
+def test_cumulative_delta_and_final_outputs_describe_the_same_request(engine):
+    params = SamplingParams(max_tokens=30, temperature=0.8, seed=7, n=2, logprobs=2, ignore_eos=True,
+                            stop=["never-there"])
+    cumulative, delta, final = (collect(engine, "Once upon a time", params, kind)
+                                for kind in ("cumulative", "delta", "final"))
+    assert len(final) == 1 and final[0].finished
+    assert len(cumulative) >= 5 and len(delta) >= 5  # (how many: as the steps reached the client)
+    for i in range(2):
+        whole, last = final[0].outputs[i], cumulative[-1].outputs[i]
+        assert len(whole.token_ids) == 30 and whole.finish_reason == "length"
+        assert (whole.text, whole.token_ids, whole.logprobs) == (last.text, last.token_ids, last.logprobs)
+        assert whole.delta_text == whole.text  # handed out at once
+        assert "".join(out.outputs[i].delta_text for out in cumulative) == whole.text
+        pieces = [out.outputs[i] for out in delta]
+        assert all(p.text == p.delta_text for p in pieces)
+        assert "".join(p.text for p in pieces) == whole.text
+        assert sum((p.token_ids for p in pieces), []) == whole.token_ids
+        assert sum((p.logprobs for p in pieces), []) == whole.logprobs
+        # cumulative outputs are copies: an early one still holds only its tokens
+        assert len(cumulative[0].outputs[i].token_ids) < len(whole.token_ids)
+    arrivals = final[0].metrics.token_arrivals
+    assert sum(count for _, count in arrivals) == 60 and arrivals == sorted(arrivals)
+    assert arrivals[0][0] >= final[0].metrics.arrival_time
+
+
+def test_an_unknown_output_kind_is_a_request_error(engine):
+    with pytest.raises(RequestError, match="output_kind must be one of cumulative, delta, final") as info:
+        collect(engine, "Hi", SamplingParams(max_tokens=2), "last")
+    assert info.value.param == "output_kind"
+
+
+def test_max_tokens_none_is_the_room_left_counted_from_one_tokenization(engine, monkeypatch):
+    calls = []
+    encode = engine.tokenizer.encode
+    monkeypatch.setattr(engine.tokenizer, "encode", lambda *a, **k: calls.append(a) or encode(*a, **k))
+    prompt = "The history of the city goes back a long way, and"
+    out, = collect(engine, prompt, SamplingParams(max_tokens=None, temperature=0, ignore_eos=True), "final")
+    assert len(calls) == 1
+    assert out.finish_reason == "length"
+    assert len(out.prompt_token_ids) + len(out.token_ids) == MAX_MODEL_LEN
+
+    with pytest.raises(RequestError, match=r"min_tokens \(90\) is more than the") as info:
+        collect(engine, prompt, SamplingParams(max_tokens=None, min_tokens=90), "final")
+    assert info.value.param == "min_tokens"
+
+
+def test_the_client_validates_sampling_params_once_per_request(engine, monkeypatch):
+    calls = []
+    validate = SamplingParams.validate
+    monkeypatch.setattr(SamplingParams, "validate", lambda self: calls.append(1) or validate(self))
+    params = SamplingParams(max_tokens=None, n=3, temperature=0.5, seed=1,
+                            structured_output={"choice": ["yes", "no"]})
+    assert len(calls) == 1  # where it is built
+    outs = collect(engine, "Is the sky blue? Answer:", params, "final")
+    assert len(calls) == 1, "validated again on its way to the core"
+    assert sorted(c.text in ("yes", "no") for c in outs[0].outputs) == [True] * 3
+    params.temperature = -1  # assigned after it was built: checked again, and refused
+    with pytest.raises(RequestError, match="temperature must be a number >= 0"):
+        collect(engine, "Hi", params, "final")
