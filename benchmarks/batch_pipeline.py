@@ -3,16 +3,28 @@
 - LLM.generate (the core in this process),
 - AsyncEngine with every request submitted at once (the core in a child process),
 - a processor (build_processor, DeploymentProcessorConfig) over a deployment of the
-  same engine: rows in batches, stages, error handling, rows out in order.
+  same engine: rows in batches, stages, error handling, rows out in order,
+- `gristmill serve` over loopback, every row one non-streamed /v1/completions request.
 
     python benchmarks/batch_pipeline.py --rows 256 --output-len 32
+    python benchmarks/batch_pipeline.py --rows 64 --output-len 512 --only pipeline,http --before HEAD~3
+
+`--before REV` measures the package as it was at git revision REV too, side by side:
+each side runs in its own process (this file, with REV's `gristmill` first on the path).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 from gristmill import LLM, AsyncEngine, EngineConfig, SamplingParams
 from gristmill.batch import DeploymentProcessorConfig, build_processor, deploy
@@ -64,6 +76,84 @@ def bench_pipeline(config: EngineConfig, prompts, params, batch_size: int, max_c
     return sum(r["num_generated_tokens"] for r in rows) / elapsed
 
 
+def bench_http(config: EngineConfig, prompts, params, concurrency: int) -> float:
+    """Every prompt one non-streamed /v1/completions request to `gristmill serve` on
+    loopback, `concurrency` at a time; generated tokens per second as `usage` counts them."""
+    import httpx
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [sys.executable, "-m", "gristmill", "serve", "--port", str(port), "--device", config.device,
+               "--dtype", config.dtype, "--max-num-seqs", str(config.max_num_seqs)]
+    if config.model:
+        command += ["--model", config.model]
+    if config.max_model_len:
+        command += ["--max-model-len", str(config.max_model_len)]
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("gristmill serve did not start")
+            time.sleep(0.5)
+
+        async def run(batch, max_tokens):
+            limit = asyncio.Semaphore(concurrency)
+            async with httpx.AsyncClient(base_url=url, timeout=3600) as client:
+                async def one(prompt):
+                    async with limit:
+                        response = await client.post("/v1/completions", json={
+                            "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
+                        response.raise_for_status()
+                        return response.json()["usage"]["completion_tokens"]
+                return await asyncio.gather(*(one(p) for p in batch))
+
+        asyncio.run(run(prompts[:2], 2))
+        start = time.perf_counter()
+        counts = asyncio.run(run(prompts, params.max_tokens))
+        return sum(counts) / (time.perf_counter() - start)
+    finally:
+        server.terminate()
+        server.wait(60)
+
+
+BENCHES = ("LLM.generate", "AsyncEngine", "pipeline", "http")
+
+
+def measure(args) -> dict[str, float]:
+    config = EngineConfig(model=args.model, device="cpu", dtype="float32", max_model_len=args.max_model_len,
+                          max_num_seqs=args.max_num_seqs)
+    prompts = make_prompts(args.rows)
+    params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
+    runs = {"LLM.generate": lambda: bench_llm(config, prompts, params),
+            "AsyncEngine": lambda: bench_async(config, prompts, params),
+            "pipeline": lambda: bench_pipeline(config, prompts, params, args.batch_size,
+                                               args.max_concurrent_batches),
+            "http": lambda: bench_http(config, prompts, params, args.max_num_seqs)}
+    return {name: runs[name]() for name in args.only.split(",")}
+
+
+def measure_at(rev: str | None, argv: list[str]) -> dict[str, float]:
+    """`measure` in a child process, on the package at git revision `rev` (None: this tree)."""
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ)
+    with tempfile.TemporaryDirectory(prefix="gristmill-before-") as tree:
+        if rev is not None:
+            archive = subprocess.run(["git", "-C", str(root), "archive", rev], check=True, capture_output=True).stdout
+            subprocess.run(["tar", "-x", "-C", tree], input=archive, check=True)
+        env["PYTHONPATH"] = tree if rev is not None else str(root)
+        out = subprocess.run([sys.executable, __file__, *argv, "--json"], env=env, check=True,
+                             stdout=subprocess.PIPE, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None)
@@ -71,18 +161,29 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--max-concurrent-batches", type=int, default=4)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--only", default=",".join(BENCHES), help=f"comma-separated, of: {', '.join(BENCHES)}")
+    parser.add_argument("--before", metavar="REV", help="measure git revision REV too, side by side")
+    parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
-    config = EngineConfig(model=args.model, device="cpu", dtype="float32")
-    prompts = make_prompts(args.rows)
-    params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
+    if args.json:
+        print(json.dumps(measure(args)))
+        return
     print(f"{args.rows} rows, {args.output_len} tokens each, greedy; pipeline batch_size={args.batch_size}, "
-          f"max_concurrent_batches={args.max_concurrent_batches}", flush=True)
-    results = {"LLM.generate": bench_llm(config, prompts, params)}
-    results["AsyncEngine"] = bench_async(config, prompts, params)
-    results["pipeline"] = bench_pipeline(config, prompts, params, args.batch_size, args.max_concurrent_batches)
-    raw = results["AsyncEngine"]
-    print(f"{'':>14} {'tok/s':>8} {'/ AsyncEngine':>14}")
+          f"max_concurrent_batches={args.max_concurrent_batches}; max_num_seqs={args.max_num_seqs}", flush=True)
+    argv = [a for a in sys.argv[1:] if a != "--before" and a != args.before]
+    if args.before:
+        before, after = measure_at(args.before, argv), measure_at(None, argv)
+        print(f"{'tok/s':>14} {args.before:>12} {'this tree':>12} {'after/before':>13}")
+        for name in after:
+            print(f"{name:>14} {before[name]:>12.1f} {after[name]:>12.1f} {after[name] / before[name]:>12.2f}x")
+        return
+    results = measure(args)
+    raw = results.get("AsyncEngine") or next(iter(results.values()))
+    print(f"{'':>14} {'tok/s':>8} {'/ first':>14}" if "AsyncEngine" not in results else
+          f"{'':>14} {'tok/s':>8} {'/ AsyncEngine':>14}")
     for name, value in results.items():
         print(f"{name:>14} {value:>8.1f} {value / raw:>13.2f}x")
 

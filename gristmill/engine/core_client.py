@@ -30,16 +30,18 @@ from pathlib import Path
 import gristmill
 from gristmill.config import EngineConfig
 from gristmill.engine.heartbeat import Heartbeat
-from gristmill.engine.messages import CoreFailed, Ready, Shutdown, Start
-from gristmill.errors import EngineDeadError
+from gristmill.engine import wire
+from gristmill.engine.messages import CoreFailed, Ready, Rejected, Shutdown, Start
+from gristmill.errors import EngineDeadError, error_string
 
 logger = logging.getLogger(__name__)
 
 # How often the monitor reads the heartbeat while the core is alive.
 _WATCH_INTERVAL_S = 0.05
 # The child's whole program: import the core module by name and run it. The package
-# root is appended to sys.path so a core can start wherever its client could import us.
-_CORE_PROGRAM = ("import sys; sys.path.append({root!r}); "
+# root goes first on sys.path, so the core runs the very gristmill its client imported
+# (not another copy in its working directory) wherever the client could import it.
+_CORE_PROGRAM = ("import sys; sys.path.insert(0, {root!r}); "
                  "from gristmill.engine.core_process import main; main(sys.argv[1:])")
 CORE_MODULE = "gristmill.engine.core_process"
 
@@ -118,9 +120,23 @@ class CoreClient:
     def _write(self) -> None:
         while (message := self._outgoing.get()) is not None:
             try:
-                self._inbox.send(message)
+                frame = wire.encode(message)
+            except Exception as exc:  # noqa: BLE001 - it cannot be sent: only its own request ends
+                self._unsendable(message, exc)
+                continue
+            try:
+                self._inbox.send_bytes(frame)
             except (OSError, ValueError):
                 return  # the core is gone; the monitor reports it
+
+    def _unsendable(self, message, exc: Exception) -> None:
+        request_id = getattr(message, "request_id", None)
+        if not isinstance(request_id, str):
+            logger.error("a message for the engine core could not be pickled: %s", error_string(exc))
+            return
+        self._on_message(Rejected(request_id, f"RequestError: the request could not be sent to the engine "
+                                              f"core ({error_string(exc)}); send plain values the core can "
+                                              f"unpickle (SamplingParams, str, int, float, list, dict)"))
 
     # -- the reader thread ------------------------------------------------------------
 

@@ -20,7 +20,7 @@ import time
 from multiprocessing.connection import Connection
 
 from gristmill import startup
-from gristmill.engine import faults
+from gristmill.engine import faults, wire
 from gristmill.engine.heartbeat import Heartbeat
 from gristmill.engine.messages import (Abort, AddRequest, CoreFailed, Ready, Rejected, Shutdown,
                                        StatsQuery, StatsReply, StepOutputs)
@@ -40,7 +40,7 @@ def main(argv: list[str]) -> None:
     outbox = Connection(outbox_fd, readable=False)
     heartbeat = Heartbeat(heartbeat_fd)
     try:
-        start = inbox.recv()
+        start = wire.decode(inbox.recv_bytes())
         faults.load()
         from gristmill.engine.builder import build_core
         core = build_core(start.config)
@@ -76,13 +76,17 @@ class CoreLoop:
 
     def _drain_inbox(self, timeout: float) -> bool:
         while self.inbox.poll(timeout):
+            frame = self.inbox.recv_bytes()
             try:
-                message = self.inbox.recv()
-            except (EOFError, OSError):
-                raise
-            except Exception as exc:  # noqa: BLE001 - an unreadable message is dropped, not fatal
-                print(f"gristmill engine core: dropped an unreadable message: {error_string(exc)}",
-                      file=sys.stderr)
+                message = wire.decode(frame)
+            except wire.Unreadable as exc:  # refused (or, carrying no request, dropped), not fatal
+                if exc.request_id is not None:
+                    self.outbox.send(Rejected(exc.request_id, f"RequestError: the engine core could not read "
+                                                              f"the request ({exc.reason}); send plain values "
+                                                              f"the core can import (SamplingParams, str, int, "
+                                                              f"float, list, dict)"))
+                else:
+                    print(f"gristmill engine core: dropped an unreadable message: {exc.reason}", file=sys.stderr)
                 continue
             if not self._handle(message):
                 return False
