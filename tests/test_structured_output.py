@@ -102,7 +102,10 @@ def test_sampled_rows_resampled_after_a_refusal_keep_the_masked_distribution(def
     answer as when every row is masked)."""
     runner = default_llm.core.executor
     prompt = "Is the sky blue? Answer:"
-    params = [_params({"choice": ["yes", "no", "maybe"]}, temperature=1.0, seed=seed) for seed in range(200)]
+    # Answers the model itself likes (about half its mass), so that many first draws
+    # are allowed and many refused: both paths of the sampler run.
+    answers = [" Yes", " No", " yes", " no"]
+    params = [_params({"choice": answers}, temperature=1.0, seed=seed) for seed in range(200)]
     before = list(runner.mask_stats)
     outs = default_llm.generate([prompt] * 200, params, use_tqdm=False)
     drawn, sampled_rows = [o.text for o in outs], sum(len(o.token_ids) for o in outs)
@@ -112,9 +115,9 @@ def test_sampled_rows_resampled_after_a_refusal_keep_the_masked_distribution(def
         masked = [o.text for o in default_llm.generate([prompt] * 200, params, use_tqdm=False)]
     finally:
         runner.argmax_first = True
-    assert set(drawn) <= {"yes", "no", "maybe"} and set(masked) <= {"yes", "no", "maybe"}
-    assert rows_masked < sampled_rows  # some rows were never masked
-    for answer in ("yes", "no", "maybe"):  # binomial, n=200: 3 standard deviations of the difference
+    assert set(drawn) <= set(answers) and set(masked) <= set(answers)
+    assert 0 < rows_masked < sampled_rows  # some rows were masked, some never
+    for answer in answers:  # binomial, n=200: 3 standard deviations of the difference
         share, expected = drawn.count(answer) / 200, masked.count(answer) / 200
         assert abs(share - expected) <= 3 * (2 * 0.25 / 200) ** 0.5, (answer, share, expected)
 

@@ -1,8 +1,10 @@
 """Sampler: logits of the rows to sample -> token ids (and top-k logprobs).
 
-Randomness comes from exponential races (argmax of probs / Exp(1) noise), drawn per row
-from the request's own generator when it has a seed, so a seeded request samples the
-same tokens whatever else is in the batch.
+A row is sampled by inverting its distribution's cumulative sum at one uniform draw,
+taken from the request's own generator when it has a seed, so a seeded request samples
+the same tokens whatever else is in the batch. One draw a row, not one per vocabulary
+entry (an exponential race over Gemma 3's 262k tokens cost 3-12x the whole sampler on a
+CPU).
 """
 
 from __future__ import annotations
@@ -76,8 +78,7 @@ class Sampler:
                 tokens[index] = greedy_tokens(logits[index])
             index = torch.tensor(random, device=logits.device)
             probs = self._filtered_probs(logits[index], [rows[i].params for i in random])
-            noise = self._exponential_noise(probs, [rows[i].generator for i in random])
-            tokens[index] = (probs / noise).argmax(dim=-1)
+            tokens[index] = self._inverse_cdf(probs, [rows[i].generator for i in random])
         wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
         if not wanted:
             return tokens, PendingSample(tokens, self._host_buffer(tokens), lambda ids: (ids, [None] * len(ids)))
@@ -107,17 +108,23 @@ class Sampler:
             probs = probs.masked_fill(probs < floor, 0.0)
         return probs
 
-    def _exponential_noise(self, probs: torch.Tensor, generators) -> torch.Tensor:
-        noise = torch.empty_like(probs)
+    def _inverse_cdf(self, probs: torch.Tensor, generators) -> torch.Tensor:
+        """One token per row of `probs` (rows, vocab), drawn with its probability: the
+        first index whose cumulative sum passes u * total, u uniform in [0, 1)."""
+        cdf = probs.cumsum(dim=-1)  # (rows, vocab)
+        total = cdf[:, -1:]
+        draws = torch.empty_like(total)
         shared = [i for i, g in enumerate(generators) if g is None]
         if shared:
-            index = torch.tensor(shared, device=probs.device)
-            noise[index] = torch.empty(len(shared), probs.shape[1], device=probs.device).exponential_(
-                generator=self.generator)
+            draws[torch.tensor(shared, device=probs.device)] = torch.rand(
+                len(shared), 1, device=probs.device, generator=self.generator)
         for i, generator in enumerate(generators):
             if generator is not None:
-                noise[i].exponential_(generator=generator)
-        return noise.clamp_(min=1e-30)  # a zero draw would turn 0 / 0 into NaN
+                draws[i] = torch.rand(1, device=probs.device, generator=generator)
+        # Strictly below the total, so the token found has a probability above zero
+        # (the cumulative sum rises there) even when u * total rounds up to the total.
+        target = torch.minimum(draws * total, torch.nextafter(total, torch.zeros_like(total)))
+        return torch.searchsorted(cdf, target, right=True)[:, 0]
 
     def _with_logprobs(self, logits: torch.Tensor, rows: list[SamplerRow], tokens: torch.Tensor,
                        wanted: list[int]) -> "PendingSample":
