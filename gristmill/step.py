@@ -20,17 +20,18 @@ from gristmill.sampling import SamplingParams
 PLACEHOLDER = -1
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, repr=False)
 class ScheduledRequest:
-    """One request's part of a step, as the runner sees it.
+    """One request's part of a step, as the runner sees it; built when the step is
+    scheduled.
 
-    Built when the step is scheduled. `new_token_ids` is a copy of the tokens this step
-    computes. The history, `token_ids` and `block_ids`, is the scheduler's own lists,
-    shared rather than copied (a copy would cost O(sequence length) per request and
-    step). Invariant: the runner reads them only while it launches the step (the
-    scheduler moves a request on only after `launch` returns) and never writes them;
-    then `token_ids` holds exactly the tokens of the sequence up to this step's end when
-    it samples (`len(token_ids) == num_computed_tokens + num_new_tokens`).
+    `new_token_ids` is a copy of the tokens the step computes (a decode's one token, a
+    prefill chunk). `token_ids` and `block_ids` are the scheduler's own lists, shared
+    rather than copied: a copy would cost O(sequence length) per request and step.
+    Invariant: the runner reads them only while it launches the step, before the
+    scheduler moves the request on (`Scheduler.advance` runs after `launch` returns), and
+    never writes them. So when a row samples, `token_ids` ends with this step's last
+    token: `len(token_ids) == num_computed_tokens + num_new_tokens`.
     """
 
     request_id: str
@@ -40,24 +41,28 @@ class ScheduledRequest:
     #: Tokens already in the KV cache: the position of the first new token.
     num_computed_tokens: int
     #: KV blocks of the sequence, enough for this step's tokens (shared; see above).
-    block_ids: Sequence[int] = field(repr=False)
+    block_ids: Sequence[int]
     #: True when this step reaches the end of the sequence, so a token is sampled.
     samples: bool
     #: The last token is a PLACEHOLDER: sampled by the step before, not on the host yet.
     pending: bool
     #: The prompt followed by every sampled token (shared; see above): what penalties,
     #: bad words and the structured-output state read.
-    token_ids: Sequence[int] = field(repr=False)
-    num_prompt_tokens: int = field(repr=False)
-    sampling_params: SamplingParams = field(repr=False)
+    token_ids: Sequence[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
     #: Token ids that end the request unless `sampling_params.ignore_eos`.
-    eos_token_ids: frozenset[int] = field(repr=False)
+    eos_token_ids: frozenset[int]
     #: `sampling_params.bad_words` as token id sequences.
-    bad_words_ids: tuple[tuple[int, ...], ...] = field(repr=False)
+    bad_words_ids: tuple[tuple[int, ...], ...]
     #: Its structured-output matcher (gristmill.structured.grammars.Matcher), or None.
-    matcher: object | None = field(repr=False)
+    matcher: object | None
     #: It asks for a logits control (model/logits.py): a bias, a ban or a penalty.
-    controlled: bool = field(repr=False)
+    controlled: bool
+
+    def __repr__(self) -> str:
+        return (f"ScheduledRequest({self.request_id!r}, num_computed_tokens={self.num_computed_tokens}, "
+                f"num_new_tokens={self.num_new_tokens}, samples={self.samples}, pending={self.pending})")
 
     @property
     def num_new_tokens(self) -> int:
@@ -80,7 +85,7 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        return sum(len(s.new_token_ids) for s in self.scheduled)
+        return sum(s.num_new_tokens for s in self.scheduled)
 
 
 @dataclass(slots=True)
