@@ -7,9 +7,9 @@ import itertools
 import time
 from collections.abc import Sequence
 
-from gristmill import startup
+from gristmill import faults, startup
 from gristmill.config import EngineConfig
-from gristmill.engine import builder, faults
+from gristmill.engine import builder
 from gristmill.engine.output_processor import OutputProcessor
 from gristmill.engine.processor import InputProcessor
 from gristmill.errors import EngineDeadError, GenerationError, RequestError, error_string

@@ -145,7 +145,7 @@ def test_every_block_is_returned(default_llm):
 
 
 def test_per_request_failure_is_an_error_output_and_the_rest_complete(default_llm, monkeypatch):
-    from gristmill.engine import faults
+    from gristmill import faults
     [reference] = default_llm.generate("Water boils at", greedy(8), use_tqdm=False)
     monkeypatch.setenv("GRISTMILL_FAULTS", "detokenize@prompt~DTKFAIL")
     faults.load()
@@ -172,7 +172,7 @@ def test_per_request_failure_is_an_error_output_and_the_rest_complete(default_ll
 
 def test_a_failed_forward_pass_raises_engine_dead_error(monkeypatch):
     from gristmill import EngineDeadError
-    from gristmill.engine import faults
+    from gristmill import faults
     llm = LLM(device="cpu", num_kv_blocks=64)
     monkeypatch.setenv("GRISTMILL_FAULTS", "forward@step=3")
     faults.load()

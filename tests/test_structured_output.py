@@ -210,7 +210,7 @@ def test_the_other_grammar_engine_fits_behind_the_same_interface():
 
 def test_a_grammar_engine_failure_mid_request_fails_only_that_request(monkeypatch):
     from gristmill import LLM
-    from gristmill.engine import faults
+    from gristmill import faults
 
     monkeypatch.setenv("GRISTMILL_FAULTS", "grammar@prompt~BOOM")
     try:

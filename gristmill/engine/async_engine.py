@@ -19,9 +19,9 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 
-from gristmill import startup
+from gristmill import faults, startup
 from gristmill.config import EngineConfig
-from gristmill.engine import builder, faults
+from gristmill.engine import builder
 from gristmill.engine.core_client import CoreClient
 from gristmill.engine.messages import Abort, Ready, Rejected, StatsQuery, StatsReply, StepOutputs
 from gristmill.engine.output_processor import OutputProcessor

@@ -6,13 +6,14 @@ from collections.abc import Callable
 from typing import Protocol
 
 from gristmill.config import EngineConfig
-from gristmill.engine import faults
+from gristmill import faults
 from gristmill.engine.kv_blocks import BlockManager
-from gristmill.engine.messages import AddRequest, Capacity, RequestUpdate, SampledToken, SchedulerOutput
+from gristmill.engine.messages import AddRequest, Capacity, RequestUpdate
 from gristmill.engine.processor import check_add_request
 from gristmill.engine.request import Request
 from gristmill.engine.scheduler import Scheduler
 from gristmill.errors import RequestError, error_string
+from gristmill.step import SampledToken, SchedulerOutput
 from gristmill.structured.spec import parse_constraint
 
 
@@ -98,7 +99,7 @@ class EngineCore:
 
     def _inject_faults(self, out: SchedulerOutput) -> None:
         for item in out.scheduled:
-            prompt = item.request.prompt
+            prompt = self.scheduler.requests[item.request_id].prompt
             if self.process_fault is not None and prompt is not None:
                 for point in ("core_exit", "core_hang"):
                     if faults.fires(point, prompt=prompt):

@@ -19,8 +19,8 @@ import sys
 import time
 from multiprocessing.connection import Connection
 
-from gristmill import startup
-from gristmill.engine import faults, wire
+from gristmill import faults, startup
+from gristmill.engine import wire
 from gristmill.engine.heartbeat import Heartbeat
 from gristmill.engine.messages import (Abort, AddRequest, CoreFailed, Ready, Rejected, Shutdown,
                                        StatsQuery, StatsReply, StepOutputs)

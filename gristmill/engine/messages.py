@@ -1,67 +1,23 @@
 """The types both sides of a boundary need, and nothing else.
 
-Two boundaries meet here:
-- the step contract between the scheduler and the model runner (`SchedulerOutput`
-  in, `SampledToken`s out) and what a step did per request (`RequestUpdate`);
-- the wire between an engine client and the engine-core process: small typed structs,
+- What a step did per request (`RequestUpdate`), the engine core's output.
+- The wire between an engine client and the engine-core process: small typed structs,
   pickled over a pipe. The client sends `AddRequest` (never a scheduler `Request`: the
   core builds its own), `Abort`, `StatsQuery` and `Shutdown`; the core answers with
   `Ready` (or `CoreFailed`), `StepOutputs`, `Rejected` and `StatsReply`.
 
-This module imports neither side (no scheduler, no torch).
+The step contract between the scheduler and the model runner lives in gristmill/step.py
+(its types are importable from here too, where they used to live). This module imports neither side (no scheduler, no
+torch).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 from gristmill.config import EngineConfig
 from gristmill.sampling import SamplingParams
-
-if TYPE_CHECKING:
-    from gristmill.engine.request import Request
-
-
-# -- the step contract ------------------------------------------------------------
-
-class ScheduledRequest:
-    """One request's part of a step."""
-
-    __slots__ = ("request", "num_new_tokens", "samples")
-
-    def __init__(self, request: "Request", num_new_tokens: int):
-        self.request = request
-        #: Tokens to compute this step: token_ids[num_computed_tokens : +num_new_tokens].
-        self.num_new_tokens = num_new_tokens
-        #: True when this step reaches the end of the sequence, so a token is sampled (fixed
-        #: when scheduled: the request's progress moves on once the step is launched).
-        self.samples = request.num_computed_tokens + num_new_tokens == len(request.token_ids)
-
-    def __repr__(self) -> str:
-        return (f"ScheduledRequest({self.request.request_id!r}, num_new_tokens={self.num_new_tokens}, "
-                f"samples={self.samples})")
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    """What the model runner computes in one step."""
-
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    #: Requests that ended since the previous step; the runner drops their state.
-    finished_request_ids: list[str] = field(default_factory=list)
-    preempted_request_ids: list[str] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-
-@dataclass(slots=True)
-class SampledToken:
-    token_id: int
-    #: {token_id: logprob} for the sampled token and the top-k, or None.
-    logprobs: dict[int, float] | None = None
+from gristmill.step import SampledToken, ScheduledRequest, SchedulerOutput  # noqa: F401 (their old home)
 
 
 @dataclass(slots=True)
@@ -72,7 +28,6 @@ class RequestUpdate:
     new_token_ids: list[int]
     new_logprobs: list[dict[int, float]] | None
     finish_reason: str | None
-    num_prompt_tokens: int
     #: "<ErrorType>: <message>" when finish_reason is "error".
     error: str | None = None
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from gristmill.engine import faults
+from gristmill import faults
 from gristmill.engine.detokenizer import IncrementalDetokenizer
 from gristmill.engine.messages import RequestUpdate
 from gristmill.errors import GenerationError, error_string

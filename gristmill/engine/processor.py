@@ -7,7 +7,7 @@ malformed message fails only its request, never the core.
 
 from __future__ import annotations
 
-from gristmill.engine import faults
+from gristmill import faults
 from gristmill.engine.kv_blocks import blocks_needed
 from gristmill.engine.messages import AddRequest, Capacity
 from gristmill.errors import GenerationError, PromptTooLongError, RequestError

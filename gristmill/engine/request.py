@@ -6,11 +6,9 @@ import enum
 from dataclasses import dataclass, field
 
 from gristmill.sampling import SamplingParams
+from gristmill.step import PLACEHOLDER, ScheduledRequest
 
-
-#: Stands in `token_ids` for a token sampled by a step still running on the device
-#: (async scheduling); the model reads the real id from that step's output.
-PLACEHOLDER = -1
+__all__ = ["PLACEHOLDER", "Request", "RequestStatus"]
 
 
 class RequestStatus(enum.Enum):
@@ -75,6 +73,16 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    def scheduled(self, num_new_tokens: int) -> ScheduledRequest:
+        """Its part of a step that computes its next `num_new_tokens` tokens, as the runner
+        sees it. Shares `token_ids` and `block_ids` (see ScheduledRequest): no copy of them."""
+        computed, token_ids = self.num_computed_tokens, self.token_ids
+        end = computed + num_new_tokens
+        return ScheduledRequest(self.request_id, token_ids[computed:end], computed, self.block_ids,
+                                end == len(token_ids), self.pending, token_ids, self.num_prompt_tokens,
+                                self.sampling_params, self.eos_token_ids, self.bad_words_ids, self.matcher,
+                                self.controlled)
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

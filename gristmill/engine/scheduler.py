@@ -16,10 +16,11 @@ from __future__ import annotations
 
 from collections import deque
 
-from gristmill.engine import faults
+from gristmill import faults
 from gristmill.engine.kv_blocks import BlockManager
-from gristmill.engine.messages import RequestUpdate, SampledToken, ScheduledRequest, SchedulerOutput
+from gristmill.engine.messages import RequestUpdate
 from gristmill.engine.request import PLACEHOLDER, Request, RequestStatus
+from gristmill.step import SampledToken, SchedulerOutput
 
 
 class Scheduler:
@@ -90,7 +91,7 @@ class Scheduler:
             if num_new == 1 and 0 < computed % bs < bs - 1 and total <= len(request.block_ids) * bs:
                 # Most decodes: the token lands in a block the request holds and fills no
                 # block (whose hash the block manager would register).
-                out.scheduled.append(ScheduledRequest(request, 1))
+                out.scheduled.append(request.scheduled(1))
                 budget -= 1
                 i += 1
                 continue
@@ -103,7 +104,7 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 break
             self.block_manager.allocate(request, total)
-            out.scheduled.append(ScheduledRequest(request, num_new))
+            out.scheduled.append(request.scheduled(num_new))
             budget -= num_new
             i += 1
 
@@ -122,7 +123,7 @@ class Scheduler:
             self.block_manager.allocate(request, total, computed)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.scheduled.append(ScheduledRequest(request, num_new))
+            out.scheduled.append(request.scheduled(num_new))
             budget -= num_new
         return out
 
@@ -142,9 +143,10 @@ class Scheduler:
         """A step was launched: its tokens count as computed, and each request it samples
         gets a PLACEHOLDER token, so the next step can be scheduled before this one ends
         (async scheduling). A request whose next token is its last either way is `final`."""
+        requests = self.requests
         for item in out.scheduled:
-            request = item.request
-            if request.is_finished:  # ended (aborted) before the step was launched
+            request = requests.get(item.request_id)
+            if request is None:  # ended (aborted) before the step was launched
                 continue
             samples = item.samples
             request.num_computed_tokens += item.num_new_tokens
@@ -155,11 +157,13 @@ class Scheduler:
 
     def resolve(self, out: SchedulerOutput, sampled: dict[str, SampledToken]) -> list[RequestUpdate]:
         """A step's sampled tokens are known: put them in place of the placeholders, end
-        the requests they finish."""
-        updates = []
+        the requests they finish. A request that ended since has left `requests`; one
+        added since under the same id is not pending yet (a step is advanced after the
+        one before it is resolved), so neither is touched."""
+        updates, requests = [], self.requests
         for item in out.scheduled:
-            request = item.request
-            if request.is_finished or not request.pending:  # ended while the step ran, or sampled nothing
+            request = requests.get(item.request_id)
+            if request is None or not request.pending:  # ended while the step ran, or sampled nothing
                 continue
             token = sampled[request.request_id]
             request.token_ids[-1] = token.token_id
@@ -173,7 +177,7 @@ class Scheduler:
             updates.append(RequestUpdate(
                 request.request_id, [token.token_id],
                 [token.logprobs] if token.logprobs is not None else None,
-                reason, request.num_prompt_tokens, error))
+                reason, error))
         return updates
 
 

@@ -16,28 +16,31 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from gristmill.step import ScheduledRequest
+
 
 class LogitsControls:
     def __init__(self, device: torch.device):
         self.device = device
 
-    def apply(self, logits: torch.Tensor, items: list, token_buffer: torch.Tensor, rows: dict[str, int]) -> bool:
+    def apply(self, logits: torch.Tensor, items: list[ScheduledRequest], token_buffer: torch.Tensor,
+              rows: dict[str, int]) -> bool:
         """Apply every row's controls to `logits` (num_rows, vocab) in place. `items`: the
         ScheduledRequest of each row; `token_buffer[rows[request_id]]`: the id of a
         request's pending token. Returns whether any row asked for one."""
-        controlled = [j for j, item in enumerate(items) if item.request.controlled]
+        controlled = [j for j, item in enumerate(items) if item.controlled]
         if not controlled:  # (most steps: one pass over the rows)
             return False
-        params = {j: items[j].request.sampling_params for j in controlled}
+        params = {j: items[j].sampling_params for j in controlled}
         biased = [j for j in controlled if params[j].logit_bias]
-        banned = [j for j in controlled if _bans_something(items[j].request)]
+        banned = [j for j in controlled if _bans_something(items[j])]
         penalized = [j for j in controlled if params[j].penalized]
         if biased:
             self._bias(logits, [(j, params[j].logit_bias) for j in biased])
         if banned:
-            self._ban(logits, [(j, items[j].request) for j in banned])
+            self._ban(logits, [(j, items[j]) for j in banned])
         if penalized:
-            self._penalize(logits, [items[j].request for j in penalized], penalized, token_buffer, rows)
+            self._penalize(logits, [items[j] for j in penalized], penalized, token_buffer, rows)
         return bool(biased or banned or penalized)
 
     def _bias(self, logits: torch.Tensor, biased: list) -> None:
@@ -53,8 +56,8 @@ class LogitsControls:
 
     def _ban(self, logits: torch.Tensor, banned: list) -> None:
         rows, tokens = [], []
-        for j, request in banned:
-            for token in banned_tokens(request):
+        for j, item in banned:
+            for token in banned_tokens(item):
                 if token < logits.shape[-1]:
                     rows.append(j)
                     tokens.append(token)
@@ -66,42 +69,42 @@ class LogitsControls:
         index = torch.tensor([rows, tokens], device=self.device)
         logits.index_put_((index[0], index[1]), values.to(self.device), accumulate=accumulate)
 
-    def _penalize(self, logits: torch.Tensor, requests: list, rows: list[int], token_buffer: torch.Tensor,
-                  pending_rows: dict[str, int]) -> None:
+    def _penalize(self, logits: torch.Tensor, items: list[ScheduledRequest], rows: list[int],
+                  token_buffer: torch.Tensor, pending_rows: dict[str, int]) -> None:
         """Repetition, then presence and frequency penalties (vLLM's order) over rows
         `rows`, in float32."""
         device = self.device
         index = torch.tensor(rows, device=device)
         scores = logits[index].float()
-        params = [r.sampling_params for r in requests]
+        params = [item.sampling_params for item in items]
         if any(p.repetition_penalty != 1.0 for p in params):
             seen = torch.zeros(scores.shape, dtype=torch.bool, device=device)
-            at, tokens = self._history(requests, token_buffer, pending_rows, with_prompt=True)
+            at, tokens = self._history(items, token_buffer, pending_rows, with_prompt=True)
             seen[at, tokens] = True
             penalty = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
             scores = torch.where(seen, torch.where(scores > 0, scores / penalty, scores * penalty), scores)
         if any(p.presence_penalty or p.frequency_penalty for p in params):
             counts = torch.zeros_like(scores)
-            at, tokens = self._history(requests, token_buffer, pending_rows, with_prompt=False)
+            at, tokens = self._history(items, token_buffer, pending_rows, with_prompt=False)
             counts.index_put_((at, tokens), torch.ones(len(at), device=device), accumulate=True)
             frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
             presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
             scores -= frequency * counts + presence * (counts > 0)
         logits[index] = scores.to(logits.dtype)
 
-    def _history(self, requests: list, token_buffer: torch.Tensor, pending_rows: dict[str, int],
+    def _history(self, items: list[ScheduledRequest], token_buffer: torch.Tensor, pending_rows: dict[str, int],
                  with_prompt: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """(row, token) pairs, on the device, of each request's tokens (completion only,
         or prompt too); a pending token's id is taken from `token_buffer`."""
         at, tokens, pending, sources = [], [], [], []
-        for k, request in enumerate(requests):
-            start = 0 if with_prompt else request.num_prompt_tokens
-            known = np.asarray(request.token_ids[start:request.num_known_tokens], dtype=np.int64)
+        for k, item in enumerate(items):
+            start = 0 if with_prompt else item.num_prompt_tokens
+            known = np.asarray(item.token_ids[start:len(item.token_ids) - item.pending], dtype=np.int64)
             at.append(np.full(len(known), k, dtype=np.int64))
             tokens.append(known)
-            if request.pending:
+            if item.pending:
                 pending.append(k)
-                sources.append(pending_rows[request.request_id])
+                sources.append(pending_rows[item.request_id])
         at_t = torch.from_numpy(np.concatenate(at)).to(self.device)
         tokens_t = torch.from_numpy(np.concatenate(tokens)).to(self.device)
         if pending:
@@ -110,24 +113,25 @@ class LogitsControls:
         return at_t, tokens_t
 
 
-def _bans_something(request) -> bool:
-    return bool(request.bad_words_ids) or request.num_output_tokens < request.sampling_params.min_tokens
+def _bans_something(item: ScheduledRequest) -> bool:
+    return bool(item.bad_words_ids) or item.num_output_tokens < item.sampling_params.min_tokens
 
 
-def banned_tokens(request) -> list[int]:
-    """The tokens `request` may not sample next: its stop tokens (EOS unless ignore_eos,
+def banned_tokens(item: ScheduledRequest) -> list[int]:
+    """The tokens a request may not sample next: its stop tokens (EOS unless ignore_eos,
     stop_token_ids) while it has fewer than min_tokens, and the last token of each bad
     word whose other tokens end its completion so far (its known tokens: a request with
     a bad word of several tokens is never run ahead by async scheduling)."""
-    params = request.sampling_params
+    params = item.sampling_params
+    num_output = item.num_output_tokens
     banned = []
-    if request.num_output_tokens < params.min_tokens:
+    if num_output < params.min_tokens:
         if not params.ignore_eos:
-            banned.extend(request.eos_token_ids)
+            banned.extend(item.eos_token_ids)
         banned.extend(params.stop_token_ids)
-    output = request.token_ids[request.num_prompt_tokens:]
-    for word in request.bad_words_ids:
-        *before, last = word
-        if not before or (len(output) >= len(before) and output[len(output) - len(before):] == before):
-            banned.append(last)
+    token_ids, end = item.token_ids, len(item.token_ids)
+    for word in item.bad_words_ids:
+        before = len(word) - 1
+        if before == 0 or (num_output >= before and tuple(token_ids[end - before:end]) == word[:-1]):
+            banned.append(word[-1])
     return banned

@@ -9,6 +9,7 @@ controls (model/logits.py), the structured-output masks, the sampler."""
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import torch
 
 from gristmill import startup
 from gristmill.config import EngineConfig
-from gristmill.engine.messages import SampledToken, SchedulerOutput
+from gristmill.faults import InjectedFault
 from gristmill.model.backends import pick_backend
 from gristmill.model.context import forward_context
 from gristmill.model.cpu import kernels, quant
@@ -28,6 +29,7 @@ from gristmill.model.metadata import HostStep, StepMetadata, build_host_step
 from gristmill.model.models import model_class
 from gristmill.model.sampler import PendingSample, Sampler, SamplerRow, greedy_tokens
 from gristmill.paths import cache_root
+from gristmill.step import SampledToken, ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +60,7 @@ class StepInputs:
     positions: torch.Tensor       # (num_tokens,)
     metadata: StepMetadata
     sample_indices: torch.Tensor  # (num_samples,) rows of the hidden states to sample from
-    sample_items: list            # the ScheduledRequest of each sampled row
+    sample_items: list[ScheduledRequest]  # of each sampled row
 
 
 class ModelRunner:
@@ -216,21 +218,20 @@ class ModelRunner:
         if not items:
             self._rows = {}
             return LaunchedStep([], None)
-        rows = [SamplerRow(item.request.sampling_params, self._generator(item.request))
-                for item in items]
+        rows = [SamplerRow(item.sampling_params, self._generator(item)) for item in items]
         if self.controls.apply(logits, items, self.token_buffer, self._rows):
             self._greedy = None  # the forward's argmax saw the logits before them
-        constrained = [(j, item.request) for j, item in enumerate(items) if item.request.matcher is not None]
+        constrained = [(j, item) for j, item in enumerate(items) if item.matcher is not None]
         deferred = self._mask(logits, constrained, rows) if constrained else []
         tokens, pending = self.sampler.sample(logits, rows, self._greedy)
         if deferred:
             tokens, pending = self._resample_refused(logits, deferred, rows, tokens, pending)
         self.token_buffer[:len(items)].copy_(tokens)
-        self._rows = {item.request.request_id: j for j, item in enumerate(items)}
+        self._rows = {item.request_id: j for j, item in enumerate(items)}
         return LaunchedStep(items, pending)
 
     @torch.inference_mode()
-    def forward(self, out: SchedulerOutput) -> tuple[torch.Tensor | None, list]:
+    def forward(self, out: SchedulerOutput) -> tuple[torch.Tensor | None, list[ScheduledRequest]]:
         """Run the model over a step; returns (logits of the sampled rows, their
         ScheduledRequests). The KV cache is updated for every scheduled token. The logits
         may live in a reused buffer (a CUDA graph's, the int8 LM head's): valid until
@@ -257,17 +258,16 @@ class ModelRunner:
                 return None, []
             return self.model.compute_logits(hidden[sample_indices]), items
 
-    def host_step(self, out: SchedulerOutput) -> tuple[HostStep, list]:
+    def host_step(self, out: SchedulerOutput) -> tuple[HostStep, list[ScheduledRequest]]:
         """The step's inputs in numpy, decodes first, and the ScheduledRequest of each
         sampled row."""
         ordered = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)  # stable: decodes first
-        sequences = [(s.request.token_ids, s.request.num_computed_tokens, s.num_new_tokens, s.request.block_ids,
-                      s.samples) for s in ordered]
+        sequences = [(s.new_token_ids, s.num_computed_tokens, s.block_ids, s.samples) for s in ordered]
         return build_host_step(sequences, self.block_size), [s for s in ordered if s.samples]
 
     def _mask(self, logits: torch.Tensor, constrained: list, rows: list[SamplerRow]) -> list:
         """Structured output: the tokens each constrained row's grammar does not allow
-        get -inf; other rows are untouched. `constrained`: (row, Request) pairs.
+        get -inf; other rows are untouched. `constrained`: (row, ScheduledRequest) pairs.
 
         A mask can cost a walk of the grammar over the whole vocabulary (~1 ms for 262k
         tokens inside a JSON string), so it is filled once per grammar state (same
@@ -284,11 +284,11 @@ class ModelRunner:
         if self.argmax_first and all(row.params.greedy for row in rows):
             argmax = (self._greedy if self._greedy is not None else greedy_tokens(logits)).clone()
             ids = argmax.tolist()  # (logprobs come from masked logits: rows that want them are masked)
-            constrained = [(j, request) for j, request in constrained
-                           if rows[j].params.logprobs is not None or not request.matcher.allows(ids[j])]
+            constrained = [(j, item) for j, item in constrained
+                           if rows[j].params.logprobs is not None or not item.matcher.allows(ids[j])]
         elif self.argmax_first and all(row.params.logprobs is None for row in rows):
-            deferred = [(j, request) for j, request in constrained if _unfiltered(rows[j].params)]
-            constrained = [(j, request) for j, request in constrained if not _unfiltered(rows[j].params)]
+            deferred = [(j, item) for j, item in constrained if _unfiltered(rows[j].params)]
+            constrained = [(j, item) for j, item in constrained if not _unfiltered(rows[j].params)]
         self._greedy = argmax  # the sampler's argmax when every row is greedy, else None
         self.mask_stats[0] += 1
         self.mask_stats[1] += len(constrained)
@@ -300,17 +300,11 @@ class ModelRunner:
         return deferred
 
     def _apply_masks(self, logits: torch.Tensor, constrained: list) -> None:
-        """Fill the masks of (row, Request) pairs, once per grammar state, and apply them."""
+        """Fill the masks of (row, ScheduledRequest) pairs, once per grammar state, and
+        apply them."""
         from gristmill.structured.grammars import apply_masks, fill_masks, torch_bitmask
 
-        states: dict[tuple, int] = {}  # grammar state -> its row of `bitmask`
-        matchers, which = [], []
-        for _, request in constrained:
-            state = (request.matcher.constraint, tuple(request.output_token_ids))
-            if state not in states:
-                states[state] = len(matchers)
-                matchers.append(request.matcher)
-            which.append(states[state])
+        which, matchers = _grammar_states([item for _, item in constrained])
         bitmask = torch_bitmask(len(matchers), logits.shape[-1], pin_memory=self.device.type == "cuda")
         fill_masks(matchers, bitmask)
         self.mask_stats[2] += len(matchers)
@@ -325,7 +319,7 @@ class ModelRunner:
         comes first with probability p(t) and after a refusal with (1 - Z) p(t) / Z, in
         all p(t) / Z, Z the mass the grammar allows, which is the masked distribution."""
         ids = tokens.tolist()
-        refused = [(j, request) for j, request in deferred if not request.matcher.allows(ids[j])]
+        refused = [(j, item) for j, item in deferred if not item.matcher.allows(ids[j])]
         self.mask_stats[1] += len(refused)
         if not refused:
             return tokens, pending
@@ -342,18 +336,17 @@ class ModelRunner:
         (asynchronously, as real ones come) and which leaves the CUDA context unusable. A CPU
         has no such failure: there it raises at once."""
         if self.device.type != "cuda":
-            from gristmill.engine.faults import InjectedFault
             raise InjectedFault("injected fault at 'device_error' (GRISTMILL_FAULTS; on CPU it raises "
                                 "instead of faulting the device)")
         from gristmill.model.cuda.triton_kernels import illegal_memory_access
         illegal_memory_access(self.device)
 
-    def _token_source(self, host: HostStep, items: list) -> np.ndarray | None:
+    def _token_source(self, host: HostStep, items: list[ScheduledRequest]) -> np.ndarray | None:
         """For each token of the step, the row of `token_buffer` holding its id when it is
         a placeholder (the last step's sampled token, not on the host yet), else -1; None
         when the step has no placeholder."""
-        pending = [(int(host.sample_indices[j]), self._rows[item.request.request_id])
-                   for j, item in enumerate(items) if item.request.pending]
+        pending = [(int(host.sample_indices[j]), self._rows[item.request_id])
+                   for j, item in enumerate(items) if item.pending]
         if not pending:
             return None
         source = np.full(host.num_tokens, -1, dtype=np.int64)
@@ -383,7 +376,7 @@ class ModelRunner:
         scores = []
         for start in range(0, len(token_ids) - 1, chunk_size):
             end = min(start + chunk_size, len(token_ids) - 1)
-            host = build_host_step([(token_ids, start, end - start, blocks, False)], bs)
+            host = build_host_step([(token_ids[start:end], start, blocks, False)], bs)
             input_ids, positions, metadata, _ = self.backend.upload(host)
             with forward_context(metadata, self.backend):
                 hidden = self.model(input_ids, positions)
@@ -392,13 +385,13 @@ class ModelRunner:
             scores.append(logprobs.gather(1, targets[:, None])[:, 0])
         return torch.cat(scores)
 
-    def _generator(self, request) -> torch.Generator | None:
-        seed = request.sampling_params.seed
-        if seed is None or request.sampling_params.greedy:
+    def _generator(self, item: ScheduledRequest) -> torch.Generator | None:
+        seed = item.sampling_params.seed
+        if seed is None or item.sampling_params.greedy:
             return None
-        generator = self.generators.get(request.request_id)
+        generator = self.generators.get(item.request_id)
         if generator is None:
-            generator = self.generators[request.request_id] = torch.Generator(device=self.device)
+            generator = self.generators[item.request_id] = torch.Generator(device=self.device)
             generator.manual_seed(seed)
         return generator
 
@@ -410,6 +403,24 @@ def _untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor
     return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
+def _grammar_states(items: list[ScheduledRequest]) -> tuple[list[int], list]:
+    """The distinct grammar states of constrained rows, one mask each: (each row's state,
+    a matcher in each state). Rows share a state when they have one constraint and the
+    same output so far (every row of a job at its first token). A row's output is copied
+    to compare it only when another row has its constraint and output length."""
+    keys = [(item.matcher.constraint, item.num_output_tokens) for item in items]
+    shared = Counter(keys)
+    states: dict[tuple, int] = {}
+    which, matchers = [], []
+    for key, item in zip(keys, items):
+        state = key if shared[key] == 1 else (key, tuple(item.token_ids[item.num_prompt_tokens:]))
+        if state not in states:
+            states[state] = len(matchers)
+            matchers.append(item.matcher)
+        which.append(states[state])
+    return which, matchers
+
+
 def _unfiltered(params) -> bool:
     """Sampled from the whole distribution: no top-k, top-p or min-p (which would filter
     the unmasked and the masked logits differently)."""
@@ -419,12 +430,12 @@ def _unfiltered(params) -> bool:
 class LaunchedStep:
     """A step queued on the device; `result()` waits for its sampled tokens."""
 
-    def __init__(self, items: list, pending):
+    def __init__(self, items: list[ScheduledRequest], pending):
         self.items, self.pending = items, pending
 
     def result(self) -> dict[str, SampledToken]:
         if self.pending is None:
             return {}
         tokens, logprobs = self.pending.result()
-        return {item.request.request_id: SampledToken(token, lp)
+        return {item.request_id: SampledToken(token, lp)
                 for item, token, lp in zip(self.items, tokens, logprobs)}

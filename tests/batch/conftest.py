@@ -12,9 +12,8 @@ import os
 
 import pytest
 
-from gristmill import EngineConfig
+from gristmill import EngineConfig, faults
 from gristmill.batch import deploy
-from gristmill.engine import faults
 
 FAULTS = "detokenize_init@prompt~BADROW,tokenize@prompt~TOKFAIL,core_exit@prompt~POISON"
 ENGINE = EngineConfig(device="cpu", max_model_len=512)

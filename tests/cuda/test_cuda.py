@@ -115,7 +115,7 @@ def test_kv_cache_that_does_not_fit_is_refused_at_start(family):
                                        ("device_error@step=4", "an illegal memory access was encountered"),
                                        ("core_exit@step=4", "exited with code 17")])
 def test_fatal_faults_fail_every_request_within_a_second(monkeypatch, spec, says):
-    from gristmill.engine import faults
+    from gristmill import faults
     from tests.engine.test_async_engine import assert_a_fatal_fault_fails_every_request, start_engine
 
     try:

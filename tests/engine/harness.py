@@ -18,9 +18,10 @@ from dataclasses import dataclass
 from gristmill.config import EngineConfig
 from gristmill.engine.core import EngineCore
 from gristmill.engine.kv_blocks import blocks_needed
-from gristmill.engine.messages import AddRequest, SampledToken
+from gristmill.engine.messages import AddRequest
 from gristmill.engine.request import Request, RequestStatus
 from gristmill.sampling import SamplingParams
+from gristmill.step import SampledToken
 
 VOCAB = 1000
 EOS = 5000  # outside the fake model's vocabulary: only a script emits it
@@ -76,7 +77,9 @@ class StepRecord:
 
 
 class FakeExecutor:
-    """Stands in for ModelRunner: `num_blocks`, `max_model_len`, `vocab_size`, `execute(out)`."""
+    """Stands in for ModelRunner: `num_blocks`, `max_model_len`, `vocab_size`, `execute(out)`.
+    It computes from the step contract alone, and checks it against the scheduler's
+    `requests` (set by the Harness)."""
 
     def __init__(self, num_blocks, block_size, max_model_len, vocab=VOCAB, script=None):
         self.num_blocks = num_blocks
@@ -89,6 +92,7 @@ class FakeExecutor:
         self.steps: list[StepRecord] = []
         self.outs = []
         self.observer = None  # called with each SchedulerOutput, mid-step
+        self.requests: dict[str, Request] = {}
 
     def execute(self, out):
         if self.observer is not None:
@@ -97,40 +101,42 @@ class FakeExecutor:
         record = StepRecord([], list(out.preempted_request_ids), list(out.finished_request_ids), {})
         seen_ids, written = set(), {}  # written: block id -> the request that wrote it this step
         for item in out.scheduled:
-            r = item.request
-            start = r.num_computed_tokens
+            r = self.requests[item.request_id]
+            start = item.num_computed_tokens
             end = start + item.num_new_tokens
             assert r.request_id not in seen_ids, "request scheduled twice in one step"
             seen_ids.add(r.request_id)
             assert r.status is RequestStatus.RUNNING
             assert item.num_new_tokens >= 1
-            assert end <= r.num_tokens, "scheduled tokens that do not exist yet"
+            assert start == r.num_computed_tokens and item.pending == r.pending
+            assert item.new_token_ids == r.token_ids[start:end], "scheduled tokens that do not exist yet"
+            assert item.token_ids is r.token_ids and item.block_ids is r.block_ids  # shared, not copied
             # The cache holds exactly the computed tokens: no block missing, none wasted.
-            assert len(r.block_ids) == blocks_needed(end, bs)
-            assert all(0 <= b < self.num_blocks for b in r.block_ids)
+            assert len(item.block_ids) == blocks_needed(end, bs)
+            assert all(0 <= b < self.num_blocks for b in item.block_ids)
             assert item.samples == (end == r.num_tokens)
-            record.items.append(ItemRecord(r.request_id, start, item.num_new_tokens,
-                                           item.samples, tuple(r.block_ids)))
+            record.items.append(ItemRecord(item.request_id, start, item.num_new_tokens,
+                                           item.samples, tuple(item.block_ids)))
             # Block tables may share cached prefix blocks, which nobody writes; every
             # block written this step has one writer. All writes land before any read,
             # as in the model's attention layers.
-            for pos in range(start, end):
-                block = r.block_ids[pos // bs]
-                assert written.setdefault(block, r.request_id) == r.request_id, \
-                    f"block {block} written by {written[block]} and {r.request_id} in one step"
-                self.kv[block][pos % bs] = r.token_ids[pos]
+            for pos, token in enumerate(item.new_token_ids, start):
+                block = item.block_ids[pos // bs]
+                assert written.setdefault(block, item.request_id) == item.request_id, \
+                    f"block {block} written by {written[block]} and {item.request_id} in one step"
+                self.kv[block][pos % bs] = token
         sampled = {}
         for item in out.scheduled:
             if not item.samples:
                 continue
-            r = item.request
-            end = r.num_computed_tokens + item.num_new_tokens
-            seq = [self.kv[r.block_ids[p // bs]][p % bs] for p in range(end)]
+            r = self.requests[item.request_id]
+            end = item.num_computed_tokens + item.num_new_tokens
+            seq = [self.kv[item.block_ids[p // bs]][p % bs] for p in range(end)]
             assert seq == r.token_ids, f"KV cache of {r.request_id} does not hold its tokens"
-            token = self.script.get(r.request_id, {}).get(len(seq) - r.num_prompt_tokens)
+            token = self.script.get(item.request_id, {}).get(item.num_output_tokens)
             if token is None:
                 token = model_token(seq, self.vocab)
-            sampled[r.request_id] = SampledToken(token)
+            sampled[item.request_id] = SampledToken(token)
         record.sampled = {k: v.token_id for k, v in sampled.items()}
         self.steps.append(record)
         self.outs.append(out)
@@ -149,6 +155,7 @@ class Harness:
         self.executor.observer = self._during_step
         self.core = EngineCore(config, self.executor)
         self.sched = self.core.scheduler
+        self.executor.requests = self.sched.requests
         self.bm = self.core.block_manager
         self.vocab = vocab
         self.max_model_len = max_model_len
@@ -202,7 +209,7 @@ class Harness:
         # After schedule, before execute: the scheduled requests are exactly the running ones.
         sched = self.sched
         assert len(sched.running) <= sched.max_num_seqs
-        assert [s.request.request_id for s in out.scheduled] == [r.request_id for r in sched.running]
+        assert [s.request_id for s in out.scheduled] == [r.request_id for r in sched.running]
         assert out.num_tokens <= sched.max_num_batched_tokens
         self.check_invariants(mid_step=True)
 
@@ -273,7 +280,6 @@ class Harness:
         for u in updates:
             r = self.all[u.request_id]
             assert u.new_token_ids == [rec.sampled[u.request_id]]
-            assert u.num_prompt_tokens == r.num_prompt_tokens
             assert u.finish_reason == r.finish_reason
             if u.finish_reason is not None:
                 assert r.status is RequestStatus.FINISHED

@@ -14,8 +14,7 @@ import time
 import pytest
 
 from gristmill import (AsyncEngine, EngineConfig, EngineDeadError, EngineOverloadedError,
-                       GenerationError, PromptTooLongError, RequestError, SamplingParams)
-from gristmill.engine import faults
+                       GenerationError, PromptTooLongError, RequestError, SamplingParams, faults)
 from gristmill.engine.messages import AddRequest
 
 CONCURRENCY = 16

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gristmill.engine import faults
+from gristmill import faults
 
 
 def test_parse_points_and_triggers():

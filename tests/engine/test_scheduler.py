@@ -13,10 +13,11 @@ import pytest
 
 import gristmill.engine
 from gristmill.engine.kv_blocks import blocks_needed
-from gristmill.engine.messages import AddRequest, SampledToken
+from gristmill.engine.messages import AddRequest
 from gristmill.engine.request import Request, RequestStatus
 from gristmill.engine.scheduler import Scheduler
 from gristmill.sampling import SamplingParams
+from gristmill.step import SampledToken
 from tests.engine.harness import EOS, VOCAB, Harness, prompt
 
 

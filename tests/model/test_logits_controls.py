@@ -19,15 +19,17 @@ from gristmill.engine.request import PLACEHOLDER, Request  # noqa: E402
 from gristmill.errors import RequestError  # noqa: E402
 from gristmill.model.logits import LogitsControls, banned_tokens  # noqa: E402
 from gristmill.model.runner import ModelRunner  # noqa: E402
+from gristmill.step import ScheduledRequest  # noqa: E402
 
 VOCAB = 96
 EOS = 3
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
-class _Item:  # what the runner hands the controls: a scheduled request
-    def __init__(self, request):
-        self.request = request
+def _item(request: Request) -> ScheduledRequest:
+    """What the runner hands the controls: a request's part of the step that samples its next token."""
+    request.num_computed_tokens = request.num_tokens - 1
+    return request.scheduled(1)
 
 
 def _request(prompt, output, pending=False, bad_words_ids=(), **params) -> Request:
@@ -57,7 +59,7 @@ def test_penalties_equal_transformers_and_openai_formulas():
              dict(), dict(repetition_penalty=0.8, presence_penalty=-1.5, frequency_penalty=2.0)]
     requests = [_request(p, o, **c) for p, o, c in zip(prompts, outputs, cases)]
     got = logits.clone()
-    assert LogitsControls(torch.device("cpu")).apply(got, [_Item(r) for r in requests], torch.zeros(4), {})
+    assert LogitsControls(torch.device("cpu")).apply(got, [_item(r) for r in requests], torch.zeros(4), {})
 
     hf_rep = transformers.RepetitionPenaltyLogitsProcessor
     expected0 = hf_rep(1.3)(torch.tensor([prompts[0] + outputs[0]]), logits[0:1].clone())[0]
@@ -80,8 +82,8 @@ def test_a_pending_token_counts_from_the_device_buffer():
     buffer = torch.tensor([0, 0, 31], dtype=torch.int32)
     controls = LogitsControls(torch.device("cpu"))
     a, b = logits[:1].clone(), logits[:1].clone()
-    controls.apply(a, [_Item(known)], buffer, {})
-    controls.apply(b, [_Item(pending)], buffer, {pending.request_id: 2})
+    controls.apply(a, [_item(known)], buffer, {})
+    controls.apply(b, [_item(pending)], buffer, {pending.request_id: 2})
     assert torch.equal(a, b)
     assert not torch.equal(a, logits[:1])
 
@@ -91,11 +93,11 @@ def test_min_tokens_and_bad_words_bans():
                        bad_words_ids=((60,), (51, 61), (50, 62), (40, 51, 63)))
     # EOS and stop ids before min_tokens; single-token words always; a longer word when the
     # completion ends with all but its last token.
-    assert sorted(banned_tokens(request)) == [EOS, 7, 60, 61]
+    assert sorted(banned_tokens(_item(request))) == [EOS, 7, 60, 61]
     request.token_ids.append(52)
-    assert sorted(banned_tokens(request)) == [60]
+    assert sorted(banned_tokens(_item(request))) == [60]
     ignore = _request([1], [], min_tokens=2, ignore_eos=True)
-    assert banned_tokens(ignore) == []
+    assert banned_tokens(_item(ignore)) == []
 
 
 @pytest.mark.parametrize("params", [

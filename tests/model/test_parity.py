@@ -19,13 +19,13 @@ transformers = pytest.importorskip("transformers")
 from gristmill.config import EngineConfig  # noqa: E402
 from gristmill.engine.kv_blocks import BlockManager  # noqa: E402
 from gristmill.engine.request import Request  # noqa: E402
-from gristmill.engine.messages import SampledToken
 from gristmill.engine.scheduler import Scheduler  # noqa: E402
 from gristmill.model.backends.reference import Backend  # noqa: E402
 from gristmill.model.context import forward_context  # noqa: E402
 from gristmill.model.cpu.decode_stack import DecodeStack  # noqa: E402
 from gristmill.model.runner import ModelRunner  # noqa: E402
 from gristmill.sampling import SamplingParams  # noqa: E402
+from gristmill.step import SampledToken  # noqa: E402
 
 ATOL = 1e-4
 VOCAB = 256
@@ -164,7 +164,7 @@ def _run_and_compare(runner, reference, prompts: dict[str, list[int]], *, max_nu
             facts["steps_without_logits"] += 1
         sampled = {}
         for row, item in enumerate(items):
-            request = item.request
+            request = sched.requests[item.request_id]
             expected = _reference_logits(reference, request.token_ids)
             diff = (logits[row].float().cpu() - expected).abs().max().item()
             bound = atol + rtol * expected.abs().max().item()
@@ -329,6 +329,6 @@ def test_decode_stack_equals_layer_by_layer(family, quantization):
                 stacked_steps += 1
                 assert torch.equal(stack(inputs.positions, x, md), one_by_one), f"step {stacked_steps}"
         logits = runner.model.compute_logits(runner.model.model.norm(one_by_one)[inputs.sample_indices])
-        sched.update(out, {item.request.request_id: SampledToken(int(logits[row].argmax()))
+        sched.update(out, {item.request_id: SampledToken(int(logits[row].argmax()))
                            for row, item in enumerate(inputs.sample_items)})
     assert stacked_steps >= 10

@@ -139,7 +139,7 @@ def test_paged_attention_mixed_step(heads, kv_heads, head_dim, window):
     shape = [(0, 1), (2, 1), (8, 1), (16, 1), (9, 6), (0, 13)]
     lens = [cached + new for cached, new in shape]
     tables = _scattered_tables(lens, block_size, num_blocks)
-    sequences = [([0] * n, cached, new, table, True) for (cached, new), n, table in zip(shape, lens, tables)]
+    sequences = [([0] * new, cached, table, True) for (cached, new), table in zip(shape, tables)]
     host = build_host_step(sequences, block_size)
     assert host.num_decodes == 4
     layer = PagedAttention(heads, kv_heads, head_dim, head_dim ** -0.5, sliding_window=window)
@@ -179,8 +179,8 @@ def test_graph_batch_sizes_ladder():
 
 def test_static_inputs_hold_a_padded_decode_step():
     inputs = StaticInputs(max_rows=8, max_blocks=6, device="cpu", pin=False)
-    step = build_host_step([([5, 6, 7], 2, 1, [3], True), ([1] * 9, 8, 1, [4, 9, 2], True),
-                            ([2] * 5, 4, 1, [7, 8], True)], block_size=4)
+    step = build_host_step([([7], 2, [3], True), ([1], 8, [4, 9, 2], True), ([2], 4, [7, 8], True)],
+                           block_size=4)
     inputs.fill(step, rows=4)
     assert inputs.input_ids[:4].tolist() == [7, 1, 2, 0]
     assert inputs.ids(4).tolist() == [7, 1, 2, 0]  # every id from the host
@@ -199,9 +199,9 @@ def test_static_inputs_hold_a_padded_decode_step():
     md = inputs.metadata(4, 4)
     assert md.num_decodes == md.num_seqs == 4 and md.block_tables.shape == (4, 6)
     # A smaller step next: the rows past it are padding again, whatever the last step left.
-    inputs.fill(build_host_step([([3, 4], 1, 1, [5], True)], block_size=4), rows=2)
+    inputs.fill(build_host_step([([4], 1, [5], True)], block_size=4), rows=2)
     assert inputs.slot_mapping[:2].tolist() == [5 * 4 + 1, -1] and inputs.seq_lens[:2].tolist() == [2, 0]
-    too_wide = build_host_step([([0] * 30, 29, 1, list(range(8)), True)], block_size=4)
+    too_wide = build_host_step([([0], 29, list(range(8)), True)], block_size=4)
     with pytest.raises(ValueError, match="8 KV blocks, more than the 6"):
         inputs.fill(too_wide, rows=1)
     span = inputs.span

@@ -12,8 +12,7 @@ import os
 
 import pytest
 
-from gristmill import EngineConfig
-from gristmill.engine import faults
+from gristmill import EngineConfig, faults
 
 ray = pytest.importorskip("ray")
 

@@ -29,7 +29,7 @@ def profile_step(runner) -> int:
     sequences, next_block = [], 0
     for n in lengths:
         count = -(-n // bs)
-        sequences.append(([0] * n, 0, n, list(range(next_block, next_block + count)), True))
+        sequences.append(([0] * n, 0, list(range(next_block, next_block + count)), True))
         next_block += count
     runner.num_blocks = next_block
     runner._allocate_kv_cache()
