@@ -197,7 +197,7 @@ class Processor:
             raise RequestError("a row needs 'prompt', 'messages' or 'tokenized_prompt'", param="prompt")
         templated = bool(row.get(TEMPLATED_COLUMN))  # rendered by a stage before this one
         if messages is not None and not templated and needs_template(row, method):
-            return engine.stages.chat(RowRequest(row_id, None, messages, None, params), config)
+            return engine.stages.chat(RowRequest(row_id, None, messages, token_ids, params), config)
         if prompt is not None and not isinstance(prompt, str):
             raise RequestError(f"'prompt' must be a string, got {type(prompt).__name__}", param="prompt")
         # A rendered chat holds its own special tokens.

@@ -28,7 +28,8 @@ if TYPE_CHECKING:
 
 class RowStages(Protocol):
     def chat(self, request: RowRequest, config: ProcessorConfig) -> RowRequest:
-        """`request`, whose `messages` are what it sends, as the engine takes it."""
+        """`request`, whose `messages` are what it sends, as the engine takes it
+        (`prompt_token_ids` are those the row brings too, if any)."""
 
     def tokenize(self, request: RowRequest, config: ProcessorConfig) -> RowRequest:
         """`request` with its `prompt_token_ids`, where they are made before the engine."""
@@ -56,7 +57,8 @@ class LocalStages:
         if not config.apply_chat_template:
             raise RequestError("the row has 'messages' but apply_chat_template is off; send 'prompt' "
                                "or turn it on", param="messages")
-        # A rendered chat holds its own special tokens.
+        # A rendered chat holds its own special tokens. Token ids the row brings too stay and
+        # are what the engine runs, as after the Ray runner's chat-template tasks.
         rendered = replace(request, prompt=self.engine.render_chat(request.messages), messages=None,
                            add_special_tokens=False)
         return self.tokenize(rendered, config)
@@ -75,7 +77,7 @@ class _RemoteStages:
     `messages`, its prompt as text (so apply_chat_template and tokenize do not apply)."""
 
     def chat(self, request: RowRequest, config: ProcessorConfig) -> RowRequest:
-        return request
+        return replace(request, prompt_token_ids=None)  # the engine tokenizes the chat it renders
 
     def tokenize(self, request: RowRequest, config: ProcessorConfig) -> RowRequest:
         return request
