@@ -7,68 +7,13 @@ import dataclasses
 import json
 import sys
 import time
-import typing
 from pathlib import Path
 
-from gristmill.config import EngineConfig, field_doc
+from gristmill.batch.cli import add_batch_command
+# engine_config and engine_options are public names of this module too (callers import them from here).
+from gristmill.engine_flags import add_engine_args, engine_config, engine_options, run_figures  # noqa: F401
 from gristmill.errors import RequestError, error_string
 from gristmill.outputs import CompletionOutput, RequestOutput
-
-# `generate` has a sampling --seed already; the engine's seed needs a name of its own.
-_FLAG_NAMES = {"seed": "engine-seed"}
-_FLAG_NOTES = {"seed": "(this is EngineConfig.seed; generate's --seed is the sampling seed)"}
-
-
-def _engine_flag(name: str) -> str:
-    return "--" + _FLAG_NAMES.get(name, name.replace("_", "-"))
-
-
-def _engine_dest(name: str) -> str:
-    # Prefixed so no engine field can collide with a command's own flags (generate's args.seed).
-    return f"engine_{name}"
-
-
-def _flag_type(name: str, annotation) -> type:
-    """What a field's flag parses to: its annotation, with `X | None` read as X."""
-    types = [t for t in typing.get_args(annotation) or (annotation,) if t is not type(None)]
-    if len(types) != 1 or types[0] not in (int, float, str, bool):
-        raise TypeError(f"EngineConfig.{name}: a flag cannot parse {annotation}; annotate the field "
-                        f"int, float, str or bool (optionally | None)")
-    return types[0]
-
-
-def _flag_help(config_field: dataclasses.Field) -> str:
-    parts = [field_doc(config_field), f"(default: {config_field.default})", _FLAG_NOTES.get(config_field.name)]
-    # argparse %-formats help strings; a literal % in a doc would break --help.
-    return " ".join(p for p in parts if p).replace("%", "%%")
-
-
-def _add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """One flag per EngineConfig field, typed and documented from the field itself."""
-    group = parser.add_argument_group("engine", "EngineConfig fields; a flag left out keeps the config's default")
-    annotations = typing.get_type_hints(EngineConfig)
-    for config_field in dataclasses.fields(EngineConfig):
-        name = config_field.name
-        kind = _flag_type(name, annotations[name])
-        parsing = (dict(action=argparse.BooleanOptionalAction) if kind is bool
-                   else dict(type=kind, metavar=name.upper()))
-        # SUPPRESS: a flag not given sets no attribute, so EngineConfig's own default applies.
-        group.add_argument(_engine_flag(name), dest=_engine_dest(name), default=argparse.SUPPRESS,
-                           help=_flag_help(config_field), **parsing)
-
-
-def engine_options(args: argparse.Namespace) -> dict:
-    """The EngineConfig fields given as flags, by field name; fields not given are left out."""
-    return {f.name: getattr(args, _engine_dest(f.name)) for f in dataclasses.fields(EngineConfig)
-            if hasattr(args, _engine_dest(f.name))}
-
-
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    """The EngineConfig of the flags given; an invalid value exits with the config's message."""
-    try:
-        return EngineConfig.from_kwargs(**engine_options(args))
-    except RequestError as exc:
-        raise SystemExit(f"error: {exc} (flag: {_engine_flag(exc.param)})") from None
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -203,15 +148,6 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def run_figures(rows: int, tokens: int, run_time: float, start_seconds: float | None) -> str:
-    """Throughput over the time rows ran, and the engine's start apart from it."""
-    figures = (f"{rows / run_time:.2f} rows/s, {tokens / run_time:.1f} generated tokens/s over "
-               f"{run_time:.1f} s of generation")
-    if start_seconds is not None:
-        figures += f" (engine start: {start_seconds:.1f} s, not counted)"
-    return figures
-
-
 def cmd_serve(args) -> int:
     import logging
     import signal
@@ -281,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("prompts", nargs="*", help="prompt texts")
     generate.add_argument("--input", "-i", help="JSONL file of {'prompt': ...} or {'messages': [...]}")
     generate.add_argument("--output", "-o", help="JSONL file to write (default: stdout)")
-    _add_engine_args(generate)
+    add_engine_args(generate)
     _add_sampling_args(generate)
     generate.set_defaults(func=cmd_generate)
 
@@ -314,10 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-stream-buffer", type=int, default=limits.max_stream_buffer,
                        help="outputs a stream may hold unread before its request is aborted "
                             f"(a reader too slow for it; default: {limits.max_stream_buffer})")
-    _add_engine_args(serve)
+    add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
 
-    from gristmill.batch.cli import add_batch_command  # imported here: it uses this module's engine flags
     add_batch_command(commands)
     return parser
 

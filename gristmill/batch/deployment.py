@@ -11,7 +11,8 @@ from __future__ import annotations
 import threading
 
 from gristmill.batch import runtime
-from gristmill.batch.engines import EnginePool
+from gristmill.batch.engines import EnginePool, start_pool
+from gristmill.batch.rows import Generated, RowRequest
 from gristmill.config import EngineConfig
 from gristmill.errors import RequestError
 
@@ -30,6 +31,11 @@ class Deployment:
     def core_pids(self) -> list[int]:
         """The engine-core process of each replica (they change when one is restarted)."""
         return self.pool.core_pids
+
+    def borrow(self) -> "_Borrowed":
+        """A RowEngine on this deployment for one processor, which leaves it running when
+        it is done (a deployment outlives its users)."""
+        return _Borrowed(self.pool)
 
     def shutdown(self) -> None:
         with _lock:
@@ -59,8 +65,7 @@ def deploy(engine: EngineConfig | None = None, *, name: str, concurrency: int = 
                                f"or choose another name", param="name")
         _deployments[name] = None  # reserved while it starts
     try:
-        pool = EnginePool(engine or EngineConfig(), concurrency, max_engine_restarts)
-        runtime.call(pool.start())
+        pool = start_pool(engine or EngineConfig(), concurrency, max_engine_restarts)
     except BaseException:
         with _lock:
             del _deployments[name]
@@ -69,6 +74,20 @@ def deploy(engine: EngineConfig | None = None, *, name: str, concurrency: int = 
     with _lock:
         _deployments[name] = deployment
     return deployment
+
+
+class _Borrowed:
+    """A processor's use of a deployment's pool: its rows and its stages, but not its close."""
+
+    def __init__(self, pool: EnginePool):
+        self.pool = pool
+        self.stages = pool.stages
+
+    async def generate(self, request: RowRequest) -> Generated:
+        return await self.pool.generate(request)
+
+    async def close(self) -> None:
+        pass
 
 
 def get_deployment(name: str) -> Deployment:

@@ -16,12 +16,14 @@ import asyncio
 import logging
 import uuid
 
+from gristmill.batch import runtime
+from gristmill.batch.rows import Generated, RowRequest
+from gristmill.batch.stages import LocalStages
 from gristmill.config import EngineConfig
 from gristmill.engine import restarts
 from gristmill.engine.async_engine import AsyncEngine
 from gristmill.engine.restarts import RestartBudget
 from gristmill.errors import EngineDeadError, RequestError
-from gristmill.batch.rows import Generated, RowRequest
 from gristmill.tokenizer import render_chat
 
 logger = logging.getLogger(__name__)
@@ -40,10 +42,11 @@ class RowFailed(Exception):
 
 
 class EnginePool:
-    #: Chat template and tokenizer run here, before the engine (see Processor._prepare).
-    local_stages = True
+    """A RowEngine of `concurrency` supervised AsyncEngine replicas; `start_pool` starts one."""
 
     def __init__(self, config: EngineConfig, concurrency: int = 1, max_engine_restarts: int = 0):
+        #: The chat template and tokenizer run here, before the engine, with its tokenizer.
+        self.stages = LocalStages(self)
         self.config = config
         self.concurrency = concurrency
         self.max_engine_restarts = max_engine_restarts
@@ -102,6 +105,13 @@ class EnginePool:
             f"{'; '.join(self.deaths)}; raise max_engine_restarts (--max-engine-restarts) or "
             f"fix what kills it")
         return False
+
+
+def start_pool(config: EngineConfig, concurrency: int = 1, max_engine_restarts: int = 0) -> EnginePool:
+    """A pool, started on the batch runtime (returns once every replica is up)."""
+    pool = EnginePool(config, concurrency, max_engine_restarts)
+    runtime.call(pool.start())
+    return pool
 
 
 class _Replica:

@@ -20,6 +20,7 @@ import httpx
 from gristmill.batch.config import HttpProcessorConfig
 from gristmill.batch.openai_rows import generated_of, openai_request
 from gristmill.batch.rows import Generated, RowRequest
+from gristmill.batch.stages import REMOTE_STAGES
 from gristmill.errors import EngineDeadError, GenerationError, RequestError
 
 _BACKOFF_BASE_S = 0.5
@@ -33,7 +34,7 @@ class RequestTimeoutError(GenerationError):
 
 class HttpEngine:
     #: The server applies its own chat template and tokenizer.
-    local_stages = False
+    stages = REMOTE_STAGES
 
     def __init__(self, config: HttpProcessorConfig):
         self.config = config

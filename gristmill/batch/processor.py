@@ -22,12 +22,14 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 
+from gristmill import extras
 from gristmill.batch import runtime
 from gristmill.batch.config import (DeploymentProcessorConfig, EngineProcessorConfig, HttpProcessorConfig,
                                     ProcessorConfig)
-from gristmill.batch.engines import EnginePool, RowFailed
+from gristmill.batch.engines import RowFailed
 from gristmill.batch.rows import (TEMPLATE_ERROR_COLUMN, TEMPLATED_COLUMN, RowRequest, error_columns, is_error_row,
                                   result_columns, sampling_params_of)
+from gristmill.batch.stages import RowEngine
 from gristmill.batch.tables import from_rows, to_rows
 from gristmill.errors import GristmillError, RequestError, is_fatal
 
@@ -69,10 +71,10 @@ class Processor:
         """Rows in, rows out, of the same kind: a list, a pyarrow Table or a pandas
         DataFrame come back whole; any other iterable comes back as a generator that
         streams (the input is read as it goes); a Ray Dataset comes back as a Dataset
-        with this processor's stages on Ray (see gristmill.ray.data)."""
-        if type(rows).__module__.startswith("ray.data"):
-            from gristmill.ray.data import process_dataset
-            return process_dataset(self, rows, self.preprocess_map_kwargs, self.postprocess_map_kwargs)
+        with this processor's stages on Ray Data (see docs/ray.md)."""
+        runner = extras.dataset_runner(rows)
+        if runner is not None:
+            return runner(self, rows)
         kind, row_iter = to_rows(rows)
         out = self.stream(row_iter)
         return out if kind == "iterable" else from_rows(list(out), kind)
@@ -81,35 +83,20 @@ class Processor:
         """Output rows as they are ready, in input order. The engine starts when the first
         row is asked for and (if the processor owns it) stops when the stream ends."""
         opening = time.monotonic()
-        engine = self._open_engine()
+        engine = self.open_engine()
         self.engine_start_s = time.monotonic() - opening
         try:
             if self.on_rows_start is not None:
                 self.on_rows_start()
             yield from self._pipeline(engine, rows)
         finally:
-            self._close_engine(engine)
-
-    # -- engines ------------------------------------------------------------------------
-
-    def _open_engine(self):
-        config = self.config
-        if isinstance(config, EngineProcessorConfig):
-            pool = EnginePool(config.engine, config.concurrency, config.max_engine_restarts)
-            runtime.call(pool.start())
-            return pool
-        if isinstance(config, DeploymentProcessorConfig):
-            if config.app_name is not None:
-                from gristmill.ray.handle import ServeEngine
-                return ServeEngine(config.deployment_name, config.app_name)
-            from gristmill.batch.deployment import get_deployment
-            return get_deployment(config.deployment_name).pool
-        from gristmill.batch.http import HttpEngine
-        return HttpEngine(config)
-
-    def _close_engine(self, engine) -> None:
-        if not isinstance(self.config, DeploymentProcessorConfig):  # a deployment outlives its users
             runtime.call(engine.close())
+
+    def open_engine(self) -> RowEngine:
+        """The engine of this processor's config, ready for rows (started, for an engine of
+        its own). `stream` opens one per run; a runner that drives `process_batch` itself
+        (an actor of the Ray runner) opens one and closes it, on the batch runtime, when done."""
+        return self.config.open_engine()
 
     # -- the pipeline -------------------------------------------------------------------
 
@@ -152,7 +139,7 @@ class Processor:
                 slots.acquire()
                 if stop.is_set():
                     return
-                pending.put(runtime.submit(self._process_batch(engine, prepared)))
+                pending.put(runtime.submit(self.process_batch(engine, prepared)))
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which raises it
             pending.put(exc)
         finally:
@@ -160,7 +147,10 @@ class Processor:
 
     # -- on the runtime loop --------------------------------------------------------------
 
-    async def _process_batch(self, engine, batch: list[tuple[object, Row]]) -> list[tuple[object, Row]]:
+    async def process_batch(self, engine: RowEngine, batch: list[tuple[object, Row]]) -> list[tuple[object, Row]]:
+        """(row id, output row) of each (row id, row) of `batch`, in order: its rows run at
+        once through the chat template, tokenize and generate stages. A row's error makes
+        an error row, or (should_continue_on_error off, or a fatal error) is raised."""
         try:
             async with asyncio.TaskGroup() as group:
                 tasks = [group.create_task(self._process_row(engine, row_id, row)) for row_id, row in batch]
@@ -168,7 +158,7 @@ class Processor:
             raise _first(group_error) from None
         return [(row_id, task.result()) for (row_id, _), task in zip(batch, tasks)]
 
-    async def _process_row(self, engine, row_id, row: Row) -> Row:
+    async def _process_row(self, engine: RowEngine, row_id, row: Row) -> Row:
         config = self.config
         try:
             if not isinstance(row, dict):
@@ -191,7 +181,7 @@ class Processor:
             raise naming_row(error, row_id)
         return {**(row if isinstance(row, dict) else {}), **error_columns(error)}
 
-    def _prepare(self, engine, row_id, row: Row) -> RowRequest:
+    def _prepare(self, engine: RowEngine, row_id, row: Row) -> RowRequest:
         """The chat template and tokenize stages: a row as an engine request."""
         config = self.config
         params = sampling_params_of(row, config.sampling_params)
@@ -205,21 +195,14 @@ class Processor:
                                param="prompt")
         if prompt is None and messages is None and token_ids is None:
             raise RequestError("a row needs 'prompt', 'messages' or 'tokenized_prompt'", param="prompt")
-        add_special_tokens = not row.get(TEMPLATED_COLUMN)  # a rendered chat has its own
-        if messages is not None and add_special_tokens and needs_template(row, method):
-            if not engine.local_stages:  # the server applies its own template
-                return RowRequest(row_id, None, messages, None, params)
-            if not config.apply_chat_template:
-                raise RequestError("the row has 'messages' but apply_chat_template is off; send 'prompt' "
-                                   "or turn it on", param="messages")
-            prompt, add_special_tokens = engine.render_chat(messages), False
+        templated = bool(row.get(TEMPLATED_COLUMN))  # rendered by a stage before this one
+        if messages is not None and not templated and needs_template(row, method):
+            return engine.stages.chat(RowRequest(row_id, None, messages, token_ids, params), config)
         if prompt is not None and not isinstance(prompt, str):
             raise RequestError(f"'prompt' must be a string, got {type(prompt).__name__}", param="prompt")
-        if token_ids is None and prompt is not None and config.tokenize and not config.generate \
-                and engine.local_stages:
-            # Generating, the engine tokenizes the text itself (and its faults see the text).
-            token_ids = engine.tokenize(prompt, add_special_tokens)
-        return RowRequest(row_id, prompt, None, token_ids, params, add_special_tokens)
+        # A rendered chat holds its own special tokens.
+        request = RowRequest(row_id, prompt, None, token_ids, params, add_special_tokens=not templated)
+        return engine.stages.tokenize(request, config)
 
 
 def row_id_of(config: ProcessorConfig, row: Row, position):

@@ -31,6 +31,7 @@ import warnings
 
 from gristmill.batch import runtime
 from gristmill.batch.config import DeploymentProcessorConfig, EngineProcessorConfig, ProcessorConfig
+from gristmill.batch.processor import Processor, call_user, naming_row, needs_template, row_id_of
 from gristmill.batch.rows import ERROR_COLUMN, TEMPLATE_ERROR_COLUMN, TEMPLATED_COLUMN
 from gristmill.batch.tables import arrow_table
 from gristmill.errors import EngineDeadError, GristmillError, RequestError, error_string, last_line, root_cause
@@ -45,15 +46,15 @@ ENCODED_COLUMN = "__gristmill_row__"
 _CLOSE_TIMEOUT_S = 10.0
 
 
-def process_dataset(processor, dataset, preprocess_map_kwargs: dict | None = None,
-                    postprocess_map_kwargs: dict | None = None, encoded: bool = False):
-    """`processor`'s stages appended to `dataset` (lazy: nothing runs until it is read)."""
+def process_dataset(processor: Processor, dataset, encoded: bool = False):
+    """`processor`'s stages appended to `dataset` (lazy: nothing runs until it is read);
+    `processor(dataset)` comes here (see gristmill.extras)."""
     import ray.data
 
     config = processor.config
     actors, options = stage_actors(config)
-    pre = {"num_cpus": 1, **(preprocess_map_kwargs or {})}
-    post = {"num_cpus": 1, **(postprocess_map_kwargs or {})}
+    pre = {"num_cpus": 1, **(processor.preprocess_map_kwargs or {})}
+    post = {"num_cpus": 1, **(processor.postprocess_map_kwargs or {})}
     check_fits(actors, options, max(pre["num_cpus"], post["num_cpus"]))
     if processor.preprocess is not None:
         dataset = dataset.map(_UserMap("preprocess", processor.preprocess, config.id_column), **pre)
@@ -113,7 +114,6 @@ class _ChatTemplate:
         self.config, self.encoded = config, encoded
 
     def __call__(self, batch):
-        from gristmill.batch.processor import naming_row, needs_template, row_id_of
         from gristmill.tokenizer import render_chat
 
         rows = _rows_of(batch, self.encoded)
@@ -162,21 +162,17 @@ class _StageActor:
     max_concurrent_batches threads and run on that loop together."""
 
     def __init__(self, config: ProcessorConfig, encoded: bool):
-        from gristmill.batch.processor import Processor
-
         if isinstance(config, EngineProcessorConfig):
             config = dataclasses.replace(config, concurrency=1)  # the pool is of actors
         self.encoded = encoded
         self.processor = Processor(config)
-        self.engine = self.processor._open_engine()
+        self.engine = self.processor.open_engine()
 
     def __call__(self, batch):
-        from gristmill.batch.processor import row_id_of
-
         rows = _rows_of(batch, self.encoded)
         config = self.processor.config
         prepared = [(row_id_of(config, row, f"batch row {i}"), row) for i, row in enumerate(rows)]
-        done = runtime.call(self.processor._process_batch(self.engine, prepared))
+        done = runtime.call(self.processor.process_batch(self.engine, prepared))
         out = []
         for _, row in done:
             if isinstance(row, dict):
@@ -187,7 +183,7 @@ class _StageActor:
 
     def __del__(self):
         engine = getattr(self, "engine", None)
-        if engine is not None and not isinstance(self.processor.config, DeploymentProcessorConfig):
+        if engine is not None:  # closing a deployment's engine leaves the deployment up
             try:
                 runtime.submit(engine.close()).result(_CLOSE_TIMEOUT_S)
             except Exception:  # noqa: BLE001 - the process is going away; its engine core follows it
@@ -202,8 +198,6 @@ class _UserMap:
         self.what, self.fn, self.id_column, self.skip_errors = what, fn, id_column, skip_errors
 
     def __call__(self, row: dict) -> dict:
-        from gristmill.batch.processor import call_user
-
         if self.skip_errors and row.get(ERROR_COLUMN):
             return row
         return call_user(self.what, self.fn, row, row.get(self.id_column) if self.id_column else "?")

@@ -19,6 +19,7 @@ import random
 
 from gristmill.batch.openai_rows import generated_of, openai_request
 from gristmill.batch.rows import Generated, RowRequest
+from gristmill.batch.stages import REMOTE_STAGES
 from gristmill.errors import EngineDeadError, GenerationError, GristmillError, is_fatal, last_line, root_cause
 
 logger = logging.getLogger(__name__)
@@ -28,7 +29,7 @@ _BACKOFF_BASE_S = 0.25
 
 class ServeEngine:
     #: The deployment applies its own chat template and tokenizer.
-    local_stages = False
+    stages = REMOTE_STAGES
 
     def __init__(self, deployment_name: str, app_name: str):
         from ray import serve

@@ -1,0 +1,262 @@
+"""One `gristmill batch` job: every input row through a processor, written as it comes.
+
+How a job runs: one pass over the input checks it and counts its rows, before the model
+loads. With --resume, the rows the output already holds are skipped (resume.py). The
+other rows stream through `Processor.stream` (job_rows.py turns them into processor rows
+and back); each output row is written as it comes and the files are flushed every batch.
+Rows come out in input order, so what a killed job wrote is always a prefix of the input:
+that is what makes resuming exact.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+import time
+from contextlib import closing
+
+from gristmill import extras
+from gristmill.batch import EngineProcessorConfig, HttpProcessorConfig, UserFunctionError, build_processor
+from gristmill.batch.io import (CsvWriter, InputError, InputFile, JsonlWriter, ParquetWriter, batch_output_line,
+                                check_batch_line, file_format, is_batch_file)
+from gristmill.batch.job_rows import INPUT_COLUMN, input_slots, merged
+from gristmill.batch.resume import ROW_ID, RowIds, skip_written, written_rows
+from gristmill.batch.rows import ERROR_COLUMN, OUTPUT_COLUMNS
+from gristmill.batch.tables import arrow_types
+from gristmill.engine_flags import engine_config, engine_options, run_figures
+from gristmill.errors import GristmillError, RequestError, error_string
+from gristmill.sampling import SamplingParams
+
+
+class Job:
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.source = InputFile(args.input)
+        self.out_format = file_format(args.output, "output")
+        self.batch_file = self.source.format == "jsonl" and is_batch_file(self.source.first_row())
+        self.id_column = "custom_id" if self.batch_file else (args.id_column or ROW_ID)
+        self._check_paths()
+        self.config = self._processor_config()
+        survey = self.source.survey(check=check_batch_line if self.batch_file else None,
+                                    types=self.out_format == "parquet" and self.source.format == "jsonl")
+        self.total = survey.count
+        self.columns, self.schema = self._output_columns(survey)
+        self.ids = RowIds(self.id_column, self.out_format)
+        self.ok = self.failed = self.tokens = self.skipped = self.written = 0
+        self.started: float | None = None  # when rows started to run (the engine was up)
+        self.processor = None
+
+    # -- set-up ---------------------------------------------------------------------------
+
+    def _check_paths(self) -> None:
+        args = self.args
+        if self.batch_file and self.out_format != "jsonl":
+            raise InputError(f"{args.input} is an OpenAI batch file, whose output is OpenAI batch lines: "
+                             f"name the output .jsonl")
+        if args.resume and self.out_format == "parquet":
+            raise InputError("--resume needs a .jsonl or .csv output (a Parquet file cannot be appended to); "
+                             "write .jsonl or .csv, or run without --resume to start over")
+        if args.errors and not args.errors.lower().endswith(".jsonl"):
+            raise InputError(f"--errors {args.errors}: the errors file is JSONL; name it .jsonl")
+        paths = [os.path.realpath(p) for p in (args.input, args.output, args.errors) if p]
+        if len(set(paths)) != len(paths):
+            raise InputError("INPUT, --output and --errors must be three different files; writing one would "
+                             "overwrite another")
+        if args.address and args.runner != "ray":
+            raise InputError("--address names a Ray cluster, which only --runner ray uses; add --runner ray or "
+                             "leave out --address")
+        if args.deployment_url and engine_options(args):
+            print(f"warning: engine flags ({', '.join(sorted(engine_options(args)))}) configure a local engine "
+                  f"and are ignored with --deployment-url", file=sys.stderr)
+
+    def _processor_config(self):
+        args = self.args
+        defaults = {name: getattr(args, name) for name in ("max_tokens", "temperature", "repetition_penalty",
+                                                           "presence_penalty", "frequency_penalty")
+                    if getattr(args, name) is not None}
+        if args.json_schema:
+            defaults["structured_output"] = {"json": _read_schema(args.json_schema)}
+        # Row errors always come back as error rows: --fail-fast stops at the first one in
+        # input order (see _write_one), not at whichever of a batch's rows failed first.
+        common = dict(batch_size=args.batch_size, max_concurrent_batches=args.max_concurrent_batches,
+                      should_continue_on_error=True, sampling_params=defaults, id_column=self.id_column)
+        try:
+            SamplingParams(**defaults)
+            if args.deployment_url:
+                return HttpProcessorConfig(url=_api_url(args.deployment_url), **common)
+            return EngineProcessorConfig(engine=engine_config(args), max_engine_restarts=args.max_engine_restarts,
+                                         concurrency=args.concurrency, **common)
+        except RequestError as exc:
+            flag = "--json-schema" if exc.param == "structured_output" else "--" + (exc.param or "").replace("_", "-")
+            raise InputError(f"{exc} (flag {'--deployment-url' if flag == '--url' else flag})") from None
+
+    def _output_columns(self, survey) -> tuple[list[str], object]:
+        """The CSV header and Parquet schema: [row id] + input columns + output columns."""
+        inputs = [c for c in survey.columns if c not in OUTPUT_COLUMNS and c != ROW_ID]
+        columns = ([ROW_ID] if self.id_column == ROW_ID else []) + inputs + list(OUTPUT_COLUMNS)
+        if self.out_format != "parquet":
+            return columns, None
+        import pyarrow as pa
+
+        types = {ROW_ID: pa.int64(), **{c: survey.schema.field(c).type for c in inputs}, **arrow_types()}
+        return columns, pa.schema([pa.field(c, types[c]) for c in columns])
+
+    @functools.cached_property
+    def model_name(self) -> str:
+        from gristmill.paths import DEFAULT_MODEL_NAME
+
+        return self.args.deployment_url if self.args.deployment_url else (
+            self.config.engine.model or DEFAULT_MODEL_NAME)
+
+    # -- the run --------------------------------------------------------------------------
+
+    def run(self) -> int:
+        args = self.args
+        writer = errors = None
+        try:
+            resuming = args.resume and os.path.exists(args.output)
+            written = written_rows(args.output, self.ids, self.batch_file, self.columns) if resuming else []
+            writer = self._open_writer(append=resuming)
+            errors = JsonlWriter(args.errors) if args.errors else None
+            rows = self.source.rows()
+            self.ok, self.failed = skip_written(rows, written, self.ids, args.output, errors)
+            self.skipped = self.written = len(written)
+            if self.total is None or self.skipped < self.total:  # else nothing is left: no engine to start
+                processor = self._processor()
+                slots = input_slots(rows, self.skipped, self.ids, self.batch_file, args.prompt_column,
+                                    args.messages_column)
+                self._write_all(processor, merged(processor, slots), writer, errors)
+        except KeyboardInterrupt:
+            self._close(writer, errors)
+            print(f"interrupted{self._where(writer)}", file=sys.stderr)
+            return 130
+        except (InputError, OSError, GristmillError, UserFunctionError) as exc:
+            self._close(writer, errors)
+            message = str(exc) if isinstance(exc, (InputError, OSError)) else error_string(exc)
+            raise SystemExit(f"error: {message}{self._where(writer)}") from None
+        self._close(writer, errors)
+        self._summary()
+        return 0
+
+    def _processor(self):
+        """What runs the rows: the processor, or (--runner ray) Ray Data running it."""
+        processor = build_processor(self.config)
+        if self.args.runner == "local":
+            return processor
+        try:
+            runner = extras.load(extras.BATCH_RUNNERS[self.args.runner])
+        except ImportError as exc:
+            raise InputError(f"--runner {self.args.runner}: {exc}") from None
+        return runner(processor, self.args.address)
+
+    # -- writing --------------------------------------------------------------------------
+
+    def _open_writer(self, append: bool):
+        if self.out_format == "csv":
+            return CsvWriter(self.args.output, self.columns, append)
+        if self.out_format == "parquet":
+            return ParquetWriter(self.args.output, self.schema)
+        return JsonlWriter(self.args.output, append)
+
+    def _write_all(self, processor, stream, writer, errors) -> None:
+        from tqdm import tqdm
+
+        bar = None
+
+        def rows_start():  # the engine is up: the bar and the clock start with the rows
+            nonlocal bar
+            self.started = time.monotonic()
+            bar = tqdm(total=self.total, initial=self.skipped, unit="row", desc="gristmill batch",
+                       file=sys.stderr, dynamic_ncols=True)
+
+        self.processor = processor
+        if hasattr(processor, "on_rows_start"):
+            processor.on_rows_start = rows_start
+        else:  # a runner that does not say when its rows start (Ray): from now
+            rows_start()
+        try:
+            with closing(stream):
+                for out in stream:
+                    self._write_one(out, writer, errors)
+                    elapsed = max(time.monotonic() - self.started, 1e-9)
+                    bar.set_postfix_str(f"{self.tokens / elapsed:.1f} tok/s, {self.failed} errors", refresh=False)
+                    bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+
+    def _write_one(self, out: dict, writer, errors) -> None:
+        if out[ERROR_COLUMN] and self.args.fail_fast:
+            raise InputError(f"row {out[self.id_column]!r}: {out[ERROR_COLUMN]}\n--fail-fast stopped the "
+                             f"job at this row; fix it, or leave out --fail-fast to write error rows "
+                             f"and go on")
+        writer.write(self._record(out))
+        if out[ERROR_COLUMN]:
+            self.failed += 1
+            if errors is not None:
+                errors.write({**out[INPUT_COLUMN], ERROR_COLUMN: out[ERROR_COLUMN]})
+        else:
+            self.ok += 1
+            self.tokens += out["num_generated_tokens"]
+        self.written += 1
+        if (self.written - self.skipped) % self.config.batch_size == 0:
+            writer.flush()
+            if errors is not None:
+                errors.flush()
+
+    def _record(self, out: dict) -> dict:
+        if self.batch_file:
+            return batch_output_line(out[INPUT_COLUMN], out, self.model_name)
+        record = {ROW_ID: out[ROW_ID]} if self.id_column == ROW_ID else {}
+        record.update(out[INPUT_COLUMN])
+        record.update({column: out[column] for column in OUTPUT_COLUMNS})
+        return record
+
+    @staticmethod
+    def _close(*files) -> None:
+        for f in files:
+            if f is not None:
+                f.close()
+
+    def _where(self, writer) -> str:
+        """Where a stopped job left its output, and how to go on; nothing if it wrote none."""
+        if writer is None:
+            return ""
+        rows = f"{self.written} row{'' if self.written == 1 else 's'}"
+        if self.out_format == "parquet":
+            return (f"\n{rows} written to {self.args.output}; run again to start over (write .jsonl or .csv "
+                    f"output to be able to --resume)")
+        return f"\n{rows} written to {self.args.output}; fix the cause and rerun with --resume to go on"
+
+    def _summary(self) -> None:
+        run_rows = self.written - self.skipped
+        run_time = max(time.monotonic() - self.started, 1e-9) if self.started is not None else 1e-9
+        resumed = f" ({self.skipped} of them kept from before --resume)" if self.skipped else ""
+        failed = f"; failed input rows in {self.args.errors}" if self.args.errors else ""
+        start = getattr(self.processor, "engine_start_s", None)
+        print(f"gristmill batch: {self.ok} rows ok, {self.failed} rows with errors{resumed}; "
+              f"{run_figures(run_rows, self.tokens, run_time, start)}; "
+              f"output written to {self.args.output}{failed}", file=sys.stderr)
+
+
+def _read_schema(path: str) -> dict:
+    try:
+        with open(path) as f:
+            schema = json.load(f)
+    except OSError as exc:
+        raise InputError(f"--json-schema {path}: {exc.strerror}") from None
+    except ValueError as exc:
+        raise InputError(f"--json-schema {path} is not JSON: {exc}") from None
+    if not isinstance(schema, dict):
+        raise InputError(f"--json-schema {path} must hold a JSON schema object, got {type(schema).__name__}")
+    return schema
+
+
+def _api_url(url: str) -> str:
+    """http://host:port (no path) is read as the server's /v1 API."""
+    from urllib.parse import urlsplit
+
+    return url.rstrip("/") + "/v1" if urlsplit(url).path in ("", "/") else url

@@ -1,0 +1,103 @@
+"""A `gristmill batch` job's input rows as processor rows, and the processor's rows back in
+input order (with the rows that failed before reaching it in their places)."""
+
+from __future__ import annotations
+
+import collections
+import json
+from collections.abc import Iterable, Iterator
+from contextlib import closing
+from dataclasses import dataclass
+
+from gristmill.batch.io import batch_request_row
+from gristmill.batch.resume import RowIds
+from gristmill.batch.rows import error_columns
+from gristmill.errors import RequestError
+
+#: Rides with each row through the processor: the input row as read, for the output and
+#: the errors file (the processor only sees the columns it needs).
+INPUT_COLUMN = "__gristmill_batch_input__"
+
+
+@dataclass
+class Slot:
+    """One input row on its way: a processor row, or a row that failed before the
+    processor (an unsupported url in a batch file, a missing prompt column)."""
+
+    row: dict
+    error: Exception | None = None
+
+
+def input_slots(rows: Iterable[dict], start: int, ids: RowIds, batch_file: bool, prompt_column: str | None,
+                messages_column: str | None) -> Iterator[Slot]:
+    """Input rows, from position `start` (where the output ends), as processor rows."""
+    for position, original in enumerate(rows, start=start):
+        row_id = ids.claim(original, position)
+        row = {ids.id_column: row_id, INPUT_COLUMN: original}
+        try:
+            row.update(batch_request_row(original) if batch_file
+                       else request_columns(original, prompt_column, messages_column))
+        except RequestError as exc:
+            yield Slot(row, exc)
+            continue
+        yield Slot(row)
+
+
+def request_columns(original: dict, prompt_column: str | None, messages_column: str | None) -> dict:
+    """The columns the processor needs from an input row (CSV cells holding JSON decoded)."""
+    row = {"sampling_params": decoded(original.get("sampling_params"))}
+    column = messages_column or prompt_column
+    if column is not None:
+        value = decoded(original.get(column)) if messages_column else original.get(column)
+        if value is None:
+            flag = "--messages-column" if messages_column else "--prompt-column"
+            raise RequestError(f"the row has no {column!r} value ({flag} {column}); fill it in or name "
+                               f"another column", param=column)
+        row["messages" if messages_column else "prompt"] = value
+    elif decoded(original.get("messages")) is not None:
+        row["messages"] = decoded(original["messages"])
+    elif original.get("prompt") is not None or decoded(original.get("tokenized_prompt")) is not None:
+        row["prompt"] = original.get("prompt")
+        row["tokenized_prompt"] = decoded(original.get("tokenized_prompt"))
+    else:
+        raise RequestError("the row has no 'prompt' or 'messages' value; name the input's column with "
+                           "--prompt-column or --messages-column", param="prompt")
+    return row
+
+
+def merged(processor, slots: Iterable[Slot]) -> Iterator[dict]:
+    """Output rows in input order: the processor's, with the rows that failed before it
+    put back in their places."""
+    waiting: collections.deque[Slot] = collections.deque()  # filled on the processor's feeder thread
+
+    def to_run():
+        for slot in slots:
+            waiting.append(slot)
+            if slot.error is None:
+                yield slot.row
+
+    def failed_early():
+        while waiting and waiting[0].error is not None:
+            slot = waiting.popleft()
+            yield {**slot.row, **error_columns(slot.error)}
+
+    stream = processor.stream(to_run())
+    with closing(stream):
+        for out in stream:
+            yield from failed_early()
+            waiting.popleft()  # `out`'s own slot: the feeder read it before the processor ran it
+            yield out
+    yield from failed_early()
+
+
+def decoded(value):
+    """A CSV cell of a JSON column (messages, sampling_params, tokenized_prompt) as the
+    value it holds; an empty cell is no value. Prompts are text and never decoded."""
+    if value == "":
+        return None
+    if isinstance(value, str) and value[:1] in ("[", "{"):
+        try:
+            return json.loads(value)
+        except ValueError:
+            return value  # the processor says what is wrong with it
+    return value

@@ -1,0 +1,91 @@
+"""--resume: what an interrupted job wrote, and the input rows it already holds.
+
+Rows come out in input order, so what a killed job wrote is always a prefix of the input:
+the ids the output holds are read back (a torn last line is cut off) and as many input
+rows are skipped, after checking that their ids match. Every row's id is checked unique
+as it is read, so each row is written exactly once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from gristmill.batch.io import InputError, batch_line_error, id_key, read_written
+from gristmill.batch.rows import ERROR_COLUMN
+
+#: The id column of a job without --id-column: each row's input position.
+ROW_ID = "__row_id__"
+
+
+class RowIds:
+    """The ids of a job's input rows: the values of `id_column` (each row has one, and no
+    two rows the same), or with ROW_ID their positions."""
+
+    def __init__(self, id_column: str, out_format: str):
+        self.id_column = id_column
+        self.out_format = out_format
+        self.seen: set[str] = set()  # id keys of the rows read so far
+
+    def of(self, original: dict, position: int):
+        if self.id_column == ROW_ID:
+            return position
+        if original.get(self.id_column) is None:
+            raise InputError(f"input row {position} has no {self.id_column!r} value; every row needs a unique id "
+                             f"(fix the row, or leave out --id-column to number rows by position)")
+        return original[self.id_column]
+
+    def key(self, row_id) -> str:
+        """The id as the output file holds it."""
+        return id_key(self.out_format, row_id)
+
+    def claim(self, original: dict, position: int):
+        """The row's id, checked unique."""
+        row_id = self.of(original, position)
+        key = self.key(row_id)
+        if key in self.seen:
+            raise InputError(f"input row {position} repeats the id {key} of an earlier row; ids must be "
+                             f"unique for each row to be written exactly once")
+        self.seen.add(key)
+        return row_id
+
+
+def written_rows(output: str, ids: RowIds, batch_file: bool, columns: list[str]) -> list[tuple[str, str]]:
+    """(id key, error) of each row an interrupted job wrote to `output`, whose columns must
+    be this job's `columns`."""
+    if batch_file:
+        def extract(record):
+            return ids.key(record.get("custom_id")), batch_line_error(record)
+    else:
+        def extract(record):
+            return ids.key(record.get(ids.id_column)), record.get(ERROR_COLUMN) or ""
+    header, written = read_written(output, ids.out_format, extract)
+    if header is not None and header != columns:
+        raise InputError(f"--resume: the columns of {output} ({header}) are not this job's "
+                         f"({columns}); resume with the input and flags that wrote it, or run "
+                         f"without --resume to start over")
+    return written
+
+
+def skip_written(rows: Iterator[dict], written: list[tuple[str, str]], ids: RowIds, output: str,
+                 errors) -> tuple[int, int]:
+    """Take the rows `output` already holds off `rows`, checking their ids; returns (ok, failed)
+    among them. The errors file is written afresh, so it gets their failed rows again."""
+    ok = failed = 0
+    for position, (key, error) in enumerate(written):
+        original = next(rows, None)
+        if original is None:
+            raise InputError(f"--resume: {output} holds {len(written)} rows but the input has only "
+                             f"{position}; resume with the input that wrote it, or run without --resume")
+        found = ids.key(ids.of(original, position))
+        if found != key:
+            raise InputError(f"--resume: row {position} of {output} has id {key} but input row "
+                             f"{position} has id {found}; resume with the input and --id-column that wrote "
+                             f"it, or run without --resume to start over")
+        ids.seen.add(found)
+        if error:
+            failed += 1
+            if errors is not None:
+                errors.write({**original, ERROR_COLUMN: error})
+        else:
+            ok += 1
+    return ok, failed

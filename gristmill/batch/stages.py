@@ -1,0 +1,86 @@
+"""RowEngine, the one interface a processor runs rows on, and the stages before it (chat
+template, tokenize).
+
+Each processor config opens its own engine (`ProcessorConfig.open_engine`):
+- EngineProcessorConfig: an EnginePool of its own (engines.py);
+- DeploymentProcessorConfig: the pool of a `deploy(...)` deployment, borrowed (deployment.py),
+  or with `app_name` a Ray Serve deployment (ServeEngine, in the Ray extra);
+- HttpProcessorConfig: an OpenAI-compatible server (HttpEngine, http.py).
+
+Where a row's chat template and tokenizer run is the engine's to say, once, in `stages`:
+`LocalStages` run them in this process with the engine's own tokenizer (an EnginePool: stop
+strings and faults then see the text the engine got); `REMOTE_STAGES` leave rows as they
+are for an engine that applies its own (a server, a Serve deployment). The processor calls
+the stages of every row's engine and never asks which they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING, Protocol
+
+from gristmill.batch.rows import Generated, RowRequest
+from gristmill.errors import RequestError
+
+if TYPE_CHECKING:
+    from gristmill.batch.config import ProcessorConfig
+
+
+class RowStages(Protocol):
+    def chat(self, request: RowRequest, config: ProcessorConfig) -> RowRequest:
+        """`request`, whose `messages` are what it sends, as the engine takes it
+        (`prompt_token_ids` are those the row brings too, if any)."""
+
+    def tokenize(self, request: RowRequest, config: ProcessorConfig) -> RowRequest:
+        """`request` with its `prompt_token_ids`, where they are made before the engine."""
+
+
+class RowEngine(Protocol):
+    #: The chat-template and tokenize stages of a row bound for this engine.
+    stages: RowStages
+
+    async def generate(self, request: RowRequest) -> Generated:
+        """One row's result; a row's own failure raises its error, a dead engine a fatal one."""
+
+    async def close(self) -> None:
+        """Release what the processor opened (a shared deployment stays up for its other users)."""
+
+
+class LocalStages:
+    """The chat template and the tokenizer run here, before the engine, with its tokenizer.
+    `engine` has `render_chat(messages) -> str` and `tokenize(prompt, add_special_tokens)`."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def chat(self, request: RowRequest, config: ProcessorConfig) -> RowRequest:
+        if not config.apply_chat_template:
+            raise RequestError("the row has 'messages' but apply_chat_template is off; send 'prompt' "
+                               "or turn it on", param="messages")
+        # A rendered chat holds its own special tokens. Token ids the row brings too stay and
+        # are what the engine runs, as after the Ray runner's chat-template tasks.
+        rendered = replace(request, prompt=self.engine.render_chat(request.messages), messages=None,
+                           add_special_tokens=False)
+        return self.tokenize(rendered, config)
+
+    def tokenize(self, request: RowRequest, config: ProcessorConfig) -> RowRequest:
+        # Generating, the engine tokenizes the text itself (and its faults see the text).
+        if request.prompt_token_ids is None and request.prompt is not None and config.tokenize \
+                and not config.generate:
+            token_ids = self.engine.tokenize(request.prompt, request.add_special_tokens)
+            return replace(request, prompt_token_ids=token_ids)
+        return request
+
+
+class _RemoteStages:
+    """The engine applies its own chat template and tokenizer: a row's chat is sent as its
+    `messages`, its prompt as text (so apply_chat_template and tokenize do not apply)."""
+
+    def chat(self, request: RowRequest, config: ProcessorConfig) -> RowRequest:
+        return replace(request, prompt_token_ids=None)  # the engine tokenizes the chat it renders
+
+    def tokenize(self, request: RowRequest, config: ProcessorConfig) -> RowRequest:
+        return request
+
+
+REMOTE_STAGES = _RemoteStages()
