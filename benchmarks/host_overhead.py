@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from gristmill import LLM, SamplingParams
-from gristmill.model.loader import resolve_model
+from gristmill.paths import resolve_model
 
 
 def tiny_model_with_real_tokenizer(directory: Path) -> Path:

@@ -83,7 +83,7 @@ def test_generate_keeps_the_start_apart_too(tmp_path):
 
 
 def test_the_tokenizer_is_kept_in_the_cache_and_a_damaged_copy_is_rebuilt(tmp_path, caplog):
-    from gristmill.model.loader import resolve_model
+    from gristmill.paths import resolve_model
     from gristmill.tokenizer import load_tokenizer
 
     cache = tmp_path / "cache"
@@ -113,16 +113,39 @@ def test_the_tokenizer_is_kept_in_the_cache_and_a_damaged_copy_is_rebuilt(tmp_pa
 def test_a_client_on_a_warm_cache_imports_no_torch(tmp_path):
     # The engine's client side (what the server, a batch job or a Ray actor runs) needs
     # neither torch nor transformers' config classes once the model is converted and its
-    # tokenizer kept: its core process loads the model.
+    # tokenizer kept: its core process loads the model. Run for real: an AsyncEngine with
+    # its core, and a batch processor over a deployment of the engine.
     model = write_tiny_gguf(tmp_path / "models" / "tiny.gguf", "llama", "gpt2")
     code = ("import sys\nfrom gristmill.engine.async_engine import AsyncEngine\n"
             f"engine = AsyncEngine(model={str(model)!r}, device='cpu', max_model_len=128)\n"
-            "print('torch' in sys.modules, engine.tokenizer.decode(engine.tokenizer('a b').input_ids))\n"
-            "engine.shutdown()\n")
+            "text = engine.tokenizer.decode(engine.tokenizer('a b').input_ids)\n"
+            "engine.shutdown()\n"
+            "from gristmill import EngineConfig\n"
+            "from gristmill.batch import DeploymentProcessorConfig, build_processor, deploy\n"
+            f"with deploy(EngineConfig(model={str(model)!r}, device='cpu', max_model_len=128), name='tiny') as deployment:\n"
+            "    rows = build_processor(DeploymentProcessorConfig(deployment_name=deployment.name,\n"
+            "        sampling_params={'max_tokens': 3, 'temperature': 0, 'ignore_eos': True}))(\n"
+            "        [{'prompt': f'row {i}'} for i in range(4)])\n"
+            "assert [r['num_generated_tokens'] for r in rows] == [3] * 4, rows\n"
+            "print('torch' in sys.modules, text)\n")
     env = {k: v for k, v in os.environ.items() if k != "GRISTMILL_FAULTS"}
     env["GRISTMILL_CACHE"] = str(_fresh_cache(tmp_path))
     runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
             for _ in range(2)]
-    assert all(run.returncode == 0 for run in runs), [run.stderr for run in runs]
+    assert all(run.returncode == 0 for run in runs), [run.stderr[-3000:] for run in runs]
     assert runs[1].stdout.split()[0] == "False", runs[1].stdout  # warm: the client never imported it
     assert runs[0].stdout.split()[1:] == runs[1].stdout.split()[1:]  # the kept tokenizer is the same one
+
+
+def test_the_clis_help_imports_no_torch():
+    code = ("import sys\nfrom gristmill.cli import main\n"
+            "for command in (['serve', '--help'], ['batch', '--help'], ['generate', '--help']):\n"
+            "    try:\n"
+            "        main(command)\n"
+            "    except SystemExit as exc:\n"
+            "        assert exc.code == 0, command\n"
+            "print('TORCH' if 'torch' in sys.modules else 'NO TORCH')\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "--max-model-len" in run.stdout and "--json-schema" in run.stdout
+    assert run.stdout.strip().splitlines()[-1] == "NO TORCH"

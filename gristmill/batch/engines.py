@@ -150,7 +150,7 @@ class _Replica:
         try:
             prompt = request.prompt_token_ids if request.prompt_token_ids is not None else request.prompt
             out = None
-            async for out in self.engine.generate(prompt, params, request_id,
+            async for out in self.engine.generate(prompt, params, request_id, output_kind="final",
                                                   add_special_tokens=request.add_special_tokens):
                 pass
             return Generated(out.text, list(out.token_ids), len(out.prompt_token_ids), len(out.token_ids),

@@ -27,7 +27,6 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
-import gristmill
 from gristmill.config import EngineConfig
 from gristmill.engine.heartbeat import Heartbeat
 from gristmill.engine import wire
@@ -44,6 +43,8 @@ _WATCH_INTERVAL_S = 0.05
 _CORE_PROGRAM = ("import sys; sys.path.insert(0, {root!r}); "
                  "from gristmill.engine.core_process import main; main(sys.argv[1:])")
 CORE_MODULE = "gristmill.engine.core_process"
+# The directory holding the gristmill package this module belongs to.
+_PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 
 
 class CoreClient:
@@ -59,7 +60,7 @@ class CoreClient:
         outbox_read, outbox_write = os.pipe()
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-c", _CORE_PROGRAM.format(root=str(Path(gristmill.__file__).parent.parent)),
+                [sys.executable, "-c", _CORE_PROGRAM.format(root=str(_PACKAGE_ROOT)),
                  str(inbox_read), str(outbox_write), str(self.heartbeat.fd), str(os.getpid())],
                 pass_fds=(inbox_read, outbox_write, self.heartbeat.fd), stdin=subprocess.DEVNULL,
                 stdout=_stderr_fd())

@@ -18,18 +18,7 @@ See docs/ray.md for the defaults that keep a small cluster from deadlocking.
 
 from __future__ import annotations
 
-
-def require_ray():
-    """`ray`, or an ImportError that says how to install it."""
-    try:
-        import ray
-        import ray.data  # noqa: F401 - both parts are needed
-        import ray.serve  # noqa: F401
-    except ImportError as exc:
-        raise ImportError(f"gristmill's Ray runner needs Ray Data and Ray Serve ({exc}); install them with "
-                          f"pip install 'gristmill[ray]'") from exc
-    return ray
-
+from gristmill.ray.requirement import require_ray
 
 require_ray()
 

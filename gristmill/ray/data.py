@@ -246,7 +246,7 @@ class DatasetRunner:
 def connect(address: str | None = None):
     """Ray, connected to the cluster at `address` (None: RAY_ADDRESS, or a new local one).
     GRISTMILL_FAULTS, when set here, is set on the cluster's workers for this job too."""
-    from gristmill.ray import require_ray
+    from gristmill.ray.requirement import require_ray
 
     ray = require_ray()
     if not ray.is_initialized():

@@ -3,23 +3,19 @@
 A GGUF file is converted once into an HF-style directory in the cache (config.json,
 model.safetensors, tokenizer files) keyed by the file's path, size and mtime; later
 loads read that directory, which takes seconds instead of a dequantize per start.
-Finding and converting a model imports no torch (clients do both); loading weights does.
+Finding a model and the cached conversion are in gristmill.paths (imports no torch,
+nor this package until a GGUF must be converted); loading weights imports torch.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import shutil
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from gristmill import startup
-from gristmill.paths import DEFAULT_MODEL_NAME, cache_root, default_model_path  # noqa: F401 - re-exported
 
 if TYPE_CHECKING:
     import torch
@@ -60,43 +56,6 @@ _GEMMA_LAYER_TENSORS = {**_LAYER_TENSORS, "ffn_norm": "pre_feedforward_layernorm
                         "post_ffw_norm": "post_feedforward_layernorm"}
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
                    "output": "lm_head"}
-
-
-def resolve_model(model: str | None, cache_dir: str | None = None) -> Path:
-    """Return an HF-style model directory for `model` (None = the bundled default)."""
-    path = default_model_path() if model is None else Path(model).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").exists():
-            raise FileNotFoundError(f"model directory {path} has no config.json; pass an HF model "
-                                    f"directory (config.json, *.safetensors, tokenizer files) or a .gguf file")
-        return path
-    if path.is_file() and path.suffix == ".gguf":
-        return converted_gguf_dir(path, cache_dir)
-    raise FileNotFoundError(f"model {str(path)!r} not found: pass an HF model directory or a .gguf "
-                            f"file (nothing is fetched from a model hub)")
-
-
-def converted_gguf_dir(gguf_path: Path, cache_dir: str | None = None) -> Path:
-    stat = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:v3".encode()).hexdigest()[:16]
-    target = cache_root(cache_dir) / "gguf" / f"{gguf_path.stem}-{key}"
-    what = f"converting {gguf_path.name} to safetensors"
-    if (target / "model.safetensors").exists():
-        startup.cached(what, target)
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
-    try:
-        with startup.phase(what, target):
-            convert_gguf(gguf_path, tmp)
-        try:
-            tmp.rename(target)
-        except OSError:  # another process finished the same conversion first
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return target
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
