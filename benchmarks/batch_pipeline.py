@@ -149,8 +149,10 @@ def measure_at(rev: str | None, argv: list[str]) -> dict[str, float]:
             archive = subprocess.run(["git", "-C", str(root), "archive", rev], check=True, capture_output=True).stdout
             subprocess.run(["tar", "-x", "-C", tree], input=archive, check=True)
         env["PYTHONPATH"] = tree if rev is not None else str(root)
-        out = subprocess.run([sys.executable, __file__, *argv, "--json"], env=env, check=True,
-                             stdout=subprocess.PIPE, text=True).stdout
+        # Run from inside that tree: an older core process appended its package root to
+        # sys.path after the working directory, and would import this tree's package.
+        out = subprocess.run([sys.executable, str(Path(__file__).resolve()), *argv, "--json"], env=env,
+                             check=True, stdout=subprocess.PIPE, text=True, cwd=tree if rev else root).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
