@@ -84,7 +84,7 @@ def bench_http(config: EngineConfig, prompts, params, concurrency: int) -> float
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    command = [sys.executable, "-m", "gristmill", "serve", "--port", str(port), "--device", config.device,
+    command = [sys.executable, "-m", "gristmill.cli", "serve", "--port", str(port), "--device", config.device,
                "--dtype", config.dtype, "--max-num-seqs", str(config.max_num_seqs)]
     if config.model:
         command += ["--model", config.model]
