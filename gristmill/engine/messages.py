@@ -2,13 +2,12 @@
 
 - What a step did per request (`RequestUpdate`), the engine core's output.
 - The wire between an engine client and the engine-core process: small typed structs,
-  pickled over a pipe. The client sends `AddRequest` (never a scheduler `Request`: the
+  pickled one per frame (`wire.py`) over a pipe. The client sends `AddRequest` (never a scheduler `Request`: the
   core builds its own), `Abort`, `StatsQuery` and `Shutdown`; the core answers with
   `Ready` (or `CoreFailed`), `StepOutputs`, `Rejected` and `StatsReply`.
 
-The step contract between the scheduler and the model runner lives in gristmill/step.py
-(its types are importable from here too, where they used to live). This module imports neither side (no scheduler, no
-torch).
+The step contract between the scheduler and the model runner is gristmill/step.py. This
+module imports neither side (no scheduler, no torch).
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ from dataclasses import dataclass
 
 from gristmill.config import EngineConfig
 from gristmill.sampling import SamplingParams
-from gristmill.step import SampledToken, ScheduledRequest, SchedulerOutput  # noqa: F401 (their old home)
 
 
 @dataclass(slots=True)
