@@ -7,7 +7,7 @@ to only the rows that ask, a few batched tensor ops each:
    (completion tokens), vLLM's and transformers' repetition penalty (prompt and
    completion tokens).
 
-The structured-output mask comes after them (`ModelRunner._mask`). Under async
+The structured-output masks come after them (model/masking.py). Under async
 scheduling a request's last token may not be on the host yet (a PLACEHOLDER): its id is
 read on the device from the last step's sampled ids (`token_buffer`)."""
 
@@ -72,45 +72,54 @@ class LogitsControls:
     def _penalize(self, logits: torch.Tensor, items: list[ScheduledRequest], rows: list[int],
                   token_buffer: torch.Tensor, pending_rows: dict[str, int]) -> None:
         """Repetition, then presence and frequency penalties (vLLM's order) over rows
-        `rows`, in float32."""
-        device = self.device
-        index = torch.tensor(rows, device=device)
-        scores = logits[index].float()
+        `rows`, in float32. Only the logits of tokens a row has seen are read and written
+        (one gather, one scatter), never a (rows, vocab) tensor; every shape is known
+        before the step runs, so nothing waits for the device."""
+        device, vocab = self.device, logits.shape[-1]
         params = [item.sampling_params for item in items]
-        if any(p.repetition_penalty != 1.0 for p in params):
-            seen = torch.zeros(scores.shape, dtype=torch.bool, device=device)
-            at, tokens = self._history(items, token_buffer, pending_rows, with_prompt=True)
-            seen[at, tokens] = True
-            penalty = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
-            scores = torch.where(seen, torch.where(scores > 0, scores / penalty, scores * penalty), scores)
-        if any(p.presence_penalty or p.frequency_penalty for p in params):
-            counts = torch.zeros_like(scores)
-            at, tokens = self._history(items, token_buffer, pending_rows, with_prompt=False)
-            counts.index_put_((at, tokens), torch.ones(len(at), device=device), accumulate=True)
-            frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
-            presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
-            scores -= frequency * counts + presence * (counts > 0)
-        logits[index] = scores.to(logits.dtype)
+        repeats = any(p.repetition_penalty != 1.0 for p in params)
+        at, tokens, is_output = self._history(items, token_buffer, pending_rows, with_prompt=repeats)
+        # How often each (row, token) pair is a completion token, counted over its run
+        # of equal keys in sorted order (a pair seen twice gets the same value twice).
+        keys, order = torch.sort(at * vocab + tokens)
+        starts = torch.ones_like(keys, dtype=torch.bool)
+        starts[1:] = keys[1:] != keys[:-1]
+        run = starts.long().cumsum(0) - 1
+        counts = torch.zeros(len(keys), device=device).index_add_(0, run, is_output[order].float())[run]
+        at, tokens = keys // vocab, keys % vocab
+        row = torch.tensor(rows, device=device)[at]
+        scores = logits[row, tokens].float()
+        if repeats:
+            penalty = torch.tensor([p.repetition_penalty for p in params], device=device)[at]
+            scores = torch.where(scores > 0, scores / penalty, scores * penalty)
+        frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[at]
+        presence = torch.tensor([p.presence_penalty for p in params], device=device)[at]
+        scores -= frequency * counts + presence * (counts > 0)
+        logits[row, tokens] = scores.to(logits.dtype)
 
     def _history(self, items: list[ScheduledRequest], token_buffer: torch.Tensor, pending_rows: dict[str, int],
-                 with_prompt: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """(row, token) pairs, on the device, of each request's tokens (completion only,
-        or prompt too); a pending token's id is taken from `token_buffer`."""
-        at, tokens, pending, sources = [], [], [], []
+                 with_prompt: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(item, token, is a completion token) triples, on the device, of each request's
+        tokens (completion only, or prompt too); a pending token's id is taken from
+        `token_buffer`."""
+        at, tokens, is_output, pending, sources = [], [], [], [], []
         for k, item in enumerate(items):
             start = 0 if with_prompt else item.num_prompt_tokens
             known = np.asarray(item.token_ids[start:len(item.token_ids) - item.pending], dtype=np.int64)
             at.append(np.full(len(known), k, dtype=np.int64))
             tokens.append(known)
+            is_output.append(np.arange(start, start + len(known)) >= item.num_prompt_tokens)
             if item.pending:
                 pending.append(k)
                 sources.append(pending_rows[item.request_id])
         at_t = torch.from_numpy(np.concatenate(at)).to(self.device)
         tokens_t = torch.from_numpy(np.concatenate(tokens)).to(self.device)
+        is_output_t = torch.from_numpy(np.concatenate(is_output)).to(self.device)
         if pending:
             at_t = torch.cat([at_t, torch.tensor(pending, device=self.device)])
             tokens_t = torch.cat([tokens_t, token_buffer[torch.tensor(sources, device=self.device)].long()])
-        return at_t, tokens_t
+            is_output_t = torch.cat([is_output_t, torch.ones(len(pending), dtype=torch.bool, device=self.device)])
+        return at_t, tokens_t, is_output_t
 
 
 def _bans_something(item: ScheduledRequest) -> bool:

@@ -4,12 +4,11 @@ At start it picks one backend (model/backends) from the device and dtype, and on
 sizes the KV cache from `gpu_memory_utilization` and captures decode steps as CUDA
 graphs (model/cuda/graphs.py). Each step: the scheduled tokens as one `HostStep`
 (numpy), uploaded once, one forward, the LM head over the sampled rows, the logits
-controls (model/logits.py), the structured-output masks, the sampler."""
+controls (model/logits.py), the structured-output masks (model/masking.py), the sampler."""
 
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,10 +23,11 @@ from gristmill.model.context import forward_context
 from gristmill.model.cpu import kernels, quant
 from gristmill.model.layers import PagedAttention, RotaryEmbedding, clear_rotary_cache
 from gristmill.model.logits import LogitsControls
+from gristmill.model.masking import GrammarMasks
 from gristmill.model.loader import load_config, load_weights
 from gristmill.model.metadata import HostStep, StepMetadata, build_host_step
 from gristmill.model.models import model_class
-from gristmill.model.sampler import PendingSample, Sampler, SamplerRow, greedy_tokens
+from gristmill.model.sampler import Sampler, SamplerRow
 from gristmill.paths import cache_root, resolve_model
 from gristmill.step import SampledToken, ScheduledRequest, SchedulerOutput
 
@@ -88,11 +88,7 @@ class ModelRunner:
         self._allocate_kv_cache()
         self.sampler = Sampler(config.seed, self.device)
         self.controls = LogitsControls(self.device)
-        #: Structured output: [steps with a constrained row, rows that needed a mask, masks filled].
-        self.mask_stats = [0, 0, 0]
-        #: Greedy constrained rows: ask the grammar about the argmax before filling a mask
-        #: (on a CPU; on CUDA the masks are filled while the forward runs).
-        self.argmax_first = self.device.type == "cpu"
+        self.masks = GrammarMasks(self.device, self.sampler)
         self.generators: dict[str, torch.Generator] = {}
         self.graphs = None
         self._greedy: torch.Tensor | None = None  # argmax of the last forward's logits, when it came with them
@@ -202,6 +198,18 @@ class ModelRunner:
         for i, layer in enumerate(attn):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
 
+    @property
+    def mask_stats(self) -> list[int]:
+        return self.masks.stats
+
+    @property
+    def argmax_first(self) -> bool:
+        return self.masks.argmax_first
+
+    @argmax_first.setter
+    def argmax_first(self, value: bool) -> None:
+        self.masks.argmax_first = value
+
     # -- one step ------------------------------------------------------------------
 
     def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
@@ -222,10 +230,12 @@ class ModelRunner:
         if self.controls.apply(logits, items, self.token_buffer, self._rows):
             self._greedy = None  # the forward's argmax saw the logits before them
         constrained = [(j, item) for j, item in enumerate(items) if item.matcher is not None]
-        deferred = self._mask(logits, constrained, rows) if constrained else []
+        deferred = []
+        if constrained:
+            deferred, self._greedy = self.masks.mask(logits, constrained, rows, self._greedy)
         tokens, pending = self.sampler.sample(logits, rows, self._greedy)
         if deferred:
-            tokens, pending = self._resample_refused(logits, deferred, rows, tokens, pending)
+            tokens, pending = self.masks.resample_refused(logits, deferred, rows, tokens, pending)
         self.token_buffer[:len(items)].copy_(tokens)
         self._rows = {item.request_id: j for j, item in enumerate(items)}
         return LaunchedStep(items, pending)
@@ -264,71 +274,6 @@ class ModelRunner:
         ordered = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)  # stable: decodes first
         sequences = [(s.new_token_ids, s.num_computed_tokens, s.block_ids, s.samples) for s in ordered]
         return build_host_step(sequences, self.block_size), [s for s in ordered if s.samples]
-
-    def _mask(self, logits: torch.Tensor, constrained: list, rows: list[SamplerRow]) -> list:
-        """Structured output: the tokens each constrained row's grammar does not allow
-        get -inf; other rows are untouched. `constrained`: (row, ScheduledRequest) pairs.
-
-        A mask can cost a walk of the grammar over the whole vocabulary (~1 ms for 262k
-        tokens inside a JSON string), so it is filled once per grammar state (same
-        constraint, same tokens: every row of a job at its first token). On CUDA the
-        masks are filled on the host while the device runs the forward (queued, not
-        waited for), then go up in one copy. On a CPU, where the forward has already
-        run, a step whose rows are all greedy first asks each grammar whether it allows
-        its row's argmax (then the argmax of the masked row too): only rows whose grammar
-        refuses it need a mask. Inside a JSON string, where a mask costs most, the
-        model's choice is nearly always allowed; where it is refused (punctuation), masks
-        are cheap. Sampled rows are the same, through `_resample_refused`: returns those
-        rows, left unmasked."""
-        argmax, deferred = None, []
-        if self.argmax_first and all(row.params.greedy for row in rows):
-            argmax = (self._greedy if self._greedy is not None else greedy_tokens(logits)).clone()
-            ids = argmax.tolist()  # (logprobs come from masked logits: rows that want them are masked)
-            constrained = [(j, item) for j, item in constrained
-                           if rows[j].params.logprobs is not None or not item.matcher.allows(ids[j])]
-        elif self.argmax_first and all(row.params.logprobs is None for row in rows):
-            deferred = [(j, item) for j, item in constrained if _unfiltered(rows[j].params)]
-            constrained = [(j, item) for j, item in constrained if not _unfiltered(rows[j].params)]
-        self._greedy = argmax  # the sampler's argmax when every row is greedy, else None
-        self.mask_stats[0] += 1
-        self.mask_stats[1] += len(constrained)
-        if constrained:
-            self._apply_masks(logits, constrained)
-            if argmax is not None:
-                for j, _ in constrained:
-                    argmax[j] = greedy_tokens(logits[j:j + 1])[0]
-        return deferred
-
-    def _apply_masks(self, logits: torch.Tensor, constrained: list) -> None:
-        """Fill the masks of (row, ScheduledRequest) pairs, once per grammar state, and
-        apply them."""
-        from gristmill.structured.grammars import apply_masks, fill_masks, torch_bitmask
-
-        which, matchers = _grammar_states([item for _, item in constrained])
-        bitmask = torch_bitmask(len(matchers), logits.shape[-1], pin_memory=self.device.type == "cuda")
-        fill_masks(matchers, bitmask)
-        self.mask_stats[2] += len(matchers)
-        if len(matchers) < len(which):
-            bitmask = bitmask[torch.tensor(which)]
-        apply_masks(logits, bitmask, [j for j, _ in constrained])
-
-    def _resample_refused(self, logits: torch.Tensor, deferred: list, rows: list[SamplerRow],
-                          tokens: torch.Tensor, pending):
-        """Sampled constrained rows without top-k / top-p / min-p, sampled unmasked: a
-        token the grammar refuses is drawn again from the masked row. Exact: token t
-        comes first with probability p(t) and after a refusal with (1 - Z) p(t) / Z, in
-        all p(t) / Z, Z the mass the grammar allows, which is the masked distribution."""
-        ids = tokens.tolist()
-        refused = [(j, item) for j, item in deferred if not item.matcher.allows(ids[j])]
-        self.mask_stats[1] += len(refused)
-        if not refused:
-            return tokens, pending
-        self._apply_masks(logits, refused)
-        index = torch.tensor([j for j, _ in refused])
-        again, _ = self.sampler.sample(logits[index], [rows[j] for j, _ in refused])
-        tokens = tokens.clone()
-        tokens[index] = again
-        return tokens, PendingSample(tokens, None, lambda values: (values, [None] * len(values)))
 
     def make_device_error(self) -> None:
         """The `device_error` fault. On CUDA, a kernel writes far outside any allocation: a
@@ -401,30 +346,6 @@ def _untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor
     zeros is a calloc): a KV cache of 1 GiB costs memory for the blocks in use, not at start."""
     nbytes = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
     return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
-
-
-def _grammar_states(items: list[ScheduledRequest]) -> tuple[list[int], list]:
-    """The distinct grammar states of constrained rows, one mask each: (each row's state,
-    a matcher in each state). Rows share a state when they have one constraint and the
-    same output so far (every row of a job at its first token). A row's output is copied
-    to compare it only when another row has its constraint and output length."""
-    keys = [(item.matcher.constraint, item.num_output_tokens) for item in items]
-    shared = Counter(keys)
-    states: dict[tuple, int] = {}
-    which, matchers = [], []
-    for key, item in zip(keys, items):
-        state = key if shared[key] == 1 else (key, tuple(item.token_ids[item.num_prompt_tokens:]))
-        if state not in states:
-            states[state] = len(matchers)
-            matchers.append(item.matcher)
-        which.append(states[state])
-    return which, matchers
-
-
-def _unfiltered(params) -> bool:
-    """Sampled from the whole distribution: no top-k, top-p or min-p (which would filter
-    the unmasked and the masked logits differently)."""
-    return not params.greedy and params.top_k in (0, -1) and params.top_p == 1.0 and params.min_p == 0.0
 
 
 class LaunchedStep:

@@ -201,7 +201,7 @@ class OpenAIServing:
     async def _run(self, job: _Job, prompts, params: SamplingParams, stream: bool, request: Request):
         timer = RequestTimer(self.metrics)
         try:
-            await self._submit(job, prompts, params, "cumulative" if stream else "final")
+            await self._submit(job, prompts, params, "delta" if stream else "final")
         except Exception as exc:
             timer.failed(exc)
             return self._error_response(exc)
@@ -235,6 +235,7 @@ class OpenAIServing:
 
     async def _stream(self, job: _Job, timer: RequestTimer):
         finals: list[RequestOutput] = []
+        completion_tokens = 0
         try:
             if job.chat:
                 for i in range(job.n):
@@ -244,30 +245,29 @@ class OpenAIServing:
                     for i in range(job.n):
                         yield _sse(self._chunk(job, prompt_index * job.n + i, job.echo_texts[prompt_index],
                                                None, None))
-                seen, done = [0] * job.n, [False] * job.n
+                done = [False] * job.n
                 # Each choice's next text_offset: counted over token texts, as the
                 # non-streamed response does, never over the text handed out so far
                 # (which lags behind while it may begin a stop string).
                 offsets = [0] * job.n
-                async for out in handle:
+                async for out in handle:  # "delta" outputs: only what is new
                     for c in out.outputs:
                         if done[c.index]:
                             continue  # its finish chunk went out already
                         done[c.index] = c.finish_reason is not None
-                        new_ids = c.token_ids[seen[c.index]:]
-                        seen[c.index] = len(c.token_ids)
-                        timer.tokens(len(new_ids))
-                        if c.delta_text or c.finish_reason or (new_ids and job.want_logprobs):
+                        completion_tokens += len(c.token_ids)
+                        timer.tokens(len(c.token_ids))
+                        if c.delta_text or c.finish_reason or (c.token_ids and job.want_logprobs):
                             index = prompt_index * job.n + c.index
-                            start = len(c.token_ids) - len(new_ids)
-                            logprobs = self._logprobs(job, c, start, offsets[c.index])
+                            logprobs = self._logprobs(job, c, 0, offsets[c.index])
                             if logprobs and not job.chat:
                                 offsets[c.index] += sum(len(text) for text in logprobs["tokens"])
                             content = {"content": c.delta_text} if job.chat else c.delta_text
                             yield _sse(self._chunk(job, index, content, c.finish_reason, logprobs))
                 finals.append(out)
             if job.include_usage:
-                yield _sse({**self._envelope(job, chunk=True), "choices": [], "usage": _usage(job, finals)})
+                usage = _usage(job, completion_tokens)
+                yield _sse({**self._envelope(job, chunk=True), "choices": [], "usage": usage})
             timer.finished(_overall_reason(finals))
         except Exception as exc:  # noqa: BLE001 - the stream started: one error event, then [DONE]
             timer.failed(exc)
@@ -299,7 +299,8 @@ class OpenAIServing:
                     echo = job.echo_texts[prompt_index] if job.echo_texts is not None else ""
                     choice["text"] = echo + c.text
                 choices.append(choice)
-        return {**self._envelope(job, chunk=False), "choices": choices, "usage": _usage(job, finals)}
+        usage = _usage(job, sum(len(c.token_ids) for out in finals for c in out.outputs))
+        return {**self._envelope(job, chunk=False), "choices": choices, "usage": usage}
 
     def _logprobs(self, job: _Job, completion, start: int, text_offset: int = 0):
         """Logprobs of the completion's tokens from `start` on; `text_offset` is where the
@@ -333,10 +334,9 @@ def _top(entry: dict[int, float], k: int):
     return sorted(entry.items(), key=lambda kv: -kv[1])[:k]
 
 
-def _usage(job: _Job, finals: list[RequestOutput]) -> dict:
-    completion = sum(len(c.token_ids) for out in finals for c in out.outputs)
-    return {"prompt_tokens": job.prompt_tokens, "completion_tokens": completion,
-            "total_tokens": job.prompt_tokens + completion}
+def _usage(job: _Job, completion_tokens: int) -> dict:
+    return {"prompt_tokens": job.prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": job.prompt_tokens + completion_tokens}
 
 
 def _overall_reason(finals: list[RequestOutput]) -> str:

@@ -105,14 +105,26 @@ def test_sampling_options_n_seed_stop_and_logprobs(client):
 
 
 def test_streamed_n_sends_one_finish_per_choice(client):
-    chunks = list(client.completions.create(model=MODEL, prompt="Hello", max_tokens=6, temperature=1.0,
-                                            seed=3, n=3, stream=True))
+    """Streams carry only what is new each step ("delta" outputs): put together, each
+    choice's text and logprobs, and the usage, equal the non-streamed response's."""
+    request = dict(model=MODEL, prompt="Hello", max_tokens=6, temperature=1.0, seed=3, n=3, logprobs=1)
+    chunks = list(client.completions.create(**request, stream=True, stream_options={"include_usage": True}))
     finishes = [c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason]
     assert sorted(finishes) == [0, 1, 2]
+
+    def joined(i, part):
+        return [x for c in chunks if c.choices and c.choices[0].index == i and c.choices[0].logprobs
+                for x in getattr(c.choices[0].logprobs, part)]
     texts = {i: "".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i)
              for i in range(3)}
-    plain = client.completions.create(model=MODEL, prompt="Hello", max_tokens=6, temperature=1.0, seed=3, n=3)
+    plain = client.completions.create(**request)
     assert {c.index: c.text for c in plain.choices} == texts
+    for c in plain.choices:
+        assert joined(c.index, "tokens") == c.logprobs.tokens
+        assert joined(c.index, "token_logprobs") == c.logprobs.token_logprobs
+        assert joined(c.index, "text_offset") == c.logprobs.text_offset
+    assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+    assert chunks[-1].usage.total_tokens == plain.usage.total_tokens
 
 
 def test_max_tokens_null_means_the_default(server, auth):
