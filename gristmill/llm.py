@@ -49,7 +49,7 @@ class LLM:
         self.capacity = self.core.capacity
         self.inputs = InputProcessor(self.tokenizer, eos_token_ids, self.capacity)
         # generate() hands out outputs only once finished: text is decoded at the end.
-        self.outputs = OutputProcessor(self.tokenizer, incremental=False)
+        self.outputs = OutputProcessor(self.tokenizer, incremental=False, eos_token_ids=eos_token_ids)
         self._ids = itertools.count()
         self.dead_error: EngineDeadError | None = None
         #: Seconds the engine took to start (converting, quantizing, compiling, loading).

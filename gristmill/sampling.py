@@ -13,6 +13,12 @@ MAX_LOGIT_BIAS = 300
 MAX_BAD_WORDS = 100
 
 
+#: A temperature below this samples greedily (vLLM's threshold): dividing logits by a
+#: smaller one would overflow float32, and the distribution is all but an argmax anyway.
+GREEDY_BELOW = 1e-5
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """How one request samples and stops. Invalid values raise `RequestError`."""
@@ -20,7 +26,8 @@ class SamplingParams:
     #: Most tokens to generate (the prompt is not counted). None: as many as the context
     #: and the KV cache leave room for after the prompt (filled in where it is tokenized).
     max_tokens: int | None = 16
-    #: 0 picks the most likely token (greedy); higher flattens the distribution.
+    #: 0 picks the most likely token (greedy), as does any value below GREEDY_BELOW (as
+    #: vLLM); higher flattens the distribution.
     temperature: float = 1.0
     #: Keep the smallest set of tokens whose probability adds up to top_p (1 = all).
     top_p: float = 1.0
@@ -56,7 +63,7 @@ class SamplingParams:
     #: OpenAI's frequency_penalty, in [-2, 2]: subtracted from a token's logit once for each
     #: time the completion already contains it. 0 = off.
     frequency_penalty: float = 0.0
-    #: vLLM's and transformers' repetition_penalty, > 0: the logit of every token of the
+    #: vLLM's and transformers' repetition_penalty, in [0.01, 100]: the logit of every token of the
     #: prompt or the completion is divided by it when positive and multiplied by it when
     #: negative (> 1 discourages repeats). 1 = off.
     repetition_penalty: float = 1.0
@@ -139,8 +146,11 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             check(_is_number(value) and -2 <= value <= 2, name, f"{name} must be a number in [-2, 2], got {value!r}")
-        check(_is_number(self.repetition_penalty) and 0 < self.repetition_penalty < float("inf"),
-              "repetition_penalty", f"repetition_penalty must be a number > 0 (1 = off), got {self.repetition_penalty!r}")
+        # (a logit divided by a far smaller penalty would overflow float32 to infinity)
+        check(_is_number(self.repetition_penalty) and REPETITION_PENALTY_RANGE[0] <= self.repetition_penalty
+              <= REPETITION_PENALTY_RANGE[1], "repetition_penalty",
+              f"repetition_penalty must be a number in [{REPETITION_PENALTY_RANGE[0]}, "
+              f"{REPETITION_PENALTY_RANGE[1]}] (1 = off), got {self.repetition_penalty!r}")
         check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= (self.max_tokens or self.min_tokens), "min_tokens",
               f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
         check(len(self.bad_words) <= MAX_BAD_WORDS and all(isinstance(w, str) and w.strip() for w in self.bad_words),
@@ -159,7 +169,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def penalized(self) -> bool:

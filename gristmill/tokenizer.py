@@ -119,18 +119,32 @@ def _write_atomically(path: Path, data: bytes) -> None:
         raise
 
 
-def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> str:
+def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+                continue_final_message: bool = False, template_kwargs: dict | None = None) -> str:
     """A conversation rendered with the tokenizer's chat template; RequestError when the
-    messages are malformed or the template rejects them."""
+    messages are malformed or the template rejects them. `continue_final_message`: the
+    last message (the assistant's) is left open for the model to continue;
+    `template_kwargs`: more variables for the template."""
     from gristmill.errors import RequestError
 
     if not isinstance(messages, list) or not messages or not all(
             isinstance(m, dict) and "role" in m and "content" in m for m in messages):
         raise RequestError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts",
                            param="messages")
+    if continue_final_message and (add_generation_prompt or messages[-1]["role"] != "assistant"):
+        raise RequestError("continue_final_message continues the last message, which must be the assistant's, "
+                           "and needs add_generation_prompt false", param="continue_final_message")
     flat = [{"role": m["role"], "content": _text_content(m["content"])} for m in messages]
+    kwargs = dict(template_kwargs or {})
+    reserved = sorted(set(kwargs) & {"conversation", "messages", "tokenize", "add_generation_prompt",
+                                     "continue_final_message", "chat_template", "tools", "documents"})
+    if reserved:
+        raise RequestError(f"chat_template_kwargs may not set {reserved}", param="chat_template_kwargs")
+    if continue_final_message:
+        kwargs["continue_final_message"] = True
     try:
-        return tokenizer.apply_chat_template(flat, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return tokenizer.apply_chat_template(flat, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             **kwargs)
     except Exception as exc:  # the template raises on e.g. roles out of order
         raise RequestError(f"the chat template rejected these messages: {exc}", param="messages") from exc
 

@@ -74,6 +74,20 @@ def test_stop_token_ids(default_llm):
     [out] = default_llm.generate("def fibonacci(n):", greedy(32, stop_token_ids=[stop_token]), use_tqdm=False)
     assert out.finish_reason == "stop"
     assert out.token_ids == full.token_ids[:cut + 1]
+    # The token that ended it stays in token_ids, not in the text (as vLLM).
+    assert out.text == default_llm.tokenizer.decode(full.token_ids[:cut], skip_special_tokens=True)
+
+
+def test_the_eos_that_ends_a_completion_has_no_text_even_with_special_tokens(default_llm):
+    eos = default_llm.tokenizer.convert_tokens_to_ids("<end_of_turn>")
+    [out] = default_llm.generate("The capital of France is", greedy(8, skip_special_tokens=False,
+                                                                     logit_bias={eos: 100}), use_tqdm=False)
+    assert out.finish_reason == "stop" and out.token_ids == [eos]
+    assert out.text == ""
+    [kept] = default_llm.generate("The capital of France is", greedy(4, skip_special_tokens=False,
+                                                                     ignore_eos=True, logit_bias={eos: 100}),
+                                  use_tqdm=False)
+    assert kept.finish_reason == "length" and kept.text == "<end_of_turn>" * 4, "ignored, EOS is text"
 
 
 def test_eos_stops_unless_ignored(default_llm):

@@ -268,3 +268,29 @@ def test_grammars_read_from_the_tokenizer_file_give_the_masks_of_the_hf_tokenize
         assert loaded == [1]
     finally:
         padded.unlink(missing_ok=True)
+
+
+def test_both_grammar_engines_write_json_alike_and_close_listed_objects(default_llm):
+    """One space after ',' and ':' (xgrammar's layout) from llguidance too, and an object
+    schema that lists properties without saying more takes no other keys (xgrammar's
+    strict mode, vLLM's default): a small model once invented keys until max_tokens."""
+    pytest.importorskip("xgrammar")
+    from gristmill.structured.grammars import Grammars, LLGuidanceGrammars
+
+    runner, eos, tokenizer = default_llm.core.executor, default_llm.inputs.eos_token_ids, default_llm.tokenizer
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "object", "properties": {
+        "c": {"type": "array", "items": {"type": "integer"}}}, "required": ["c"]}}, "required": ["a", "b"]}
+    texts = {'{"a": 1, "b": {"c": [1, 2]}}': True, '{"a":1,"b":{"c":[1,2]}}': False,
+             '{"a": 1, "b": {"c": [1, 2]}, "d": 3}': False, '{"a": 1, "b": {"c": [1, 2], "d": 3}}': False}
+    engines = (LLGuidanceGrammars(lambda: tokenizer, runner.vocab_size, eos, runner.model_dir / "tokenizer.json"),
+               Grammars(lambda: tokenizer, runner.vocab_size, eos))
+
+    def takes(engine, spec, text) -> bool:
+        matcher = engine.matcher(parse_constraint({"json": spec}))
+        if not all(matcher.accept(t) for t in tokenizer.encode(text, add_special_tokens=False)):
+            return False
+        return matcher.finished or any(matcher.accept(t) for t in sorted(eos))  # complete: it may end here
+
+    for engine in engines:
+        assert {text: takes(engine, schema, text) for text in texts} == texts, type(engine).__name__
+        assert takes(engine, {**schema, "additionalProperties": True}, '{"a": 1, "b": {"c": []}, "d": 3}')

@@ -72,7 +72,7 @@ class AsyncEngine:
         self._client, ready = self._start_core()
         self.capacity = ready.capacity
         self.inputs = InputProcessor(self.tokenizer, eos_token_ids, self.capacity)
-        self.outputs = OutputProcessor(self.tokenizer)
+        self.outputs = OutputProcessor(self.tokenizer, eos_token_ids=eos_token_ids)
         self._client.start()
         #: Seconds the engine took to start (converting, quantizing, compiling, loading).
         self.start_seconds = time.monotonic() - started

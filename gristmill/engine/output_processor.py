@@ -18,6 +18,9 @@ class _Completion:
     parent: RequestOutput
     output: CompletionOutput
     detokenizer: IncrementalDetokenizer | None
+    #: Tokens that end it (EOS unless ignore_eos, stop_token_ids): the one that ends it
+    #: stays in its token ids but not in its text, as in vLLM.
+    stop_tokens: frozenset[int]
 
 
 class OutputProcessor:
@@ -27,17 +30,19 @@ class OutputProcessor:
     finish reason "error"; the caller aborts it in the core so its blocks come back.
     """
 
-    def __init__(self, tokenizer, incremental: bool = True):
+    def __init__(self, tokenizer, incremental: bool = True, eos_token_ids: frozenset[int] = frozenset()):
         """`incremental=False` when nobody reads an output before it finishes (offline
         generate): the text of a completion without stop strings is then decoded once,
         at its end, instead of every step."""
         self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.incremental = incremental
         self._live: dict[str, _Completion] = {}
 
     def add(self, parent: RequestOutput, child_ids: list[str], params: SamplingParams) -> None:
         """Track every completion of `parent`, or none of them (GenerationError)."""
         completions = {}
+        stop_tokens = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         for index, child_id in enumerate(child_ids):
             output = parent.outputs[index]
             if params.logprobs is not None:
@@ -49,7 +54,7 @@ class OutputProcessor:
                                                params.min_tokens)
             except Exception as exc:  # noqa: BLE001 - per-request isolation
                 raise GenerationError(f"setting up the detokenizer failed: {exc}") from exc
-            completions[child_id] = _Completion(parent, output, detok)
+            completions[child_id] = _Completion(parent, output, detok, stop_tokens)
         self._live.update(completions)
 
     @property
@@ -98,7 +103,10 @@ class OutputProcessor:
             try:
                 if faults.ACTIVE:
                     faults.check("detokenize", prompt=live.parent.prompt)
-                stopped = detok.add_tokens(update.new_token_ids)
+                text_ids = update.new_token_ids
+                if update.finish_reason == "stop" and text_ids and text_ids[-1] in live.stop_tokens:
+                    text_ids = text_ids[:-1]  # the token that ended it has no text in the output
+                stopped = detok.add_tokens(text_ids)
                 finish_reason = "stop" if stopped else update.finish_reason
                 if detok.held is None or finish_reason is not None:  # else the text waits for the end
                     output.text = detok.text

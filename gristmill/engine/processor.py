@@ -26,6 +26,7 @@ class InputProcessor:
         if isinstance(prompt, str):
             if not prompt:
                 raise RequestError("prompt is empty; send at least one token of text", param="prompt")
+            check_text(prompt, "prompt")
             try:
                 faults.check("tokenize", prompt=prompt)
                 return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
@@ -47,6 +48,10 @@ class InputProcessor:
                                    param="min_tokens")
             params = params.derived(max_tokens=room)
         check_fits(len(prompt_token_ids), params.max_tokens, self.capacity)
+        outside = sorted(t for t in params.logit_bias or {} if t >= self.capacity.vocab_size)
+        if outside:
+            raise RequestError(f"logit_bias has token ids {outside[:5]} outside the vocabulary "
+                               f"[0, {self.capacity.vocab_size})", param="logit_bias")
         fault_tag = prompt if faults.ACTIVE else None
         bad_words = self.bad_words_ids(params.bad_words)
         if params.n == 1:
@@ -61,6 +66,7 @@ class InputProcessor:
         the start of a text and inside one), without duplicates."""
         forms: dict[tuple[int, ...], None] = {}
         for word in words:
+            check_text(word, "bad_words")
             for text in (word.strip(), " " + word.strip()):
                 try:
                     ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
@@ -79,6 +85,16 @@ class InputProcessor:
         if isinstance(prompt, int) and not isinstance(prompt, bool):
             return prompt
         return len(self.tokenize(prompt))
+
+
+def check_text(text: str, param: str) -> None:
+    """RequestError unless `text` can be encoded as UTF-8 (a lone surrogate cannot)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise RequestError(f"{param} is not valid Unicode: {exc.object[exc.start:exc.end]!r} at character "
+                           f"{exc.start} is a lone surrogate, which has no UTF-8 form; send UTF-8 text",
+                           param=param) from None
 
 
 def check_token_ids(token_ids, vocab_size: int) -> None:

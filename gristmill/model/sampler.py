@@ -78,7 +78,7 @@ class Sampler:
                 tokens[index] = greedy_tokens(logits[index])
             index = torch.tensor(random, device=logits.device)
             probs = self._filtered_probs(logits[index], [rows[i].params for i in random])
-            tokens[index] = self._inverse_cdf(probs, [rows[i].generator for i in random])
+            tokens[index] = self._inverse_cdf(probs, [rows[i].generator for i in random], logits[index])
         wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
         if not wanted:
             return tokens, PendingSample(tokens, self._host_buffer(tokens), lambda ids: (ids, [None] * len(ids)))
@@ -101,6 +101,7 @@ class Sampler:
             # Drop a token when the tokens ranked above it already reach top_p.
             before = sorted_probs.cumsum(dim=-1) - sorted_probs
             drop = before >= torch.tensor(top_ps, device=device)[:, None]
+            drop[:, 0] = False  # the most likely token stays, however small top_p is
             probs = probs.scatter(1, order, sorted_probs.masked_fill(drop, 0.0))
         min_ps = [p.min_p for p in params]
         if any(p > 0 for p in min_ps):
@@ -108,9 +109,11 @@ class Sampler:
             probs = probs.masked_fill(probs < floor, 0.0)
         return probs
 
-    def _inverse_cdf(self, probs: torch.Tensor, generators) -> torch.Tensor:
+    def _inverse_cdf(self, probs: torch.Tensor, generators, logits: torch.Tensor) -> torch.Tensor:
         """One token per row of `probs` (rows, vocab), drawn with its probability: the
-        first index whose cumulative sum passes u * total, u uniform in [0, 1)."""
+        first index whose cumulative sum passes u * total, u uniform in [0, 1). A row
+        whose probabilities are not a distribution (an overflow made them NaN, or nothing
+        is left) takes the argmax of its `logits`: never an id outside the vocabulary."""
         cdf = probs.cumsum(dim=-1)  # (rows, vocab)
         total = cdf[:, -1:]
         draws = torch.empty_like(total)
@@ -124,7 +127,11 @@ class Sampler:
         # Strictly below the total, so the token found has a probability above zero
         # (the cumulative sum rises there) even when u * total rounds up to the total.
         target = torch.minimum(draws * total, torch.nextafter(total, torch.zeros_like(total)))
-        return torch.searchsorted(cdf, target, right=True)[:, 0]
+        tokens = torch.searchsorted(cdf, target, right=True)[:, 0].clamp(max=probs.shape[-1] - 1)
+        broken = ~(total[:, 0] > 0) | ~torch.isfinite(total[:, 0])
+        if probs.device.type == "cpu" and not bool(broken.any()):
+            return tokens  # (on CUDA a select on the device instead: no sync)
+        return torch.where(broken, greedy_tokens(logits.nan_to_num(nan=float("-inf"))), tokens)
 
     def _with_logprobs(self, logits: torch.Tensor, rows: list[SamplerRow], tokens: torch.Tensor,
                        wanted: list[int]) -> "PendingSample":

@@ -54,8 +54,9 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
     @app.middleware("http")
     async def authenticate(request: Request, call_next):
         if api_key and request.url.path.startswith("/v1"):
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
+            # (the scheme is case-insensitive, RFC 9110; the key is not)
+            if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), api_key.encode()):
                 return error_response(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
                                       "invalid_request_error", code="invalid_api_key")
         return await call_next(request)

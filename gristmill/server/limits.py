@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gristmill.engine.processor import check_text
 from gristmill.errors import RequestError
 
 MiB = 1 << 20
@@ -47,6 +48,8 @@ def at_most(count: int, limit: int, field: str, what: str, flag: str | None = No
 
 def check_common(body, limits: ServerLimits, max_num_seqs: int, max_model_len: int) -> None:
     """The bounds both endpoints share."""
+    if body.stream_options is not None and not body.stream:
+        raise RequestError("stream_options is only allowed with stream: true", param="stream_options")
     if body.n > max_num_seqs:
         raise RequestError(f"n is {body.n}; at most {max_num_seqs} (the engine's max_num_seqs) completions "
                            f"of one prompt can run together", param="n")
@@ -76,12 +79,14 @@ def check_completion(body, limits: ServerLimits) -> None:
 
 def check_chat(body, limits: ServerLimits) -> None:
     at_most(len(body.messages), limits.max_messages, "messages", "messages")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
     chars = 0
     for message in body.messages:
         content = message.content
-        if isinstance(content, str):
-            chars += len(content)
-        elif isinstance(content, list):
-            chars += sum(len(part["text"]) for part in content
-                         if isinstance(part, dict) and isinstance(part.get("text"), str))
+        texts = [content] if isinstance(content, str) else [
+            part["text"] for part in content or [] if isinstance(part, dict) and isinstance(part.get("text"), str)]
+        for text in texts:
+            check_text(text, "messages")
+            chars += len(text)
     at_most(chars, limits.max_prompt_chars, "messages", "characters of text", "max-prompt-chars")

@@ -8,6 +8,7 @@ one SSE error event followed by `data: [DONE]`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -47,6 +48,17 @@ class _Job:
     echo_texts: list[str] | None = None
     streams: list[RequestStream] = field(default_factory=list)
     prompt_tokens: int = 0
+
+
+class _ChoiceStates:
+    """What a stream has sent of each (prompt, completion) choice."""
+
+    def __init__(self, num_prompts: int, n: int):
+        self.finished: set[tuple[int, int]] = set()
+        #: Each choice's next text_offset: counted over token texts, as the non-streamed
+        #: response does, never over the text handed out so far (which lags behind
+        #: while it may begin a stop string).
+        self.offsets = {(p, i): 0 for p in range(num_prompts) for i in range(n)}
 
 
 class OpenAIServing:
@@ -117,21 +129,23 @@ class OpenAIServing:
                    bool(body.stream_options and body.stream_options.include_usage), body.logprobs or 0)
         if body.echo:
             job.echo_texts = [self._prompt_text(p) for p in prompts]
-        return job, [(p, True) for p in prompts], params
+        return job, [(p, body.add_special_tokens) for p in prompts], params
 
     def _chat_job(self, body: ChatCompletionRequest):
         self._check_model(body.model)
         self._check_limits(body)
         check_chat(body, self.limits)
         messages = [m.model_dump() for m in body.messages]
-        text = render_chat(self.engine.tokenizer, messages, add_generation_prompt=True)
+        text = render_chat(self.engine.tokenizer, messages, add_generation_prompt=body.add_generation_prompt,
+                           continue_final_message=body.continue_final_message,
+                           template_kwargs=body.chat_template_kwargs)
         # None, as vLLM: whatever room the context leaves (counted where the prompt is tokenized).
         max_tokens = body.max_completion_tokens or body.max_tokens
         top = (body.top_logprobs or 0) if body.logprobs else None
         params = self._params(body, max_tokens, top)
         job = _Job(True, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), body.n, body.logprobs,
                    bool(body.stream_options and body.stream_options.include_usage), top or 0)
-        return job, [(text, False)], params
+        return job, [(text, body.add_special_tokens)], params
 
     def _prompt_text(self, prompt: str | list[int]) -> str:
         """The prompt as echo returns it: token ids are decoded as the engine reads them."""
@@ -240,31 +254,23 @@ class OpenAIServing:
             if job.chat:
                 for i in range(job.n):
                     yield _sse(self._chunk(job, i, {"role": "assistant", "content": ""}, None, None))
-            for prompt_index, handle in enumerate(job.streams):
-                if job.echo_texts is not None:  # the prompt opens each choice's text
+            if job.echo_texts is not None:  # the prompt opens each choice's text
+                for prompt_index, text in enumerate(job.echo_texts):
                     for i in range(job.n):
-                        yield _sse(self._chunk(job, prompt_index * job.n + i, job.echo_texts[prompt_index],
-                                               None, None))
-                done = [False] * job.n
-                # Each choice's next text_offset: counted over token texts, as the
-                # non-streamed response does, never over the text handed out so far
-                # (which lags behind while it may begin a stop string).
-                offsets = [0] * job.n
-                async for out in handle:  # "delta" outputs: only what is new
+                        yield _sse(self._chunk(job, prompt_index * job.n + i, text, None, None))
+            choices = _ChoiceStates(len(job.streams), job.n)
+            # "delta" outputs (only what is new) of all the prompts, as they come: every
+            # prompt generates at once, so none may wait for another's end.
+            async with contextlib.aclosing(_merged(job.streams)) as merged:
+                async for prompt_index, out in merged:
                     for c in out.outputs:
-                        if done[c.index]:
-                            continue  # its finish chunk went out already
-                        done[c.index] = c.finish_reason is not None
                         completion_tokens += len(c.token_ids)
                         timer.tokens(len(c.token_ids))
-                        if c.delta_text or c.finish_reason or (c.token_ids and job.want_logprobs):
-                            index = prompt_index * job.n + c.index
-                            logprobs = self._logprobs(job, c, 0, offsets[c.index])
-                            if logprobs and not job.chat:
-                                offsets[c.index] += sum(len(text) for text in logprobs["tokens"])
-                            content = {"content": c.delta_text} if job.chat else c.delta_text
-                            yield _sse(self._chunk(job, index, content, c.finish_reason, logprobs))
-                finals.append(out)
+                        chunk = self._delta_chunk(job, prompt_index, c, choices)
+                        if chunk is not None:
+                            yield _sse(chunk)
+                    if out.finished:
+                        finals.append(out)
             if job.include_usage:
                 usage = _usage(job, completion_tokens)
                 yield _sse({**self._envelope(job, chunk=True), "choices": [], "usage": usage})
@@ -278,6 +284,21 @@ class OpenAIServing:
 
     # -- formatting -----------------------------------------------------------------
 
+    def _delta_chunk(self, job: _Job, prompt_index: int, c, choices: "_ChoiceStates") -> dict | None:
+        """The chunk of a "delta" completion output, or None when it brings nothing to send."""
+        key = (prompt_index, c.index)
+        if key in choices.finished:
+            return None  # its finish chunk went out already
+        if c.finish_reason is not None:
+            choices.finished.add(key)
+        if not (c.delta_text or c.finish_reason or (c.token_ids and job.want_logprobs)):
+            return None
+        logprobs = self._logprobs(job, c, 0, choices.offsets[key])
+        if logprobs and not job.chat:
+            choices.offsets[key] += sum(len(text) for text in logprobs["tokens"])
+        content = {"content": c.delta_text} if job.chat else c.delta_text
+        return self._chunk(job, prompt_index * job.n + c.index, content, c.finish_reason, logprobs)
+
     def _envelope(self, job: _Job, chunk: bool) -> dict:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if job.chat else "text_completion"
         return {"id": job.request_id, "object": kind, "created": job.created, "model": self.model_name}
@@ -285,7 +306,10 @@ class OpenAIServing:
     def _chunk(self, job: _Job, index: int, content, finish_reason, logprobs) -> dict:
         choice = {"index": index, "logprobs": logprobs, "finish_reason": finish_reason}
         choice["delta" if job.chat else "text"] = content
-        return {**self._envelope(job, chunk=True), "choices": [choice]}
+        chunk = {**self._envelope(job, chunk=True), "choices": [choice]}
+        if job.include_usage:
+            chunk["usage"] = None  # as OpenAI: the usage comes in the last chunk alone
+        return chunk
 
     def _response(self, job: _Job, finals: list[RequestOutput]) -> dict:
         choices = []
@@ -361,6 +385,37 @@ class _JobStreamingResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             await _close_all(self.job)
+
+
+async def _merged(streams: list[RequestStream]):
+    """(stream index, output) of every stream as they arrive. One task per stream moves
+    its outputs into a queue of one place each: a stream the consumer has not read yet
+    keeps its outputs, so a slow client still overflows `max_buffered` as with one."""
+    queue: asyncio.Queue = asyncio.Queue(maxsize=len(streams))
+
+    async def pump(index: int, handle: RequestStream) -> None:
+        try:
+            async for out in handle:
+                await queue.put((index, out, None))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+            await queue.put((index, None, exc))
+        else:
+            await queue.put((index, None, None))
+
+    tasks = [asyncio.ensure_future(pump(i, handle)) for i, handle in enumerate(streams)]
+    try:
+        running = len(tasks)
+        while running:
+            index, out, error = await queue.get()
+            if error is not None:
+                raise error
+            if out is None:
+                running -= 1
+            else:
+                yield index, out
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 async def _close_all(job: _Job) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 COMPLETIONS_PATH, CHAT_PATH = "/v1/completions", "/v1/chat/completions"
 
@@ -18,8 +18,22 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+#: Fields whose explicit null means their default (OpenAI documents them "or null", and
+#: some clients send every field).
+_NULL_MEANS_DEFAULT = ("n", "stream", "ignore_eos", "skip_special_tokens", "echo", "logprobs",
+                       "add_special_tokens", "add_generation_prompt", "continue_final_message")
+
+
 class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, data):
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if not (v is None and k in _NULL_MEANS_DEFAULT
+                                                          and k in cls.model_fields)}
+        return data
 
     model: str | None = None
     temperature: float | None = Field(default=None, ge=0, le=2)
@@ -42,7 +56,7 @@ class _SamplingFields(BaseModel):
     #: vLLM's extra-body field: exactly one of json, json_object, regex, choice, grammar.
     structured_outputs: dict | None = None
     #: vLLM's extra-body fields (SamplingParams of the same names).
-    repetition_penalty: float | None = Field(default=None, gt=0)
+    repetition_penalty: float | None = Field(default=None, ge=0.01, le=100)
     min_tokens: int | None = Field(default=None, ge=0)
     bad_words: list[str] | None = None
     skip_special_tokens: bool = True
@@ -51,17 +65,23 @@ class _SamplingFields(BaseModel):
         """The first field of the body, not modelled here, that would change the output."""
         extra = self.model_extra or {}
         return next((name for name, neutral in UNSUPPORTED.items()
-                     if extra.get(name) is not None and extra[name] != neutral), None)
+                     if extra.get(name) is not None and extra[name] not in _neutral(neutral)), None)
+
+
+def _neutral(value) -> tuple:
+    return value if isinstance(value, tuple) else (value,)
 
 
 #: Fields other OpenAI-compatible servers take that would change the output, with the
-#: value that changes nothing (any other value is refused).
+#: value (or a tuple of the values) that changes nothing: any other value is refused.
 UNSUPPORTED = {"best_of": 1, "suffix": "", "tools": [], "functions": [], "use_beam_search": False,
                "length_penalty": 1.0, "prompt_logprobs": 0, "allowed_token_ids": [], "logits_processors": [],
                "include_stop_str_in_output": False, "truncate_prompt_tokens": 0, "typical_p": 1.0,
                "prediction": {}, "audio": {}, "spaces_between_special_tokens": True,
                "guided_json": {}, "guided_regex": "", "guided_choice": [], "guided_grammar": "",
-               "guided_whitespace_pattern": ""}
+               "guided_whitespace_pattern": "", "prompt_embeds": ("", []),
+               "return_tokens_as_token_ids": False, "tool_choice": ("none", "auto"), "function_call": ("none", "auto"),
+               "reasoning_effort": (), "chat_template": "", "documents": [], "echo": False, "modalities": (["text"],)}
 
 
 class CompletionRequest(_SamplingFields):
@@ -69,6 +89,8 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(default=None, ge=1)  # None: 16, as OpenAI
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
+    #: vLLM's extra-body field: the tokenizer's special tokens (BOS) open the prompt.
+    add_special_tokens: bool = True
 
 
 class ChatMessage(BaseModel):
@@ -84,3 +106,11 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    #: vLLM's extra-body fields for the chat template: the assistant's turn is opened
+    #: after the messages; the last (assistant) message is continued instead, unclosed;
+    #: more variables for the template; the template's text gets the tokenizer's
+    #: special tokens too (it usually has them already).
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None
+    add_special_tokens: bool = False

@@ -197,9 +197,10 @@ def _llguidance_grammar(constraint: Constraint, tokenizer) -> str:
     kind, source = constraint.kind, constraint.source
     with _engine_errors(constraint):
         if kind in ("json", "json_object"):
-            schema = source if kind == "json" else '{"type": "object"}'
-            # One space after ',' and ':', none elsewhere: a model cannot pad a document forever.
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+            schema = closed_objects(source) if kind == "json" else '{"type": "object"}'
+            # One space after ',' and ':', none elsewhere (as xgrammar writes JSON): a model
+            # cannot pad a document forever.
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_LAYOUT)
         else:
             grammar = llguidance.grammar_from({"regex": "regex", "choice": "choice", "grammar": "grammar"}[kind],
                                               source)
@@ -207,6 +208,27 @@ def _llguidance_grammar(constraint: Constraint, tokenizer) -> str:
     if error:
         raise RequestError(f"{PARAM}.{kind} is not valid: {_reason(error)}", param=PARAM)
     return grammar
+
+
+_JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def closed_objects(schema: str) -> str:
+    """`schema` with `"additionalProperties": false` in every object schema that lists
+    `properties` and does not say: the output has the keys the schema names and no
+    others, as xgrammar's strict mode (vLLM's default) and OpenAI's strict schemas have
+    it. Without it a small model invents keys until max_tokens cuts the document off."""
+    def close(node):
+        if isinstance(node, dict):
+            node = {key: close(value) for key, value in node.items()}
+            if isinstance(node.get("properties"), dict) and "additionalProperties" not in node \
+                    and "unevaluatedProperties" not in node:
+                node["additionalProperties"] = False
+            return node
+        if isinstance(node, list):
+            return [close(item) for item in node]
+        return node
+    return json.dumps(close(json.loads(schema)), separators=(",", ":"))
 
 
 def _reason(text: str) -> str:
