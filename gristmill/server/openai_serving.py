@@ -12,7 +12,6 @@ import contextlib
 import json
 import time
 import uuid
-from dataclasses import dataclass, field
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -27,6 +26,7 @@ from gristmill.server.errors import ModelNotFoundError, error_event, exception_r
 from gristmill.server.limits import ServerLimits, check_chat, check_common, check_completion
 from gristmill.server.metrics import RequestTimer, ServerMetrics
 from gristmill.server.protocol import ChatCompletionRequest, CompletionRequest
+from gristmill.server.responses import ChoiceStates, Job, ResponseWriter, overall_reason, sse, usage
 from gristmill.server.supervisor import EngineSupervisor
 
 
@@ -34,38 +34,12 @@ class ClientDisconnected(Exception):
     pass
 
 
-@dataclass
-class _Job:
-    """One HTTP request: its engine streams (one per prompt) and how to format it."""
-    chat: bool
-    request_id: str
-    created: int
-    n: int
-    want_logprobs: bool
-    include_usage: bool
-    num_top_logprobs: int = 0
-    #: With `echo`: each prompt's text, which starts the text of each of its choices.
-    echo_texts: list[str] | None = None
-    streams: list[RequestStream] = field(default_factory=list)
-    prompt_tokens: int = 0
-
-
-class _ChoiceStates:
-    """What a stream has sent of each (prompt, completion) choice."""
-
-    def __init__(self, num_prompts: int, n: int):
-        self.finished: set[tuple[int, int]] = set()
-        #: Each choice's next text_offset: counted over token texts, as the non-streamed
-        #: response does, never over the text handed out so far (which lags behind
-        #: while it may begin a stop string).
-        self.offsets = {(p, i): 0 for p in range(num_prompts) for i in range(n)}
-
-
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, model_name: str, metrics: ServerMetrics, *,
                  supervisor: EngineSupervisor | None = None, limits: ServerLimits | None = None):
         self.engine = engine
         self.model_name = model_name
+        self.writer = ResponseWriter(model_name, lambda ids: self.engine.tokenizer.decode(ids))
         self.metrics = metrics
         self.supervisor = supervisor
         self.limits = limits or ServerLimits()
@@ -125,7 +99,7 @@ class OpenAIServing:
             raise RequestError("echo with logprobs asks for the prompt's logprobs too, and prompt logprobs "
                                "are not supported; drop echo or logprobs", param="echo")
         params = self._params(body, body.max_tokens or 16, body.logprobs)
-        job = _Job(False, f"cmpl-{uuid.uuid4().hex}", int(time.time()), body.n, body.logprobs is not None,
+        job = Job(False, f"cmpl-{uuid.uuid4().hex}", int(time.time()), body.n, body.logprobs is not None,
                    bool(body.stream_options and body.stream_options.include_usage), body.logprobs or 0)
         if body.echo:
             job.echo_texts = [self._prompt_text(p) for p in prompts]
@@ -143,7 +117,7 @@ class OpenAIServing:
         max_tokens = body.max_completion_tokens or body.max_tokens
         top = (body.top_logprobs or 0) if body.logprobs else None
         params = self._params(body, max_tokens, top)
-        job = _Job(True, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), body.n, body.logprobs,
+        job = Job(True, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), body.n, body.logprobs,
                    bool(body.stream_options and body.stream_options.include_usage), top or 0)
         return job, [(text, body.add_special_tokens)], params
 
@@ -194,10 +168,10 @@ class OpenAIServing:
         except Exception as exc:
             timer.failed(exc)
             raise
-        timer.finished(_overall_reason(finals))
-        return self._response(job, finals)
+        timer.finished(overall_reason(finals))
+        return self.writer.response(job, finals)
 
-    async def _submit(self, job: _Job, prompts, params: SamplingParams, output_kind: str) -> None:
+    async def _submit(self, job: Job, prompts, params: SamplingParams, output_kind: str) -> None:
         """Every prompt of the job into the engine, or none (a failure closes those in).
         `output_kind` "final" for a whole response: nothing is copied per step."""
         try:
@@ -212,7 +186,7 @@ class OpenAIServing:
             await _close_all(job)
             raise
 
-    async def _run(self, job: _Job, prompts, params: SamplingParams, stream: bool, request: Request):
+    async def _run(self, job: Job, prompts, params: SamplingParams, stream: bool, request: Request):
         timer = RequestTimer(self.metrics)
         try:
             await self._submit(job, prompts, params, "delta" if stream else "final")
@@ -221,7 +195,7 @@ class OpenAIServing:
             return self._error_response(exc)
         timer.num_prompt_tokens = job.prompt_tokens
         if stream:
-            return _JobStreamingResponse(job, self._stream(job, timer), media_type="text/event-stream")
+            return JobStreamingResponse(job, self._stream(job, timer), media_type="text/event-stream")
         try:
             finals = await _until_disconnect(request, self._collect(job, timer))
         except ClientDisconnected:
@@ -231,10 +205,10 @@ class OpenAIServing:
             return self._error_response(exc)
         finally:
             await _close_all(job)
-        timer.finished(_overall_reason(finals))
-        return JSONResponse(self._response(job, finals))
+        timer.finished(overall_reason(finals))
+        return JSONResponse(self.writer.response(job, finals))
 
-    async def _collect(self, job: _Job, timer: RequestTimer) -> list[RequestOutput]:
+    async def _collect(self, job: Job, timer: RequestTimer) -> list[RequestOutput]:
         """The final outputs of a job's streams (asked for with output_kind "final"); the
         timer gets their tokens at the times they arrived."""
         async def final(handle: RequestStream) -> RequestOutput:
@@ -247,18 +221,18 @@ class OpenAIServing:
             timer.tokens(count, at)
         return finals
 
-    async def _stream(self, job: _Job, timer: RequestTimer):
+    async def _stream(self, job: Job, timer: RequestTimer):
         finals: list[RequestOutput] = []
         completion_tokens = 0
         try:
             if job.chat:
                 for i in range(job.n):
-                    yield _sse(self._chunk(job, i, {"role": "assistant", "content": ""}, None, None))
+                    yield sse(self.writer.chunk(job, i, {"role": "assistant", "content": ""}, None, None))
             if job.echo_texts is not None:  # the prompt opens each choice's text
                 for prompt_index, text in enumerate(job.echo_texts):
                     for i in range(job.n):
-                        yield _sse(self._chunk(job, prompt_index * job.n + i, text, None, None))
-            choices = _ChoiceStates(len(job.streams), job.n)
+                        yield sse(self.writer.chunk(job, prompt_index * job.n + i, text, None, None))
+            choices = ChoiceStates(len(job.streams), job.n)
             # "delta" outputs (only what is new) of all the prompts, as they come: every
             # prompt generates at once, so none may wait for another's end.
             async with contextlib.aclosing(_merged(job.streams)) as merged:
@@ -266,15 +240,15 @@ class OpenAIServing:
                     for c in out.outputs:
                         completion_tokens += len(c.token_ids)
                         timer.tokens(len(c.token_ids))
-                        chunk = self._delta_chunk(job, prompt_index, c, choices)
+                        chunk = self.writer.delta_chunk(job, prompt_index, c, choices)
                         if chunk is not None:
-                            yield _sse(chunk)
+                            yield sse(chunk)
                     if out.finished:
                         finals.append(out)
             if job.include_usage:
-                usage = _usage(job, completion_tokens)
-                yield _sse({**self._envelope(job, chunk=True), "choices": [], "usage": usage})
-            timer.finished(_overall_reason(finals))
+                totals = usage(job, completion_tokens)
+                yield sse({**self.writer.envelope(job, chunk=True), "choices": [], "usage": totals})
+            timer.finished(overall_reason(finals))
         except Exception as exc:  # noqa: BLE001 - the stream started: one error event, then [DONE]
             timer.failed(exc)
             yield error_event(exc)
@@ -282,101 +256,11 @@ class OpenAIServing:
             await _close_all(job)
         yield "data: [DONE]\n\n"
 
-    # -- formatting -----------------------------------------------------------------
-
-    def _delta_chunk(self, job: _Job, prompt_index: int, c, choices: "_ChoiceStates") -> dict | None:
-        """The chunk of a "delta" completion output, or None when it brings nothing to send."""
-        key = (prompt_index, c.index)
-        if key in choices.finished:
-            return None  # its finish chunk went out already
-        if c.finish_reason is not None:
-            choices.finished.add(key)
-        if not (c.delta_text or c.finish_reason or (c.token_ids and job.want_logprobs)):
-            return None
-        logprobs = self._logprobs(job, c, 0, choices.offsets[key])
-        if logprobs and not job.chat:
-            choices.offsets[key] += sum(len(text) for text in logprobs["tokens"])
-        content = {"content": c.delta_text} if job.chat else c.delta_text
-        return self._chunk(job, prompt_index * job.n + c.index, content, c.finish_reason, logprobs)
-
-    def _envelope(self, job: _Job, chunk: bool) -> dict:
-        kind = ("chat.completion.chunk" if chunk else "chat.completion") if job.chat else "text_completion"
-        return {"id": job.request_id, "object": kind, "created": job.created, "model": self.model_name}
-
-    def _chunk(self, job: _Job, index: int, content, finish_reason, logprobs) -> dict:
-        choice = {"index": index, "logprobs": logprobs, "finish_reason": finish_reason}
-        choice["delta" if job.chat else "text"] = content
-        chunk = {**self._envelope(job, chunk=True), "choices": [choice]}
-        if job.include_usage:
-            chunk["usage"] = None  # as OpenAI: the usage comes in the last chunk alone
-        return chunk
-
-    def _response(self, job: _Job, finals: list[RequestOutput]) -> dict:
-        choices = []
-        for prompt_index, out in enumerate(finals):
-            for c in out.outputs:
-                choice = {"index": prompt_index * job.n + c.index, "finish_reason": c.finish_reason,
-                          "logprobs": self._logprobs(job, c, 0)}
-                if job.chat:
-                    choice["message"] = {"role": "assistant", "content": c.text}
-                else:
-                    echo = job.echo_texts[prompt_index] if job.echo_texts is not None else ""
-                    choice["text"] = echo + c.text
-                choices.append(choice)
-        usage = _usage(job, sum(len(c.token_ids) for out in finals for c in out.outputs))
-        return {**self._envelope(job, chunk=False), "choices": choices, "usage": usage}
-
-    def _logprobs(self, job: _Job, completion, start: int, text_offset: int = 0):
-        """Logprobs of the completion's tokens from `start` on; `text_offset` is where the
-        first one's text begins (completions only)."""
-        if not job.want_logprobs or completion.logprobs is None:
-            return None
-        decode = self._token_text
-        ids, entries = completion.token_ids[start:], completion.logprobs[start:]
-        k = job.num_top_logprobs
-        if job.chat:
-            def item(token_id, logprob):
-                text = decode(token_id)
-                return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-            return {"content": [{**item(t, e[t]), "top_logprobs": [item(i, v) for i, v in _top(e, k)]}
-                                for t, e in zip(ids, entries)]}
-        texts = [decode(t) for t in ids]
-        offsets, at = [], text_offset
-        for text in texts:
-            offsets.append(at)
-            at += len(text)
-        return {"tokens": texts, "token_logprobs": [e[t] for t, e in zip(ids, entries)],
-                "top_logprobs": [{decode(i): v for i, v in _top(e, k)} for e in entries],
-                "text_offset": offsets}
-
-    def _token_text(self, token_id: int) -> str:
-        return self.engine.tokenizer.decode([token_id])
-
-
-def _top(entry: dict[int, float], k: int):
-    """The k most likely tokens of a logprobs entry (which also holds the sampled token)."""
-    return sorted(entry.items(), key=lambda kv: -kv[1])[:k]
-
-
-def _usage(job: _Job, completion_tokens: int) -> dict:
-    return {"prompt_tokens": job.prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": job.prompt_tokens + completion_tokens}
-
-
-def _overall_reason(finals: list[RequestOutput]) -> str:
-    reasons = {c.finish_reason for out in finals for c in out.outputs}
-    return "length" if "length" in reasons else "stop"
-
-
-def _sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload)}\n\n"
-
-
-class _JobStreamingResponse(StreamingResponse):
+class JobStreamingResponse(StreamingResponse):
     """Closes the job's engine streams even if the body never started (the client left
     before the first byte), when the generator's own `finally` would never run."""
 
-    def __init__(self, job: _Job, content, **kwargs):
+    def __init__(self, job: Job, content, **kwargs):
         super().__init__(content, **kwargs)
         self.job = job
 
@@ -418,7 +302,7 @@ async def _merged(streams: list[RequestStream]):
             task.cancel()
 
 
-async def _close_all(job: _Job) -> None:
+async def _close_all(job: Job) -> None:
     for handle in job.streams:
         await handle.aclose()
 

@@ -1,0 +1,132 @@
+"""OpenAI response bodies and stream chunks, built from engine outputs."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from gristmill.engine.stream import RequestStream
+from gristmill.outputs import RequestOutput
+
+
+@dataclass
+class Job:
+    """One HTTP request: its engine streams (one per prompt) and how to format it."""
+    chat: bool
+    request_id: str
+    created: int
+    n: int
+    want_logprobs: bool
+    include_usage: bool
+    num_top_logprobs: int = 0
+    #: With `echo`: each prompt's text, which starts the text of each of its choices.
+    echo_texts: list[str] | None = None
+    streams: list[RequestStream] = field(default_factory=list)
+    prompt_tokens: int = 0
+
+
+class ChoiceStates:
+    """What a stream has sent of each (prompt, completion) choice."""
+
+    def __init__(self, num_prompts: int, n: int):
+        self.finished: set[tuple[int, int]] = set()
+        #: Each choice's next text_offset: counted over token texts, as the non-streamed
+        #: response does, never over the text handed out so far (which lags behind
+        #: while it may begin a stop string).
+        self.offsets = {(p, i): 0 for p in range(num_prompts) for i in range(n)}
+
+
+class ResponseWriter:
+    """Formats the responses of one server: `decode(ids)` gives a token's text."""
+
+    def __init__(self, model_name: str, decode: Callable[[list[int]], str]):
+        self.model_name = model_name
+        self.decode = decode
+
+    def delta_chunk(self, job: Job, prompt_index: int, c, choices: ChoiceStates) -> dict | None:
+        """The chunk of a "delta" completion output, or None when it brings nothing to send."""
+        key = (prompt_index, c.index)
+        if key in choices.finished:
+            return None  # its finish chunk went out already
+        if c.finish_reason is not None:
+            choices.finished.add(key)
+        if not (c.delta_text or c.finish_reason or (c.token_ids and job.want_logprobs)):
+            return None
+        logprobs = self.logprobs(job, c, 0, choices.offsets[key])
+        if logprobs and not job.chat:
+            choices.offsets[key] += sum(len(text) for text in logprobs["tokens"])
+        content = {"content": c.delta_text} if job.chat else c.delta_text
+        return self.chunk(job, prompt_index * job.n + c.index, content, c.finish_reason, logprobs)
+
+    def envelope(self, job: Job, chunk: bool) -> dict:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if job.chat else "text_completion"
+        return {"id": job.request_id, "object": kind, "created": job.created, "model": self.model_name}
+
+    def chunk(self, job: Job, index: int, content, finish_reason, logprobs) -> dict:
+        choice = {"index": index, "logprobs": logprobs, "finish_reason": finish_reason}
+        choice["delta" if job.chat else "text"] = content
+        chunk = {**self.envelope(job, chunk=True), "choices": [choice]}
+        if job.include_usage:
+            chunk["usage"] = None  # as OpenAI: the usage comes in the last chunk alone
+        return chunk
+
+    def response(self, job: Job, finals: list[RequestOutput]) -> dict:
+        choices = []
+        for prompt_index, out in enumerate(finals):
+            for c in out.outputs:
+                choice = {"index": prompt_index * job.n + c.index, "finish_reason": c.finish_reason,
+                          "logprobs": self.logprobs(job, c, 0)}
+                if job.chat:
+                    choice["message"] = {"role": "assistant", "content": c.text}
+                else:
+                    echo = job.echo_texts[prompt_index] if job.echo_texts is not None else ""
+                    choice["text"] = echo + c.text
+                choices.append(choice)
+        totals = usage(job, sum(len(c.token_ids) for out in finals for c in out.outputs))
+        return {**self.envelope(job, chunk=False), "choices": choices, "usage": totals}
+
+    def logprobs(self, job: Job, completion, start: int, text_offset: int = 0):
+        """Logprobs of the completion's tokens from `start` on; `text_offset` is where the
+        first one's text begins (completions only)."""
+        if not job.want_logprobs or completion.logprobs is None:
+            return None
+        decode = self._token_text
+        ids, entries = completion.token_ids[start:], completion.logprobs[start:]
+        k = job.num_top_logprobs
+        if job.chat:
+            def item(token_id, logprob):
+                text = decode(token_id)
+                return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+            return {"content": [{**item(t, e[t]), "top_logprobs": [item(i, v) for i, v in top(e, k)]}
+                                for t, e in zip(ids, entries)]}
+        texts = [decode(t) for t in ids]
+        offsets, at = [], text_offset
+        for text in texts:
+            offsets.append(at)
+            at += len(text)
+        return {"tokens": texts, "token_logprobs": [e[t] for t, e in zip(ids, entries)],
+                "top_logprobs": [{decode(i): v for i, v in top(e, k)} for e in entries],
+                "text_offset": offsets}
+
+    def _token_text(self, token_id: int) -> str:
+        return self.decode([token_id])
+
+
+def top(entry: dict[int, float], k: int):
+    """The k most likely tokens of a logprobs entry (which also holds the sampled token)."""
+    return sorted(entry.items(), key=lambda kv: -kv[1])[:k]
+
+
+def usage(job: Job, completion_tokens: int) -> dict:
+    return {"prompt_tokens": job.prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": job.prompt_tokens + completion_tokens}
+
+
+def overall_reason(finals: list[RequestOutput]) -> str:
+    reasons = {c.finish_reason for out in finals for c in out.outputs}
+    return "length" if "length" in reasons else "stop"
+
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
