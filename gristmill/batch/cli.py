@@ -32,7 +32,8 @@ def add_batch_command(commands) -> None:
     parser.add_argument("--id-column", metavar="C", help="column whose (unique) values are the row ids "
                         f"(default: the input position, written as {ROW_ID})")
     parser.add_argument("--max-tokens", type=int, default=None,
-                        help="default max_tokens of every row; a row's own sampling_params win (default: 16)")
+                        help="default max_tokens of every row; a row's own sampling_params win (default: 16; "
+                        "in an OpenAI batch file, a request without max_tokens runs to the context, as OpenAI's)")
     parser.add_argument("--temperature", type=float, default=None,
                         help="default temperature of every row, 0 = greedy (default: 1.0)")
     for name, what in (("repetition-penalty", "repetition_penalty (> 1 discourages repeats; default: 1, off)"),

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from gristmill import extras
+from gristmill.batch.rows import sampling_params_of
 from gristmill.config import EngineConfig
 from gristmill.errors import RequestError
 
@@ -44,7 +45,8 @@ class ProcessorConfig:
     tokenize: bool = True
     #: Run the engine; off, rows only go through the template and tokenizer stages.
     generate: bool = True
-    #: Fill `generated_text`; off, only `generated_tokens` is filled.
+    #: Fill `generated_text`; off, only `generated_tokens` is filled (an HTTP server that
+    #: returns no token ids, such as OpenAI's API, still fills the text).
     detokenize: bool = True
     #: Defaults for every row's `sampling_params` (a row's own values win).
     sampling_params: dict = field(default_factory=dict)
@@ -59,8 +61,17 @@ class ProcessorConfig:
         _check(_positive_int(self.batch_size), "batch_size", f"must be a positive integer, got {self.batch_size!r}")
         _check(_positive_int(self.max_concurrent_batches), "max_concurrent_batches",
                f"must be a positive integer, got {self.max_concurrent_batches!r}")
+        for name in ("should_continue_on_error", "apply_chat_template", "tokenize", "generate", "detokenize"):
+            value = getattr(self, name)
+            _check(isinstance(value, bool), name, f"must be True or False, got {value!r}")
         _check(isinstance(self.sampling_params, dict), "sampling_params",
                f"must be a dict of SamplingParams fields, got {type(self.sampling_params).__name__}")
+        try:  # checked now, not on every row
+            sampling_params_of({}, self.sampling_params)
+        except RequestError as exc:
+            raise RequestError(f"processor config sampling_params: {exc.message}", param=exc.param) from None
+        _check(self.id_column is None or isinstance(self.id_column, str), "id_column",
+               f"must be a column name or None, got {self.id_column!r}")
         _check(self.ray_actor_options is None or isinstance(self.ray_actor_options, dict), "ray_actor_options",
                f"must be a dict of Ray actor options such as {{'num_cpus': 1}}, got "
                f"{type(self.ray_actor_options).__name__}")
@@ -80,7 +91,7 @@ class _EngineBacked(ProcessorConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        _check(isinstance(self.max_engine_restarts, int) and self.max_engine_restarts >= 0,
+        _check(_int(self.max_engine_restarts) and self.max_engine_restarts >= 0,
                "max_engine_restarts", f"must be an integer >= 0, got {self.max_engine_restarts!r}")
 
 
@@ -166,7 +177,7 @@ class HttpProcessorConfig(ProcessorConfig):
         _check_method(self.method)
         _check(self.qps is None or (isinstance(self.qps, (int, float)) and self.qps > 0), "qps",
                f"must be > 0 or None, got {self.qps!r}")
-        _check(isinstance(self.max_retries, int) and self.max_retries >= 0, "max_retries",
+        _check(_int(self.max_retries) and self.max_retries >= 0, "max_retries",
                f"must be an integer >= 0, got {self.max_retries!r}")
         _check(_positive_int(self.concurrency), "concurrency", f"must be a positive integer, got {self.concurrency!r}")
         _check(isinstance(self.request_timeout_s, (int, float)) and self.request_timeout_s > 0,
@@ -188,5 +199,9 @@ def _check_method(method) -> None:
            f"must be 'completions', 'chat' or None (by row), got {method!r}")
 
 
+def _int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _positive_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+    return _int(value) and value > 0

@@ -23,7 +23,7 @@ from gristmill.config import EngineConfig
 from gristmill.engine import restarts
 from gristmill.engine.async_engine import AsyncEngine
 from gristmill.engine.restarts import RestartBudget
-from gristmill.errors import EngineDeadError, RequestError
+from gristmill.errors import EngineDeadError
 from gristmill.tokenizer import render_chat
 
 logger = logging.getLogger(__name__)
@@ -141,9 +141,6 @@ class _Replica:
 
     async def _run(self, request: RowRequest) -> Generated:
         params = request.sampling_params
-        if params.n != 1:
-            raise RequestError(f"a batch row makes one completion; sampling_params.n must be 1, got {params.n}",
-                               param="n")
         request_id = uuid.uuid4().hex
         self.in_flight[request_id] = request.row_id
         self._idle.clear()

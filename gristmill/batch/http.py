@@ -7,6 +7,9 @@ jitter (never sooner than the server's Retry-After); what is left after `max_ret
 - a 429 / 408 / 5xx becomes the row's GenerationError; a request that outlives
   `request_timeout_s` the row's RequestTimeoutError;
 - a server that stays unreachable is fatal: EngineDeadError stops the job.
+
+`generated_tokens` are filled where the server returns token ids (`return_token_ids`, as
+`gristmill serve` and vLLM do); OpenAI's own API returns text only, so there they are [].
 """
 
 from __future__ import annotations
@@ -46,11 +49,22 @@ class HttpEngine:
         self._slots: asyncio.Semaphore | None = None
         self._pacing = asyncio.Lock()
         self._next_start = 0.0
+        #: Ask for the generated token ids (vLLM's and gristmill's `return_token_ids`) until
+        #: the server says it does not know the field (OpenAI's API has no token ids).
+        self._ask_token_ids = True
 
     async def generate(self, request: RowRequest) -> Generated:
         await self._connect()
         method, body = openai_request(request, self.model)
         path = "/chat/completions" if method == "chat" else "/completions"
+        if self._ask_token_ids:
+            try:
+                return generated_of(await self._post(path, {**body, "return_token_ids": True}),
+                                    f"{self.config.url}{path}")
+            except RequestError as exc:
+                if "return_token_ids" not in str(exc):
+                    raise
+                self._ask_token_ids = False  # a server that refuses it: rows get text only
         return generated_of(await self._post(path, body), f"{self.config.url}{path}")
 
     async def close(self) -> None:

@@ -1,6 +1,6 @@
 """Files of `gristmill batch`: JSONL, CSV and Parquet read lazily and written as rows come,
-the rows an interrupted job already wrote (for --resume), and OpenAI Batch API files as
-`vllm run-batch` reads them.
+and the rows an interrupted job already wrote (for --resume). OpenAI Batch API files are
+openai_batch.py's.
 
 pyarrow is imported inside functions: `gristmill --help` should not pay for it.
 """
@@ -11,14 +11,11 @@ import csv
 import io
 import json
 import os
-import time
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from gristmill.errors import GristmillError, RequestError
-from gristmill.structured.spec import openai_constraint
+from gristmill.batch.tables import full_table
 
 _FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv", ".parquet": "parquet", ".pq": "parquet"}
 _SCAN_ROWS = 1024  # rows per chunk when pyarrow infers the types of a JSONL file
@@ -66,9 +63,10 @@ class InputFile:
         except InputError:
             return None  # the full pass reports it with its line number
 
-    def survey(self, check: Callable[[dict, str], None] | None = None, types: bool = False) -> Survey:
+    def survey(self, check: Callable[[dict, int, str], None] | None = None, types: bool = False) -> Survey:
         """Count the rows and find the columns (and their types if `types`); `check(row,
-        where)` sees each JSONL row, so a bad line stops the job before the model loads."""
+        position, where)` sees each JSONL and CSV row, so a bad row stops the job before the
+        model loads."""
         import pyarrow as pa
 
         if self.format == "parquet":
@@ -76,14 +74,19 @@ class InputFile:
             meta = pq.ParquetFile(self.path)
             return Survey(meta.metadata.num_rows, meta.schema_arrow.names, meta.schema_arrow)
         if self.format == "csv":
-            count, schema = 0, None
+            count, schema = 0, pa.schema([pa.field(name, pa.string()) for name in self._csv_header()])
             for batch in self._csv_batches():
-                count, schema = count + batch.num_rows, batch.schema
-            return Survey(count, schema.names if schema else [], schema)
+                if check is not None:
+                    for row in batch.to_pylist():
+                        check(row, count, f"{self.path} row {count + 1}")
+                        count += 1
+                else:
+                    count += batch.num_rows
+            return Survey(count, schema.names, schema)
         count, columns, schemas, chunk = 0, {}, [], []
         for where, row in self._jsonl():
             if check is not None:
-                check(row, where)
+                check(row, count, where)
             count += 1
             columns.update(dict.fromkeys(row))
             if types:
@@ -97,10 +100,16 @@ class InputFile:
         return Survey(count, list(columns), schema)
 
     def _jsonl(self) -> Iterator[tuple[str, dict]]:
-        with open(self.path, encoding="utf-8") as f:
-            for number, line in enumerate(f, 1):
+        with open(self.path, "rb") as f:
+            for number, raw in enumerate(f, 1):
+                where = f"{self.path}:{number}"
+                try:
+                    line = raw.decode("utf-8-sig" if number == 1 else "utf-8")  # a BOM opens some files
+                except UnicodeDecodeError as exc:
+                    raise InputError(f"{where}: not UTF-8 text (byte {raw[exc.start]:#04x} at column "
+                                     f"{exc.start + 1}); JSONL is UTF-8: save the file as UTF-8") from None
                 if line.strip():
-                    yield f"{self.path}:{number}", parse_json_object(line, f"{self.path}:{number}")
+                    yield where, parse_json_object(line, where)
 
     def _arrow_rows(self) -> Iterator[dict]:
         if self.format == "csv":
@@ -111,21 +120,35 @@ class InputFile:
         for batch in batches:
             yield from batch.to_pylist()
 
+    def _csv_header(self) -> list[str]:
+        """The CSV's column names (its first record)."""
+        # Bytes that are not UTF-8 are found by pyarrow, which names the row.
+        with open(self.path, encoding="utf-8-sig", errors="replace", newline="") as f:
+            header = next(csv.reader(f), None)
+        if not header or not any(name.strip() for name in header):
+            raise InputError(f"{self.path} has no header line; a CSV input starts with a line naming its "
+                             f"columns (such as: prompt)")
+        return header
+
     def _csv_batches(self):
+        """The CSV's records, every cell as text (as written: "007" stays "007", "12345" is a
+        prompt, not a number); an empty cell is ""."""
         import pyarrow as pa
         import pyarrow.csv as pacsv
 
+        header = self._csv_header()
         try:
-            reader = pacsv.open_csv(self.path)
+            reader = pacsv.open_csv(self.path, convert_options=pacsv.ConvertOptions(
+                column_types={name: pa.string() for name in header}, quoted_strings_can_be_null=False))
             while True:
                 try:
                     yield reader.read_next_batch()
                 except StopIteration:
                     return
         except pa.ArrowInvalid as exc:
-            raise InputError(f"{self.path}: cannot read it as CSV ({exc}); pyarrow types each column from "
-                             f"the file's first rows, so a later value of another type fails: make the "
-                             f"column's values one type, or convert the file to JSONL") from None
+            hint = ("save the file as UTF-8" if "UTF8" in str(exc) or "utf8" in str(exc).lower()
+                    else "check its quoting and that every line has as many fields as the header")
+            raise InputError(f"{self.path}: cannot read it as CSV ({exc}); {hint}") from None
 
 
 def parse_json_object(line: str, where: str) -> dict:
@@ -142,7 +165,7 @@ def _inferred(rows: list[dict], path: str):
     import pyarrow as pa
 
     try:
-        return pa.Table.from_pylist(rows).schema
+        return full_table(rows).schema
     except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
         raise InputError(f"{path}: a column holds values of different types ({exc}); Parquet needs one type "
                          f"per column: fix the input or write .jsonl output") from None
@@ -290,114 +313,3 @@ def _csv_records(f, path: str, extract):
             extracted.append(extract(dict(zip(header, cells))))
         end = consumed
     return header, extracted, end
-
-
-# -- OpenAI Batch API files -----------------------------------------------------------------
-
-BATCH_URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
-_BATCH_KEYS = ("custom_id", "method", "url", "body")
-# Body fields copied into sampling_params, by their SamplingParams name.
-_BODY_PARAMS = {"max_completion_tokens": "max_tokens", **{name: name for name in (
-    "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "n",
-    "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "bad_words",
-    "skip_special_tokens")}}
-# Body fields that change nothing here (a model name may be anything).
-_BODY_IGNORED = {"model", "messages", "prompt", "user", "stream", "stream_options", "metadata", "store"}
-# Body fields that become sampling_params.structured_output.
-_BODY_CONSTRAINTS = ("response_format", "structured_outputs")
-
-
-def is_batch_file(first_row: dict | None) -> bool:
-    return isinstance(first_row, dict) and all(key in first_row for key in _BATCH_KEYS)
-
-
-def check_batch_line(line: dict, where: str) -> None:
-    missing = [key for key in ("custom_id", "url", "body") if key not in line]
-    if missing or not isinstance(line["body"], dict):
-        raise InputError(f"{where}: an OpenAI batch line needs 'custom_id', 'url' and 'body' (an object)"
-                         f"{'; missing ' + ', '.join(missing) if missing else ''}")
-
-
-def batch_request_row(line: dict) -> dict:
-    """A batch line as a processor row; raises RequestError for a request this line
-    cannot make (it becomes a 400 line of the output)."""
-    url, body = line["url"], line["body"]
-    if url not in BATCH_URLS:
-        raise RequestError(f"url {url!r} is not supported; use one of {sorted(BATCH_URLS)}", param="url")
-    if str(line.get("method", "POST")).upper() != "POST":
-        raise RequestError(f"method {line['method']!r} is not supported; use POST", param="method")
-    unsupported = sorted(k for k, v in body.items()
-                         if k not in _BODY_PARAMS and k not in _BODY_IGNORED and k not in _BODY_CONSTRAINTS and v)
-    if unsupported:
-        raise RequestError(f"body fields {unsupported} are not supported by gristmill batch; leave them out",
-                           param=unsupported[0])
-    params = {_BODY_PARAMS[k]: v for k, v in body.items() if k in _BODY_PARAMS and k != "max_tokens"}
-    if body.get("max_completion_tokens") is None and body.get("max_tokens") is not None:
-        params["max_tokens"] = body["max_tokens"]
-    if isinstance(params.get("stop"), str):
-        params["stop"] = [params["stop"]]
-    params["structured_output"], _ = openai_constraint(body.get("response_format"), body.get("structured_outputs"))
-    row = {"custom_id": line["custom_id"], "sampling_params": {k: v for k, v in params.items() if v is not None}}
-    if BATCH_URLS[url] == "chat":
-        row["messages"] = body.get("messages")
-        return row
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]  # one prompt in a list: still one request
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        row["tokenized_prompt"] = prompt
-    else:
-        row["prompt"] = prompt
-    return row
-
-
-def batch_output_line(line: dict, out: dict, model: str) -> dict:
-    """The OpenAI batch output line for one request, from its processor output row."""
-    error = out.get("__inference_error__")
-    if error:
-        status, body = _error_body(error)
-    else:
-        body = _completion_body(BATCH_URLS[line["url"]], out, line["body"].get("model") or model)
-        status = 200
-    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": line["custom_id"],
-            "response": {"status_code": status, "request_id": uuid.uuid4().hex, "body": body}, "error": None}
-
-
-def batch_line_error(record: dict) -> str:
-    """The `"<ErrorType>: <message>"` of a batch output line, or "" if it succeeded."""
-    response = record.get("response") or {}
-    if response.get("status_code") == 200:
-        return ""
-    error = (response.get("body") or {}).get("error") or {}
-    return f"{error.get('code')}: {error.get('message')}"
-
-
-def _completion_body(kind: str, out: dict, model: str) -> dict:
-    text, reason = out["generated_text"], out["finish_reason"]
-    choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
-               "logprobs": None} if kind == "chat"
-              else {"index": 0, "text": text, "finish_reason": reason, "logprobs": None})
-    prompt_tokens, completion_tokens = out["num_input_tokens"], out["num_generated_tokens"]
-    return {"id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}",
-            "object": "chat.completion" if kind == "chat" else "text_completion", "created": int(time.time()),
-            "model": model, "choices": [choice],
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                      "total_tokens": prompt_tokens + completion_tokens}}
-
-
-def _error_body(error: str) -> tuple[int, dict]:
-    """(status, OpenAI error envelope) of an error row: 400 for the RequestError family,
-    500 for the rest. `code` names the error type, so the row's error reads back whole."""
-    type_name, _, message = error.partition(": ")
-    known = {cls.__name__: cls for cls in _subclasses(GristmillError)}
-    cls = known.get(type_name)
-    status = 400 if cls is not None and issubclass(cls, RequestError) else 500
-    error_type = cls.error_type if cls is not None else "internal_error"
-    return status, {"error": {"message": message or error, "type": error_type, "param": None, "code": type_name}}
-
-
-def _subclasses(cls) -> list[type]:
-    found = [cls]
-    for sub in cls.__subclasses__():
-        found.extend(_subclasses(sub))
-    return found

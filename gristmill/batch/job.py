@@ -20,8 +20,8 @@ from contextlib import closing
 
 from gristmill import extras
 from gristmill.batch import EngineProcessorConfig, HttpProcessorConfig, UserFunctionError, build_processor
-from gristmill.batch.io import (CsvWriter, InputError, InputFile, JsonlWriter, ParquetWriter, batch_output_line,
-                                check_batch_line, file_format, is_batch_file)
+from gristmill.batch.io import CsvWriter, InputError, InputFile, JsonlWriter, ParquetWriter, file_format
+from gristmill.batch.openai_batch import batch_output_line, check_batch_line, is_batch_file
 from gristmill.batch.job_rows import INPUT_COLUMN, input_slots, merged
 from gristmill.batch.resume import ROW_ID, RowIds, skip_written, written_rows
 from gristmill.batch.rows import ERROR_COLUMN, OUTPUT_COLUMNS
@@ -37,14 +37,17 @@ class Job:
         self.source = InputFile(args.input)
         self.out_format = file_format(args.output, "output")
         self.batch_file = self.source.format == "jsonl" and is_batch_file(self.source.first_row())
+        #: Rows are named by their input positions (in the ROW_ID column of the output).
+        self.positional = not self.batch_file and args.id_column is None
         self.id_column = "custom_id" if self.batch_file else (args.id_column or ROW_ID)
         self._check_paths()
         self.config = self._processor_config()
-        survey = self.source.survey(check=check_batch_line if self.batch_file else None,
+        self.ids = RowIds(self.id_column, self.out_format, self.positional, self.batch_file)
+        survey = self.source.survey(check=self._check_row,
                                     types=self.out_format == "parquet" and self.source.format == "jsonl")
+        self.ids.seen.clear()  # the run claims them again as it reads the rows
         self.total = survey.count
         self.columns, self.schema = self._output_columns(survey)
-        self.ids = RowIds(self.id_column, self.out_format)
         self.ok = self.failed = self.tokens = self.skipped = self.written = 0
         self.started: float | None = None  # when rows started to run (the engine was up)
         self.processor = None
@@ -77,6 +80,8 @@ class Job:
         defaults = {name: getattr(args, name) for name in ("max_tokens", "temperature", "repetition_penalty",
                                                            "presence_penalty", "frequency_penalty")
                     if getattr(args, name) is not None}
+        if self.batch_file and args.max_tokens is None:
+            defaults["max_tokens"] = None  # a request without max_tokens runs to the context, as OpenAI's
         if args.json_schema:
             defaults["structured_output"] = {"json": _read_schema(args.json_schema)}
         # Row errors always come back as error rows: --fail-fast stops at the first one in
@@ -93,10 +98,20 @@ class Job:
             flag = "--json-schema" if exc.param == "structured_output" else "--" + (exc.param or "").replace("_", "-")
             raise InputError(f"{exc} (flag {'--deployment-url' if flag == '--url' else flag})") from None
 
+    def _check_row(self, row: dict, position: int, where: str) -> None:
+        """Before the model loads: each row's id is there and unique, each batch line whole."""
+        if self.batch_file:
+            check_batch_line(row, where)
+        if not self.positional:
+            self.ids.claim(row, position, where)
+
     def _output_columns(self, survey) -> tuple[list[str], object]:
         """The CSV header and Parquet schema: [row id] + input columns + output columns."""
-        inputs = [c for c in survey.columns if c not in OUTPUT_COLUMNS and c != ROW_ID]
-        columns = ([ROW_ID] if self.id_column == ROW_ID else []) + inputs + list(OUTPUT_COLUMNS)
+        if self.positional and ROW_ID in survey.columns:
+            raise InputError(f"{self.args.input} has a column named {ROW_ID!r}, the column gristmill batch "
+                             f"numbers rows in; rename it, or pass --id-column {ROW_ID} to name rows by its values")
+        inputs = [c for c in survey.columns if c not in OUTPUT_COLUMNS]
+        columns = ([ROW_ID] if self.positional else []) + inputs + list(OUTPUT_COLUMNS)
         if self.out_format != "parquet":
             return columns, None
         import pyarrow as pa
@@ -119,11 +134,12 @@ class Job:
         try:
             resuming = args.resume and os.path.exists(args.output)
             written = written_rows(args.output, self.ids, self.batch_file, self.columns) if resuming else []
-            writer = self._open_writer(append=resuming)
             errors = JsonlWriter(args.errors) if args.errors else None
             rows = self.source.rows()
             self.ok, self.failed = skip_written(rows, written, self.ids, args.output, errors)
             self.skipped = self.written = len(written)
+            # Opened once the output is known to be this input's: a refused --resume leaves it as it was.
+            writer = self._open_writer(append=resuming)
             if self.total is None or self.skipped < self.total:  # else nothing is left: no engine to start
                 processor = self._processor()
                 slots = input_slots(rows, self.skipped, self.ids, self.batch_file, args.prompt_column,
@@ -210,7 +226,7 @@ class Job:
     def _record(self, out: dict) -> dict:
         if self.batch_file:
             return batch_output_line(out[INPUT_COLUMN], out, self.model_name)
-        record = {ROW_ID: out[ROW_ID]} if self.id_column == ROW_ID else {}
+        record = {ROW_ID: out[ROW_ID]} if self.positional else {}
         record.update(out[INPUT_COLUMN])
         record.update({column: out[column] for column in OUTPUT_COLUMNS})
         return record

@@ -9,7 +9,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import closing
 from dataclasses import dataclass
 
-from gristmill.batch.io import batch_request_row
+from gristmill.batch.openai_batch import batch_request_row
 from gristmill.batch.resume import RowIds
 from gristmill.batch.rows import error_columns
 from gristmill.errors import RequestError

@@ -6,15 +6,12 @@ from __future__ import annotations
 import json
 
 from gristmill.batch.rows import Generated, RowRequest
-from gristmill.errors import GenerationError, RequestError
+from gristmill.errors import GenerationError
 
 
 def openai_request(request: RowRequest, model: str | None) -> tuple[str, dict]:
     """("chat" | "completions", the request body) for one row."""
     params = request.sampling_params
-    if params.n != 1:
-        raise RequestError(f"a batch row makes one completion; sampling_params.n must be 1, got {params.n}",
-                           param="n")
     if request.messages is not None:
         method, body = "chat", {"messages": request.messages}
     else:
@@ -32,7 +29,8 @@ def generated_of(data: dict, where: str) -> Generated:
         choice = data["choices"][0]
         text = choice["message"]["content"] if "message" in choice else choice["text"]
         usage = data.get("usage") or {}
-        return Generated(text or "", [], int(usage.get("prompt_tokens", 0)),
+        token_ids = [int(t) for t in choice.get("token_ids") or []]  # where the server returns them
+        return Generated(text or "", token_ids, int(usage.get("prompt_tokens", 0)),
                          int(usage.get("completion_tokens", 0)), choice.get("finish_reason") or "stop")
     except (KeyError, IndexError, TypeError, ValueError) as exc:
         raise GenerationError(f"the response of {where} is not an OpenAI completion ({exc!r}): "
@@ -41,7 +39,9 @@ def generated_of(data: dict, where: str) -> Generated:
 
 def _sampling_body(params) -> dict:
     """The request fields of SamplingParams; non-OpenAI ones only when set."""
-    body = {"max_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p, "n": 1}
+    body = {"temperature": params.temperature, "top_p": params.top_p, "n": 1}
+    if params.max_tokens is not None:  # else the server's default: OpenAI's chat runs to the context
+        body["max_tokens"] = params.max_tokens
     body.update(_constraint_body(params.structured_output))
     if params.logit_bias:
         body["logit_bias"] = {str(token): bias for token, bias in params.logit_bias.items()}

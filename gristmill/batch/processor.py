@@ -27,8 +27,8 @@ from gristmill.batch import runtime
 from gristmill.batch.config import (DeploymentProcessorConfig, EngineProcessorConfig, HttpProcessorConfig,
                                     ProcessorConfig)
 from gristmill.batch.engines import RowFailed
-from gristmill.batch.rows import (TEMPLATE_ERROR_COLUMN, TEMPLATED_COLUMN, RowRequest, error_columns, is_error_row,
-                                  result_columns, sampling_params_of)
+from gristmill.batch.rows import (ERROR_COLUMN, TEMPLATE_ERROR_COLUMN, TEMPLATED_COLUMN, RowRequest, error_columns,
+                                  is_error_row, result_columns, sampling_params_of)
 from gristmill.batch.stages import RowEngine
 from gristmill.batch.tables import from_rows, to_rows
 from gristmill.errors import GristmillError, RequestError, is_fatal
@@ -164,10 +164,11 @@ class Processor:
             if not isinstance(row, dict):
                 raise RequestError(f"a row must be a dict, got {type(row).__name__}", param="row")
             if row.get(TEMPLATE_ERROR_COLUMN):  # failed in the chat-template stage before this one
-                return {**row, **error_columns(row[TEMPLATE_ERROR_COLUMN])}
+                return self._error_row(row, row[TEMPLATE_ERROR_COLUMN])
             request = self._prepare(engine, row_id, row)
             if not config.generate:
-                return {**row, "prompt": request.prompt, "tokenized_prompt": request.prompt_token_ids or []}
+                return {**row, "prompt": request.prompt, "tokenized_prompt": request.prompt_token_ids or [],
+                        ERROR_COLUMN: ""}
             start = time.perf_counter()
             generated = await engine.generate(request)
             return {**row, **result_columns(generated, time.perf_counter() - start, config.detokenize)}
@@ -179,7 +180,12 @@ class Processor:
             error = exc
         if not config.should_continue_on_error:
             raise naming_row(error, row_id)
-        return {**(row if isinstance(row, dict) else {}), **error_columns(error)}
+        return self._error_row(row if isinstance(row, dict) else {}, error)
+
+    def _error_row(self, row: Row, error: BaseException | str) -> Row:
+        if not self.config.generate:  # the columns of the rows that went well, with the error
+            return {**row, "tokenized_prompt": [], ERROR_COLUMN: error_columns(error)[ERROR_COLUMN]}
+        return {**row, **error_columns(error)}
 
     def _prepare(self, engine: RowEngine, row_id, row: Row) -> RowRequest:
         """The chat template and tokenize stages: a row as an engine request."""
@@ -196,7 +202,7 @@ class Processor:
         if prompt is None and messages is None and token_ids is None:
             raise RequestError("a row needs 'prompt', 'messages' or 'tokenized_prompt'", param="prompt")
         templated = bool(row.get(TEMPLATED_COLUMN))  # rendered by a stage before this one
-        if messages is not None and not templated and needs_template(row, method):
+        if messages is not None and not templated and needs_template(row, config):
             return engine.stages.chat(RowRequest(row_id, None, messages, token_ids, params), config)
         if prompt is not None and not isinstance(prompt, str):
             raise RequestError(f"'prompt' must be a string, got {type(prompt).__name__}", param="prompt")
@@ -226,11 +232,20 @@ def call_user(what: str, fn, row: Row, row_id):
     return result
 
 
-def needs_template(row: Row, method: str | None = None) -> bool:
-    """Whether the row's `messages` are what it sends (rendered by the chat template)."""
+def needs_template(row: Row, config: ProcessorConfig) -> bool:
+    """Whether the row's `messages` are what it sends (rendered by the chat template).
+    A row with both `messages` and `prompt` sends its messages when the chat template is
+    on (as the CLI, and Ray Data LLM's chat-template stage, which writes the prompt), its
+    prompt when it is off; `method` decides for every row; token ids a row brings are
+    what it sends, unless method="chat"."""
     if row.get("messages") is None:
         return False
-    return method == "chat" or (row.get("prompt") is None and row.get("tokenized_prompt") is None)
+    method = getattr(config, "method", None)
+    if method is not None:
+        return method == "chat"
+    if row.get("tokenized_prompt") is not None:
+        return False
+    return row.get("prompt") is None or config.apply_chat_template
 
 
 _END = object()

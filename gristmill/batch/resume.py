@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from gristmill.batch.io import InputError, batch_line_error, id_key, read_written
+from gristmill.batch.io import InputError, id_key, read_written
+from gristmill.batch.openai_batch import batch_line_error
 from gristmill.batch.rows import ERROR_COLUMN
 
 #: The id column of a job without --id-column: each row's input position.
@@ -19,33 +20,42 @@ ROW_ID = "__row_id__"
 
 class RowIds:
     """The ids of a job's input rows: the values of `id_column` (each row has one, and no
-    two rows the same), or with ROW_ID their positions."""
+    two rows the same), or if `positional` their positions (and `id_column` is ROW_ID).
+    `batch_file`: the ids are an OpenAI batch file's custom_ids."""
 
-    def __init__(self, id_column: str, out_format: str):
+    def __init__(self, id_column: str, out_format: str, positional: bool = False, batch_file: bool = False):
         self.id_column = id_column
         self.out_format = out_format
-        self.seen: set[str] = set()  # id keys of the rows read so far
+        self.positional = positional
+        self.batch_file = batch_file
+        self.seen: dict[str, str] = {}  # id key -> where the row that has it was read
 
-    def of(self, original: dict, position: int):
-        if self.id_column == ROW_ID:
+    def of(self, original: dict, position: int, where: str | None = None):
+        if self.positional:
             return position
-        if original.get(self.id_column) is None:
-            raise InputError(f"input row {position} has no {self.id_column!r} value; every row needs a unique id "
-                             f"(fix the row, or leave out --id-column to number rows by position)")
+        if original.get(self.id_column) in (None, ""):  # an empty CSV cell is no id either
+            at = where or f"input row {position}"
+            if self.batch_file:
+                raise InputError(f"{at}: the request has no custom_id; every line of an OpenAI batch file needs "
+                                 f"a unique custom_id (a string)")
+            raise InputError(f"{at} has no {self.id_column!r} value; every row needs a unique id (fill it in, or "
+                             f"leave out --id-column to number rows by position)")
         return original[self.id_column]
 
     def key(self, row_id) -> str:
         """The id as the output file holds it."""
         return id_key(self.out_format, row_id)
 
-    def claim(self, original: dict, position: int):
+    def claim(self, original: dict, position: int, where: str | None = None):
         """The row's id, checked unique."""
-        row_id = self.of(original, position)
+        row_id = self.of(original, position, where)
         key = self.key(row_id)
+        at = where or f"input row {position}"
         if key in self.seen:
-            raise InputError(f"input row {position} repeats the id {key} of an earlier row; ids must be "
-                             f"unique for each row to be written exactly once")
-        self.seen.add(key)
+            what = "custom_id" if self.batch_file else "id"
+            raise InputError(f"{at} repeats the {what} {key} of {self.seen[key]}; {what}s must be unique for "
+                             f"each row to be written exactly once")
+        self.seen[key] = at
         return row_id
 
 
@@ -81,7 +91,7 @@ def skip_written(rows: Iterator[dict], written: list[tuple[str, str]], ids: RowI
             raise InputError(f"--resume: row {position} of {output} has id {key} but input row "
                              f"{position} has id {found}; resume with the input and --id-column that wrote "
                              f"it, or run without --resume to start over")
-        ids.seen.add(found)
+        ids.seen[found] = f"input row {position}"
         if error:
             failed += 1
             if errors is not None:

@@ -22,7 +22,7 @@ TEMPLATED_COLUMN = "__gristmill_templated__"
 TEMPLATE_ERROR_COLUMN = "__gristmill_template_error__"
 OUTPUT_COLUMNS = ("generated_text", "generated_tokens", "num_input_tokens", "num_generated_tokens",
                   "finish_reason", "time_taken_llm", ERROR_COLUMN)
-_SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
+_SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams) if f.init)
 
 
 @dataclass
@@ -68,8 +68,15 @@ def sampling_params_of(row: dict, defaults: dict) -> SamplingParams:
         merged["structured_output"] = None
     unknown = sorted(set(merged) - _SAMPLING_FIELDS)
     if unknown:
-        raise RequestError(f"unknown sampling_params {unknown}; valid: {sorted(_SAMPLING_FIELDS)}",
+        raise RequestError(f"unknown sampling_params {unknown}; valid: {sorted(_SAMPLING_FIELDS - {'logprobs'})}",
                            param="sampling_params")
+    # Fields whose output a row has no column for: refused, never computed and dropped.
+    if merged.get("n", 1) != 1:
+        raise RequestError(f"a batch row makes one completion; sampling_params.n must be 1, got {merged['n']}"
+                           f" (repeat the row for more)", param="n")
+    if merged.get("logprobs") is not None:
+        raise RequestError("sampling_params.logprobs: a batch row has no logprobs column; leave it out (the "
+                           "server and LLM.generate return logprobs)", param="logprobs")
     try:
         return SamplingParams(**merged)
     except TypeError as exc:
@@ -77,7 +84,8 @@ def sampling_params_of(row: dict, defaults: dict) -> SamplingParams:
 
 
 def result_columns(generated: Generated, time_taken: float, detokenize: bool = True) -> dict:
-    return {"generated_text": generated.text if detokenize else "",
+    # An engine that gives no token ids (OpenAI's API) gives the text, detokenize or not.
+    return {"generated_text": generated.text if detokenize or not generated.token_ids else "",
             "generated_tokens": list(generated.token_ids),
             "num_input_tokens": generated.num_input_tokens,
             "num_generated_tokens": generated.num_generated_tokens,

@@ -14,7 +14,8 @@ def to_rows(rows) -> tuple[str, Iterable[dict]]:
     if module.startswith("pyarrow") and hasattr(rows, "to_pylist"):
         return "arrow", rows.to_pylist()
     if module.startswith("pandas") and hasattr(rows, "to_dict"):
-        return "pandas", rows.to_dict("records")
+        return "pandas", [{key: _pandas_cell(value) for key, value in row.items()}
+                          for row in rows.to_dict("records")]
     if isinstance(rows, dict):
         raise RequestError("a processor takes rows (a list of dicts, an iterable, a pyarrow Table or a "
                            "pandas DataFrame), not one row: wrap it in a list", param="rows")
@@ -27,6 +28,19 @@ def to_rows(rows) -> tuple[str, Iterable[dict]]:
         return "iterable", rows
     raise RequestError(f"a processor takes rows (a list of dicts, an iterable, a pyarrow Table or a "
                        f"pandas DataFrame), got {type(rows).__name__}", param="rows")
+
+
+def _pandas_cell(value):
+    """A DataFrame cell as a row value: a missing one (NaN, None, NA, NaT: pandas fills the
+    columns a row lacks with NaN) is None, a numpy array (a list column) a list."""
+    if isinstance(value, float) and value != value:
+        return None
+    kind = type(value).__name__
+    if kind in ("NAType", "NaTType"):
+        return None
+    if kind == "ndarray":
+        return value.tolist()
+    return value
 
 
 def from_rows(rows: list[dict], kind: str):
@@ -51,13 +65,18 @@ def arrow_types() -> dict:
 def arrow_table(rows: list[dict]):
     """A pyarrow Table of output rows, with the output columns' types fixed (so a batch
     of error rows still writes `generated_tokens` as list<int64>, never a null column)."""
-    import pyarrow as pa
-
-    # Every key of every row, in first-seen order (from_pylist alone keeps the first row's).
-    names = list(dict.fromkeys(key for row in rows for key in row))
-    table = pa.Table.from_pylist([{name: row.get(name) for name in names} for row in rows])
+    table = full_table(rows)
     for name, wanted in arrow_types().items():
         if name in table.column_names and table.schema.field(name).type != wanted:
             index = table.column_names.index(name)
             table = table.set_column(index, name, table[name].cast(wanted))
     return table
+
+
+def full_table(rows: list[dict]):
+    """A pyarrow Table with every key of every row as a column, in first-seen order
+    (`from_pylist` alone keeps the first row's keys); a row without one has null there."""
+    import pyarrow as pa
+
+    names = list(dict.fromkeys(key for row in rows for key in row))
+    return pa.Table.from_pylist([{name: row.get(name) for name in names} for row in rows])

@@ -117,9 +117,8 @@ class _ChatTemplate:
         from gristmill.tokenizer import render_chat
 
         rows = _rows_of(batch, self.encoded)
-        method = getattr(self.config, "method", None)
         for i, row in enumerate(rows):
-            if not isinstance(row, dict) or not needs_template(row, method):
+            if not isinstance(row, dict) or not needs_template(row, self.config):
                 continue
             try:
                 row["prompt"] = render_chat(_tokenizer(self.config), row["messages"], add_generation_prompt=True)

@@ -45,6 +45,7 @@ class ServeEngine:
 
     async def generate(self, request: RowRequest) -> Generated:
         method, body = openai_request(request, None)
+        body["return_token_ids"] = True  # gristmill's serving returns them: rows get generated_tokens
         for attempt in range(_BACKPRESSURE_RETRIES + 1):
             try:
                 response = getattr(self.handle, method).remote(body)

@@ -101,6 +101,7 @@ class OpenAIServing:
         params = self._params(body, body.max_tokens or 16, body.logprobs)
         job = Job(False, f"cmpl-{uuid.uuid4().hex}", int(time.time()), body.n, body.logprobs is not None,
                    bool(body.stream_options and body.stream_options.include_usage), body.logprobs or 0)
+        job.return_token_ids = body.return_token_ids
         if body.echo:
             job.echo_texts = [self._prompt_text(p) for p in prompts]
         return job, [(p, body.add_special_tokens) for p in prompts], params
@@ -119,6 +120,7 @@ class OpenAIServing:
         params = self._params(body, max_tokens, top)
         job = Job(True, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), body.n, body.logprobs,
                    bool(body.stream_options and body.stream_options.include_usage), top or 0)
+        job.return_token_ids = body.return_token_ids
         return job, [(text, body.add_special_tokens)], params
 
     def _prompt_text(self, prompt: str | list[int]) -> str:

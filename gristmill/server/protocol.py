@@ -21,7 +21,7 @@ class StreamOptions(BaseModel):
 #: Fields whose explicit null means their default (OpenAI documents them "or null", and
 #: some clients send every field).
 _NULL_MEANS_DEFAULT = ("n", "stream", "ignore_eos", "skip_special_tokens", "echo", "logprobs",
-                       "add_special_tokens", "add_generation_prompt", "continue_final_message")
+                       "add_special_tokens", "add_generation_prompt", "continue_final_message", "return_token_ids")
 
 
 class _SamplingFields(BaseModel):
@@ -60,6 +60,9 @@ class _SamplingFields(BaseModel):
     min_tokens: int | None = Field(default=None, ge=0)
     bad_words: list[str] | None = None
     skip_special_tokens: bool = True
+    #: vLLM's extra-body field: each choice also carries its `token_ids` (and the prompt's
+    #: `prompt_token_ids`: on each choice of a completion, on a chat response).
+    return_token_ids: bool = False
 
     def unsupported_field(self) -> str | None:
         """The first field of the body, not modelled here, that would change the output."""

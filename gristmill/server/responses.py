@@ -24,6 +24,8 @@ class Job:
     echo_texts: list[str] | None = None
     streams: list[RequestStream] = field(default_factory=list)
     prompt_tokens: int = 0
+    #: vLLM's return_token_ids: choices carry their token ids.
+    return_token_ids: bool = False
 
 
 class ChoiceStates:
@@ -51,13 +53,16 @@ class ResponseWriter:
             return None  # its finish chunk went out already
         if c.finish_reason is not None:
             choices.finished.add(key)
-        if not (c.delta_text or c.finish_reason or (c.token_ids and job.want_logprobs)):
+        if not (c.delta_text or c.finish_reason or (c.token_ids and (job.want_logprobs or job.return_token_ids))):
             return None
         logprobs = self.logprobs(job, c, 0, choices.offsets[key])
         if logprobs and not job.chat:
             choices.offsets[key] += sum(len(text) for text in logprobs["tokens"])
         content = {"content": c.delta_text} if job.chat else c.delta_text
-        return self.chunk(job, prompt_index * job.n + c.index, content, c.finish_reason, logprobs)
+        chunk = self.chunk(job, prompt_index * job.n + c.index, content, c.finish_reason, logprobs)
+        if job.return_token_ids:
+            chunk["choices"][0]["token_ids"] = list(c.token_ids)  # this chunk's tokens
+        return chunk
 
     def envelope(self, job: Job, chunk: bool) -> dict:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if job.chat else "text_completion"
@@ -82,9 +87,16 @@ class ResponseWriter:
                 else:
                     echo = job.echo_texts[prompt_index] if job.echo_texts is not None else ""
                     choice["text"] = echo + c.text
+                if job.return_token_ids:
+                    choice["token_ids"] = list(c.token_ids)
+                    if not job.chat:
+                        choice["prompt_token_ids"] = list(out.prompt_token_ids)
                 choices.append(choice)
         totals = usage(job, sum(len(c.token_ids) for out in finals for c in out.outputs))
-        return {**self.envelope(job, chunk=False), "choices": choices, "usage": totals}
+        body = {**self.envelope(job, chunk=False), "choices": choices, "usage": totals}
+        if job.return_token_ids and job.chat:
+            body["prompt_token_ids"] = list(finals[0].prompt_token_ids)
+        return body
 
     def logprobs(self, job: Job, completion, start: int, text_offset: int = 0):
         """Logprobs of the completion's tokens from `start` on; `text_offset` is where the

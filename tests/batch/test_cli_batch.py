@@ -112,7 +112,7 @@ def test_csv_in_parquet_out_keeps_one_type_per_column(tmp_path):
                        "--device", "cpu")
     assert result.returncode == 0, result.stderr
     table = pq.read_table(target)
-    assert table.column("qid").to_pylist() == [10, 11, 12] and "__row_id__" not in table.column_names
+    assert table.column("qid").to_pylist() == ["10", "11", "12"] and "__row_id__" not in table.column_names
     types = {name: table.schema.field(name).type for name in table.column_names}
     assert types["generated_tokens"] == pa.list_(pa.int64()) and types["num_generated_tokens"] == pa.int64()
     assert types["time_taken_llm"] == pa.float64() and types[ERROR_COLUMN] == pa.string()
@@ -208,6 +208,9 @@ def test_deployment_url_gives_the_texts_of_the_local_engine(mixed_run, tmp_path)
     good = [i for i, row in enumerate(local) if not row[ERROR_COLUMN]]
     assert len(good) == 4
     assert [remote[i]["generated_text"] for i in good] == [local[i]["generated_text"] for i in good]
+    # The server returns the token ids (return_token_ids): the rows' generated_tokens, as local.
+    assert [remote[i]["generated_tokens"] for i in good] == [local[i]["generated_tokens"] for i in good]
+    assert all(remote[i]["generated_tokens"] for i in good)
     assert remote[1][ERROR_COLUMN].startswith("RequestError: HTTP 400 from ")  # the too-long prompt
 
 

@@ -4,12 +4,13 @@ out, streaming, chaining on one deployment, and rows that fail."""
 from __future__ import annotations
 
 import itertools
+import re
 
 import pandas as pd
 import pyarrow as pa
 import pytest
 
-from gristmill import GenerationError, PromptTooLongError
+from gristmill import GenerationError, PromptTooLongError, RequestError
 from gristmill.batch import (ERROR_COLUMN, OUTPUT_COLUMNS, DeploymentProcessorConfig, EngineProcessorConfig,
                              UserFunctionError, build_processor)
 from tests.batch.conftest import ENGINE, rows_of
@@ -134,3 +135,68 @@ def test_chained_processors_share_one_engine_and_turn_two_sees_turn_one(shared):
         assert row[ERROR_COLUMN] == "" and len(row["messages"]) == 3
         assert row["messages"][1]["content"]  # turn 1's answer is in turn 2's conversation
         assert row["num_input_tokens"] > 20
+
+
+def test_a_dataframe_whose_rows_lack_columns_runs_like_the_list_of_rows(shared):
+    rows = [{"id": 0, "prompt": "Hello", "sampling_params": {"max_tokens": 2}},
+            {"id": 1, "messages": [{"role": "user", "content": "Yo"}]},
+            {"id": 2, "prompt": "Hi", "tokenized_prompt": [9259, 1902]}]
+    processor = build_processor(on(shared, sampling_params={"max_tokens": 4, "temperature": 0}))
+    frame = processor(pd.DataFrame(rows))  # pandas fills the cells a row lacks with NaN
+    assert list(frame[ERROR_COLUMN]) == ["", "", ""]
+    assert list(frame["num_generated_tokens"]) == [2, 4, 4]
+    assert list(frame["num_input_tokens"])[2] == 2  # the row's own token ids were sent
+    assert list(frame["generated_text"]) == [row["generated_text"] for row in processor(rows)]
+
+
+def test_a_row_with_prompt_and_messages_sends_messages_when_the_template_is_on(shared):
+    messages = [{"role": "user", "content": "Yo"}]
+    params = {"max_tokens": 3, "temperature": 0}
+    both = [{"prompt": "Hello", "messages": messages}]
+    [as_chat] = build_processor(on(shared, sampling_params=params))([{"messages": messages}])
+    [as_text] = build_processor(on(shared, sampling_params=params))([{"prompt": "Hello"}])
+    [on_chat] = build_processor(on(shared, sampling_params=params))(both)  # as `gristmill batch` does
+    [off_chat] = build_processor(on(shared, sampling_params=params, apply_chat_template=False))(both)
+    [forced] = build_processor(on(shared, sampling_params=params, method="completions"))(both)
+    assert as_chat["num_input_tokens"] != as_text["num_input_tokens"]
+    assert on_chat["num_input_tokens"] == as_chat["num_input_tokens"]
+    assert on_chat["generated_text"] == as_chat["generated_text"]
+    assert off_chat["num_input_tokens"] == forced["num_input_tokens"] == as_text["num_input_tokens"]
+
+
+def test_fields_a_row_has_no_column_for_are_refused_not_dropped(shared):
+    rows = [{"id": "logprobs", "prompt": "x", "sampling_params": {"logprobs": 2}},
+            {"id": "n", "prompt": "x", "sampling_params": {"n": 3}},
+            {"id": "ok", "prompt": "x", "sampling_params": {"max_tokens": 2}}]
+    out = build_processor(on(shared, should_continue_on_error=True))(rows)
+    errors = {row["id"]: row[ERROR_COLUMN] for row in out}
+    assert errors["logprobs"].startswith("RequestError: sampling_params.logprobs: a batch row has no logprobs")
+    assert errors["n"].startswith("RequestError: a batch row makes one completion; sampling_params.n must be 1")
+    assert errors["ok"] == "" and out[2]["num_generated_tokens"] > 0
+    with pytest.raises(RequestError, match="processor config sampling_params: sampling_params.logprobs"):
+        on(shared, sampling_params={"logprobs": 1})
+
+
+def test_bad_config_values_are_refused_naming_the_field():
+    for options, says in [({"should_continue_on_error": "no"}, "should_continue_on_error: must be True or False"),
+                          ({"apply_chat_template": 0}, "apply_chat_template: must be True or False"),
+                          ({"sampling_params": {"temperature": -1}}, "temperature must be a number >= 0"),
+                          ({"sampling_params": {"max_token": 3}}, "unknown sampling_params ['max_token']"),
+                          ({"id_column": 3}, "id_column: must be a column name or None"),
+                          ({"max_engine_restarts": True}, "max_engine_restarts: must be an integer >= 0")]:
+        with pytest.raises(RequestError, match=re.escape(says)):
+            EngineProcessorConfig(engine=ENGINE, **options)
+
+
+def test_without_generate_rows_are_tokenized_and_carry_an_empty_error(shared):
+    processor = build_processor(on(shared, generate=False, should_continue_on_error=True))
+    frame = processor(pd.DataFrame([{"prompt": "Hello"}, {"prompt": 5}]))
+    assert list(frame.columns) == ["prompt", "tokenized_prompt", ERROR_COLUMN]  # no generation columns
+    tokens, error = frame.to_dict("records")
+    assert tokens["prompt"] == "Hello" and tokens[ERROR_COLUMN] == ""
+    params = {"max_tokens": 3, "temperature": 0}
+    [from_text] = build_processor(on(shared, sampling_params=params))([{"prompt": "Hello"}])
+    [from_ids] = build_processor(on(shared, sampling_params=params))([{"tokenized_prompt": tokens["tokenized_prompt"]}])
+    assert len(tokens["tokenized_prompt"]) == from_text["num_input_tokens"] == from_ids["num_input_tokens"]
+    assert from_ids["generated_text"] == from_text["generated_text"]
+    assert error["tokenized_prompt"] == [] and error[ERROR_COLUMN].startswith("RequestError: 'prompt' must be a")

@@ -82,7 +82,7 @@ def test_an_arrow_table_keeps_columns_that_only_later_rows_have():
 
 
 def test_openai_batch_lines_carry_response_format_and_structured_outputs_as_a_constraint():
-    from gristmill.batch.io import batch_request_row
+    from gristmill.batch.openai_batch import batch_request_row
 
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     chat = {"custom_id": "1", "method": "POST", "url": "/v1/chat/completions",

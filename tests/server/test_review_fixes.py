@@ -124,3 +124,29 @@ def test_echo_with_logprobs_is_rejected(server, auth):
         assert error["type"] == "invalid_request_error" and error["param"] == "echo"
         assert "prompt logprobs are not supported" in error["message"]
         assert "drop echo or logprobs" in error["message"]
+
+
+# -- return_token_ids (vLLM's extra field) ----------------------------------------------
+
+
+def test_return_token_ids_gives_the_ids_of_the_text_and_the_prompt(client):
+    tokenizer = load_tokenizer(resolve_model(None), "gemma3")
+    request = dict(model=MODEL, prompt=["The capital of France is", "Water boils at"], max_tokens=6,
+                   temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True})
+    completion = client.completions.create(**request).model_dump()
+    for prompt, choice in zip(request["prompt"], completion["choices"]):
+        assert len(choice["token_ids"]) == 6
+        assert tokenizer.decode(choice["token_ids"], skip_special_tokens=True) == choice["text"]
+        assert choice["prompt_token_ids"] == tokenizer.encode(prompt)
+    chunks = [c.model_dump() for c in client.completions.create(**request, stream=True)]
+    for index, choice in enumerate(completion["choices"]):
+        streamed = [t for c in chunks for ch in c["choices"] if ch["index"] == index for t in ch["token_ids"]]
+        assert streamed == choice["token_ids"]
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                          temperature=0, extra_body={"return_token_ids": True}).model_dump()
+    assert chat["prompt_token_ids"] and len(chat["prompt_token_ids"]) == chat["usage"]["prompt_tokens"]
+    assert tokenizer.decode(chat["choices"][0]["token_ids"], skip_special_tokens=True) == \
+        chat["choices"][0]["message"]["content"]
+    plain = client.completions.create(**{**request, "extra_body": {"ignore_eos": True}}).model_dump()
+    assert "token_ids" not in plain["choices"][0]  # only when asked
+    assert [c["text"] for c in plain["choices"]] == [c["text"] for c in completion["choices"]]

@@ -1,0 +1,120 @@
+"""OpenAI Batch API files, as `vllm run-batch` reads them: each line a request
+(`custom_id`, `method`, `url`, `body`) made into a processor row, and each output row made
+into the line OpenAI's batch output holds."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from gristmill.batch.io import InputError
+from gristmill.errors import GristmillError, RequestError
+from gristmill.structured.spec import openai_constraint
+
+BATCH_URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+_BATCH_KEYS = ("custom_id", "method", "url", "body")
+# Body fields copied into sampling_params, by their SamplingParams name.
+_BODY_PARAMS = {"max_completion_tokens": "max_tokens", **{name: name for name in (
+    "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "n",
+    "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "bad_words",
+    "skip_special_tokens")}}
+# Body fields that change nothing here (a model name may be anything).
+_BODY_IGNORED = {"model", "messages", "prompt", "user", "stream", "stream_options", "metadata", "store"}
+# Body fields that become sampling_params.structured_output.
+_BODY_CONSTRAINTS = ("response_format", "structured_outputs")
+
+
+def is_batch_file(first_row: dict | None) -> bool:
+    return isinstance(first_row, dict) and all(key in first_row for key in _BATCH_KEYS)
+
+
+def check_batch_line(line: dict, where: str) -> None:
+    missing = [key for key in ("custom_id", "url", "body") if key not in line]
+    if missing or not isinstance(line["body"], dict):
+        raise InputError(f"{where}: an OpenAI batch line needs 'custom_id', 'url' and 'body' (an object)"
+                         f"{'; missing ' + ', '.join(missing) if missing else ''}")
+
+
+def batch_request_row(line: dict) -> dict:
+    """A batch line as a processor row; raises RequestError for a request this line
+    cannot make (it becomes a 400 line of the output)."""
+    url, body = line["url"], line["body"]
+    if url not in BATCH_URLS:
+        raise RequestError(f"url {url!r} is not supported; use one of {sorted(BATCH_URLS)}", param="url")
+    if str(line.get("method", "POST")).upper() != "POST":
+        raise RequestError(f"method {line['method']!r} is not supported; use POST", param="method")
+    unsupported = sorted(k for k, v in body.items()
+                         if k not in _BODY_PARAMS and k not in _BODY_IGNORED and k not in _BODY_CONSTRAINTS and v)
+    if unsupported:
+        raise RequestError(f"body fields {unsupported} are not supported by gristmill batch; leave them out",
+                           param=unsupported[0])
+    params = {_BODY_PARAMS[k]: v for k, v in body.items() if k in _BODY_PARAMS and k != "max_tokens"}
+    if body.get("max_completion_tokens") is None and body.get("max_tokens") is not None:
+        params["max_tokens"] = body["max_tokens"]
+    if isinstance(params.get("stop"), str):
+        params["stop"] = [params["stop"]]
+    params["structured_output"], _ = openai_constraint(body.get("response_format"), body.get("structured_outputs"))
+    row = {"custom_id": line["custom_id"], "sampling_params": {k: v for k, v in params.items() if v is not None}}
+    if BATCH_URLS[url] == "chat":
+        row["messages"] = body.get("messages")
+        return row
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]  # one prompt in a list: still one request
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        row["tokenized_prompt"] = prompt
+    else:
+        row["prompt"] = prompt
+    return row
+
+
+def batch_output_line(line: dict, out: dict, model: str) -> dict:
+    """The OpenAI batch output line for one request, from its processor output row."""
+    error = out.get("__inference_error__")
+    if error:
+        status, body = _error_body(error)
+    else:
+        body = _completion_body(BATCH_URLS[line["url"]], out, line["body"].get("model") or model)
+        status = 200
+    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": line["custom_id"],
+            "response": {"status_code": status, "request_id": uuid.uuid4().hex, "body": body}, "error": None}
+
+
+def batch_line_error(record: dict) -> str:
+    """The `"<ErrorType>: <message>"` of a batch output line, or "" if it succeeded."""
+    response = record.get("response") or {}
+    if response.get("status_code") == 200:
+        return ""
+    error = (response.get("body") or {}).get("error") or {}
+    return f"{error.get('code')}: {error.get('message')}"
+
+
+def _completion_body(kind: str, out: dict, model: str) -> dict:
+    text, reason = out["generated_text"], out["finish_reason"]
+    choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
+               "logprobs": None} if kind == "chat"
+              else {"index": 0, "text": text, "finish_reason": reason, "logprobs": None})
+    prompt_tokens, completion_tokens = out["num_input_tokens"], out["num_generated_tokens"]
+    return {"id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}",
+            "object": "chat.completion" if kind == "chat" else "text_completion", "created": int(time.time()),
+            "model": model, "choices": [choice],
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens}}
+
+
+def _error_body(error: str) -> tuple[int, dict]:
+    """(status, OpenAI error envelope) of an error row: 400 for the RequestError family,
+    500 for the rest. `code` names the error type, so the row's error reads back whole."""
+    type_name, _, message = error.partition(": ")
+    known = {cls.__name__: cls for cls in _subclasses(GristmillError)}
+    cls = known.get(type_name)
+    status = 400 if cls is not None and issubclass(cls, RequestError) else 500
+    error_type = cls.error_type if cls is not None else "internal_error"
+    return status, {"error": {"message": message or error, "type": error_type, "param": None, "code": type_name}}
+
+
+def _subclasses(cls) -> list[type]:
+    found = [cls]
+    for sub in cls.__subclasses__():
+        found.extend(_subclasses(sub))
+    return found
