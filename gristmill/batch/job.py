@@ -59,6 +59,12 @@ class Job:
         if self.batch_file and self.out_format != "jsonl":
             raise InputError(f"{args.input} is an OpenAI batch file, whose output is OpenAI batch lines: "
                              f"name the output .jsonl")
+        column_flags = [flag for flag, value in (("--id-column", args.id_column), ("--prompt-column",
+                        args.prompt_column), ("--messages-column", args.messages_column)) if value]
+        if self.batch_file and column_flags:
+            raise InputError(f"{args.input} is an OpenAI batch file: its requests are named by custom_id and "
+                             f"hold their prompts in body, so {', '.join(column_flags)} would do nothing; "
+                             f"leave {'it' if len(column_flags) == 1 else 'them'} out")
         if args.resume and self.out_format == "parquet":
             raise InputError("--resume needs a .jsonl or .csv output (a Parquet file cannot be appended to); "
                              "write .jsonl or .csv, or run without --resume to start over")

@@ -59,8 +59,11 @@ def batch_request_row(line: dict) -> dict:
         row["messages"] = body.get("messages")
         return row
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]  # one prompt in a list: still one request
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # one prompt (text or token ids) in a list: still one request
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        raise RequestError(f"body.prompt holds {len(prompt)} prompts; a batch line makes one completion, so "
+                           f"give each prompt a line (and a custom_id) of its own", param="prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
         row["tokenized_prompt"] = prompt
     else:

@@ -37,6 +37,8 @@ def test_input_that_cannot_run_is_refused_before_the_model_loads_naming_the_line
          ["short.csv", "Expected 2 columns, got 1", "as many fields as the header"]),
         ("empty_qid.csv", b"qid,prompt\n01,Hello\n,World\n", ["--id-column", "qid"],
          ["empty_qid.csv row 2 has no 'qid' value"]),
+        ("flags.jsonl", jsonl([_batch_line("a")]), ["--id-column", "custom_id", "--prompt-column", "body"],
+         ["OpenAI batch file", "--id-column, --prompt-column would do nothing"]),
         ("no_qid.jsonl", jsonl([{"qid": "a", "prompt": "x"}, {"prompt": "y"}]), ["--id-column", "qid"],
          ["no_qid.jsonl:2", "qid"]),
     ]
@@ -98,11 +100,13 @@ def test_csv_cells_are_text_as_written_and_a_refused_resume_leaves_the_output(tm
     assert target.read_bytes() == before
 
 
-def test_a_batch_line_without_max_tokens_runs_to_the_context(tmp_path):
+def test_a_batch_line_without_max_tokens_runs_to_the_context_and_one_line_is_one_prompt(tmp_path):
     lines = [_batch_line("free", "Once upon a time", temperature=0, ignore_eos=True),
              {"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions",
               "body": {"messages": [{"role": "user", "content": "Hi"}], "temperature": 0, "ignore_eos": True}},
-             _batch_line("capped", "Once upon a time", temperature=0, ignore_eos=True, max_tokens=3)]
+             _batch_line("capped", "Once upon a time", temperature=0, ignore_eos=True, max_tokens=3),
+             _batch_line("ids", [[2, 9259]], max_tokens=2),  # one prompt of token ids, in a list
+             _batch_line("two", ["a", "b"], max_tokens=2)]
     source = write_jsonl(tmp_path / "batch.jsonl", lines)
     result = batch_cli(source, "-o", tmp_path / "out.jsonl", "--device", "cpu", "--max-model-len", "64")
     assert result.returncode == 0, result.stderr
@@ -114,3 +118,7 @@ def test_a_batch_line_without_max_tokens_runs_to_the_context(tmp_path):
         assert usage["prompt_tokens"] + usage["completion_tokens"] == 64, usage  # not cut at 16
         assert body["choices"][0]["finish_reason"] == "length"
     assert out["capped"]["body"]["usage"]["completion_tokens"] == 3
+    assert out["ids"]["status_code"] == 200 and out["ids"]["body"]["usage"]["prompt_tokens"] == 2
+    assert out["two"]["status_code"] == 400
+    error = out["two"]["body"]["error"]
+    assert error["message"].startswith("body.prompt holds 2 prompts; a batch line makes one completion")
