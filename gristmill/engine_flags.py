@@ -25,7 +25,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         parsing = (dict(action=argparse.BooleanOptionalAction) if kind is bool
                    else dict(type=kind, metavar=name.upper()))
         # SUPPRESS: a flag not given sets no attribute, so EngineConfig's own default applies.
-        group.add_argument(_engine_flag(name), dest=_engine_dest(name), default=argparse.SUPPRESS,
+        group.add_argument(engine_flag(name), dest=_engine_dest(name), default=argparse.SUPPRESS,
                            help=_flag_help(config_field), **parsing)
 
 
@@ -40,7 +40,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     try:
         return EngineConfig.from_kwargs(**engine_options(args))
     except RequestError as exc:
-        raise SystemExit(f"error: {exc} (flag: {_engine_flag(exc.param)})") from None
+        raise SystemExit(f"error: {exc} (flag: {engine_flag(exc.param)})") from None
 
 
 def run_figures(rows: int, tokens: int, run_time: float, start_seconds: float | None) -> str:
@@ -52,7 +52,7 @@ def run_figures(rows: int, tokens: int, run_time: float, start_seconds: float | 
     return figures
 
 
-def _engine_flag(name: str) -> str:
+def engine_flag(name: str) -> str:
     return "--" + _FLAG_NAMES.get(name, name.replace("_", "-"))
 
 

@@ -26,7 +26,7 @@ from gristmill.batch.job_rows import INPUT_COLUMN, input_slots, merged
 from gristmill.batch.resume import ROW_ID, RowIds, skip_written, written_rows
 from gristmill.batch.rows import ERROR_COLUMN, OUTPUT_COLUMNS
 from gristmill.batch.tables import arrow_types
-from gristmill.engine_flags import engine_config, engine_options, run_figures
+from gristmill.engine_flags import engine_config, engine_flag, engine_options, run_figures
 from gristmill.errors import GristmillError, RequestError, error_string
 from gristmill.sampling import SamplingParams
 
@@ -77,9 +77,11 @@ class Job:
         if args.address and args.runner != "ray":
             raise InputError("--address names a Ray cluster, which only --runner ray uses; add --runner ray or "
                              "leave out --address")
-        if args.deployment_url and engine_options(args):
-            print(f"warning: engine flags ({', '.join(sorted(engine_options(args)))}) configure a local engine "
-                  f"and are ignored with --deployment-url", file=sys.stderr)
+        local_only = sorted(map(engine_flag, engine_options(args))) + [flag for flag, given in (
+            ("--max-engine-restarts", args.max_engine_restarts != 0), ("--concurrency", args.concurrency != 1)) if given]
+        if args.deployment_url and local_only:
+            print(f"warning: engine flags ({', '.join(local_only)}) configure a local engine and are ignored "
+                  f"with --deployment-url", file=sys.stderr)
 
     def _processor_config(self):
         args = self.args

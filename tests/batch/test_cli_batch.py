@@ -199,8 +199,11 @@ def test_deployment_url_gives_the_texts_of_the_local_engine(mixed_run, tmp_path)
     server = Server("--max-model-len", "512")
     try:
         source = write_jsonl(tmp_path / "in.jsonl", MIXED)
-        result = batch_cli(source, "-o", tmp_path / "out.jsonl", *GREEDY, "--deployment-url", server.url)
+        result = batch_cli(source, "-o", tmp_path / "out.jsonl", *GREEDY, "--deployment-url", server.url,
+                           "--max-model-len", "512", "--concurrency", "2")
         assert result.returncode == 0, result.stderr
+        assert ("warning: engine flags (--max-model-len, --concurrency) configure a local engine and are ignored "
+                "with --deployment-url") in result.stderr
     finally:
         server.stop()
     remote = read_jsonl(tmp_path / "out.jsonl")
