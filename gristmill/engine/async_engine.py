@@ -34,6 +34,11 @@ from gristmill.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+#: Text prompts longer than this (characters) are tokenized on a worker thread by
+#: `tokenize`: the Rust tokenizer releases the GIL (about 0.7 s per million characters on
+#: one core), so a huge prompt never holds up the event loop, other streams or /health.
+LONG_PROMPT_CHARS = 32_768
+
 
 class AsyncEngine:
     """The engine behind the server and batch runners.
@@ -134,17 +139,31 @@ class AsyncEngine:
 
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
                     request_id: str | None = None, *, add_special_tokens: bool = True,
-                    max_buffered: int | None = None, output_kind: str = "cumulative") -> RequestStream:
+                    max_buffered: int | None = None, output_kind: str = "cumulative",
+                    prompt_token_ids: list[int] | None = None) -> RequestStream:
         """Validate and submit a request now (errors raise here, before any output), and
         return its stream. Call it from a running event loop. The caller must `aclose()`
         the stream (that aborts the request if unfinished). `max_buffered`: outputs that
         may wait unread before the request is aborted (a reader too slow for it) and the
-        stream ends with GenerationError. `output_kind`: see `generate`."""
+        stream ends with GenerationError. `output_kind`: see `generate`.
+        `prompt_token_ids`: the text prompt's ids from `tokenize`, so it is not tokenized
+        again here."""
         if output_kind not in OUTPUT_KINDS:
             raise RequestError(f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {output_kind!r}",
                                param="output_kind")
         return self._open(prompt, sampling_params or SamplingParams(), request_id, add_special_tokens,
-                          max_buffered, output_kind)
+                          max_buffered, output_kind, prompt_token_ids)
+
+    async def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+        """The prompt's token ids, checked as `add_request` checks them; a text longer than
+        LONG_PROMPT_CHARS is tokenized on a worker thread while the loop goes on."""
+        try:
+            if isinstance(prompt, str) and len(prompt) > LONG_PROMPT_CHARS:
+                return await asyncio.to_thread(self.inputs.tokenize, prompt, add_special_tokens)
+            return self.inputs.tokenize(prompt, add_special_tokens)
+        except GenerationError:
+            self.num_errors += 1
+            raise
 
     async def abort(self, request_id: str) -> None:
         stream = self._streams.get(request_id)
@@ -220,14 +239,15 @@ class AsyncEngine:
 
     # -- requests in (on the event loop) ------------------------------------------------
 
-    def _open(self, prompt, params: SamplingParams, request_id: str | None,
-              add_special_tokens: bool, max_buffered: int | None, output_kind: str) -> RequestStream:
+    def _open(self, prompt, params: SamplingParams, request_id: str | None, add_special_tokens: bool,
+              max_buffered: int | None, output_kind: str, token_ids: list[int] | None) -> RequestStream:
         self._raise_if_dead()
         self._bind_loop()
         request_id = request_id or uuid.uuid4().hex
         prompt_text = prompt if isinstance(prompt, str) else None
         try:
-            token_ids = self.inputs.tokenize(prompt, add_special_tokens)
+            if token_ids is None:
+                token_ids = self.inputs.tokenize(prompt, add_special_tokens)
             requests = self.inputs.make_requests(request_id, token_ids, params, prompt_text)
         except GenerationError:
             self.num_errors += 1

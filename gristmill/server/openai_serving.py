@@ -178,10 +178,11 @@ class OpenAIServing:
         `output_kind` "final" for a whole response: nothing is copied per step."""
         try:
             for i, (prompt, special) in enumerate(prompts):
+                token_ids = await self.engine.tokenize(prompt, special)  # a long text off the loop
                 handle = self.engine.add_request(prompt, params, f"{job.request_id}-{i}",
                                                  add_special_tokens=special,
                                                  max_buffered=self.limits.max_stream_buffer,
-                                                 output_kind=output_kind)
+                                                 output_kind=output_kind, prompt_token_ids=token_ids)
                 job.streams.append(handle)
                 job.prompt_tokens += len(handle.prompt_token_ids)
         except Exception:

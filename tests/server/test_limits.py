@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
 
 import httpx
@@ -130,3 +131,25 @@ def test_a_client_that_does_not_read_its_stream_does_not_hold_up_others(server, 
     while _running(server) > 0:
         assert time.monotonic() < deadline
         time.sleep(0.05)
+
+
+def test_a_huge_prompt_is_tokenized_while_the_server_answers_others(server, auth):
+    # ~1M characters (the default --max-prompt-chars): about half a second of tokenizing,
+    # on a worker thread, so /health and other requests are answered meanwhile.
+    huge = {"prompt": "word " * 199_000, "max_tokens": 4}
+    done = {}
+
+    def send_huge():
+        done["huge_response"] = _post(server, auth, huge)
+        done["huge"] = time.monotonic()
+
+    thread = threading.Thread(target=send_huge)
+    thread.start()
+    time.sleep(0.2)  # it is uploaded and being tokenized
+    health = httpx.get(f"{server.url}/health", timeout=60)
+    done["health"] = time.monotonic()
+    thread.join(60)
+    assert health.status_code == 200
+    refused = done["huge_response"]
+    assert refused.status_code == 400 and "exceeds max_model_len" in refused.json()["error"]["message"]
+    assert done["health"] < done["huge"]  # answered while the huge prompt was still tokenizing
