@@ -25,7 +25,9 @@ def envelope(message: str, type_: str, param: str | None = None, code: str | int
 
 def error_response(status: int, message: str, type_: str, param: str | None = None,
                    code: str | int | None = None, headers: dict | None = None) -> JSONResponse:
-    return JSONResponse(envelope(message, type_, param, code), status_code=status, headers=headers)
+    """`code` defaults to the status, as every other error of the server sends it."""
+    return JSONResponse(envelope(message, type_, param, status if code is None else code), status_code=status,
+                        headers=headers)
 
 
 def exception_status_and_body(exc: BaseException, retry_after: int | None = None

@@ -36,13 +36,15 @@ def test_request_errors_are_400_with_param(server, auth):
     error = assert_envelope(over_context, 400, "invalid_request_error", "max_tokens")
     assert "max_tokens is 40000; at most 32768" in error["message"]
     bad_json = httpx.post(url, headers={**auth, "content-type": "application/json"}, content=b"{nope")
-    assert "not valid JSON" in assert_envelope(bad_json, 400, "invalid_request_error")["message"]
+    error = assert_envelope(bad_json, 400, "invalid_request_error")
+    assert "not valid JSON" in error["message"] and error["code"] == 400  # as every other 400's
     bad_field = httpx.post(url, headers=auth, json={"prompt": "x", "temperature": -1})
     assert "temperature" in assert_envelope(bad_field, 400, "invalid_request_error", "temperature")["message"]
     missing = httpx.post(url, headers=auth, json={"max_tokens": 3})
-    assert_envelope(missing, 400, "invalid_request_error", "prompt")
+    assert assert_envelope(missing, 400, "invalid_request_error", "prompt")["code"] == 400
     empty = httpx.post(url, headers=auth, json={"prompt": ""})
-    assert "empty" in assert_envelope(empty, 400, "invalid_request_error", "prompt")["message"]
+    error = assert_envelope(empty, 400, "invalid_request_error", "prompt")
+    assert "empty" in error["message"] and error["code"] == 400
     chat = httpx.post(f"{server.url}/v1/chat/completions", headers=auth,
                       json={"messages": [{"role": "assistant", "content": "x"}, {"role": "assistant",
                                                                                   "content": "y"}]})
