@@ -18,16 +18,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import socket
 import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 from gristmill import LLM, AsyncEngine, EngineConfig, SamplingParams
 from gristmill.batch import DeploymentProcessorConfig, build_processor, deploy
+from revisions import measure_at, without_before
 
 try:
     from throughput import make_prompts
@@ -140,22 +138,6 @@ def measure(args) -> dict[str, float]:
     return {name: runs[name]() for name in args.only.split(",")}
 
 
-def measure_at(rev: str | None, argv: list[str]) -> dict[str, float]:
-    """`measure` in a child process, on the package at git revision `rev` (None: this tree)."""
-    root = Path(__file__).resolve().parent.parent
-    env = dict(os.environ)
-    with tempfile.TemporaryDirectory(prefix="gristmill-before-") as tree:
-        if rev is not None:
-            archive = subprocess.run(["git", "-C", str(root), "archive", rev], check=True, capture_output=True).stdout
-            subprocess.run(["tar", "-x", "-C", tree], input=archive, check=True)
-        env["PYTHONPATH"] = tree if rev is not None else str(root)
-        # Run from inside that tree: an older core process appended its package root to
-        # sys.path after the working directory, and would import this tree's package.
-        out = subprocess.run([sys.executable, str(Path(__file__).resolve()), *argv, "--json"], env=env,
-                             check=True, stdout=subprocess.PIPE, text=True, cwd=tree if rev else root).stdout
-    return json.loads(out.strip().splitlines()[-1])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None)
@@ -175,9 +157,9 @@ def main() -> None:
         return
     print(f"{args.rows} rows, {args.output_len} tokens each, greedy; pipeline batch_size={args.batch_size}, "
           f"max_concurrent_batches={args.max_concurrent_batches}; max_num_seqs={args.max_num_seqs}", flush=True)
-    argv = [a for a in sys.argv[1:] if a != "--before" and a != args.before]
+    argv = without_before(sys.argv[1:], args.before)
     if args.before:
-        before, after = measure_at(args.before, argv), measure_at(None, argv)
+        before, after = measure_at(__file__, args.before, argv), measure_at(__file__, None, argv)
         print(f"{'tok/s':>14} {args.before:>12} {'this tree':>12} {'after/before':>13}")
         for name in after:
             print(f"{name:>14} {before[name]:>12.1f} {after[name]:>12.1f} {after[name] / before[name]:>12.2f}x")

@@ -7,9 +7,11 @@ bundled model) over one tiny random layer with a 4,096-token vocabulary. The mod
 own time (forward, LM head, sampling) is timed and taken out.
 
 Peers side by side: the synchronous loop and async scheduling (on CPU it overlaps
-nothing, so the two should cost the same), each the best of a few runs.
+nothing, so the two should cost the same), greedy, and async scheduling with sampled
+rows (temperature, top_p), each the best of a few runs. `--before REV` measures git
+revision REV too, each side in its own process (benchmarks/revisions.py).
 
-    python benchmarks/host_overhead.py [--batch 256] [--steps 64]
+    python benchmarks/host_overhead.py [--batch 256] [--steps 64] [--before HEAD~1]
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import argparse
 import functools
 import json
 import random
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -26,6 +29,7 @@ import torch
 
 from gristmill import LLM, SamplingParams
 from gristmill.paths import resolve_model
+from revisions import measure_at, without_before
 
 
 def tiny_model_with_real_tokenizer(directory: Path) -> Path:
@@ -44,12 +48,8 @@ def tiny_model_with_real_tokenizer(directory: Path) -> Path:
     return directory
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=64)
-    parser.add_argument("--runs", type=int, default=3)
-    args = parser.parse_args()
+def measure(args) -> dict[str, float]:
+    """Host ms per decode step of each loop, the best of `args.runs` runs."""
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         path = tiny_model_with_real_tokenizer(Path(tmp))
@@ -69,10 +69,11 @@ def main() -> None:
                     model_time[0] += time.perf_counter() - start
             setattr(owner, name, timed)
         rng = random.Random(0)
-        params = SamplingParams(max_tokens=args.steps, temperature=0, ignore_eos=True)
-        print(f"host ms per decode step, {args.batch} requests, {args.steps} steps, best of {args.runs}:")
+        greedy = SamplingParams(max_tokens=args.steps, temperature=0, ignore_eos=True)
+        sampled = SamplingParams(max_tokens=args.steps, temperature=0.8, top_p=0.95, ignore_eos=True)
         figures = {}
-        for mode in (False, True):
+        for name, mode, params in (("synchronous", False, greedy), ("async scheduling", True, greedy),
+                                   ("async, sampled", True, sampled)):
             llm.core.async_scheduling = mode
             best = float("inf")
             for _ in range(args.runs):
@@ -81,9 +82,33 @@ def main() -> None:
                 start = time.perf_counter()
                 llm.generate(prompts, params, use_tqdm=False)
                 best = min(best, (time.perf_counter() - start - model_time[0]) / args.steps * 1e3)
-            figures["async" if mode else "sync"] = best
-            print(f"  {'async scheduling' if mode else 'synchronous':>16}: {best:.2f}")
-        print(f"  ratio async / sync: {figures['async'] / figures['sync']:.2f}")
+            figures[name] = best
+    return figures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--before", metavar="REV", help="measure git revision REV too, side by side")
+    parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.json:
+        print(json.dumps(measure(args)))
+        return
+    print(f"host ms per decode step, {args.batch} requests, {args.steps} steps, best of {args.runs}:")
+    if args.before:
+        argv = without_before(sys.argv[1:], args.before)
+        before, after = measure_at(__file__, args.before, argv), measure_at(__file__, None, argv)
+        print(f"{'':>18} {args.before:>12} {'this tree':>10} {'after/before':>13}")
+        for name in after:
+            print(f"{name:>18} {before[name]:>12.2f} {after[name]:>10.2f} {after[name] / before[name]:>12.2f}x")
+        return
+    figures = measure(args)
+    for name, value in figures.items():
+        print(f"{name:>18}: {value:.2f}")
+    print(f"  ratio async / sync: {figures['async scheduling'] / figures['synchronous']:.2f}")
 
 
 if __name__ == "__main__":

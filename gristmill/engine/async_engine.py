@@ -260,7 +260,8 @@ class AsyncEngine:
         output = RequestOutput(request_id, prompt_text, token_ids, [CompletionOutput(i) for i in range(params.n)],
                                RequestMetrics(time.monotonic()))
         try:
-            self.outputs.add(output, child_ids, params)
+            # A "final" output is read only once it ends: its text is decoded then, once.
+            self.outputs.add(output, child_ids, params, incremental=output_kind != "final")
         except GenerationError:
             self.num_errors += 1
             raise

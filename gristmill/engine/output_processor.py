@@ -39,8 +39,12 @@ class OutputProcessor:
         self.incremental = incremental
         self._live: dict[str, _Completion] = {}
 
-    def add(self, parent: RequestOutput, child_ids: list[str], params: SamplingParams) -> None:
-        """Track every completion of `parent`, or none of them (GenerationError)."""
+    def add(self, parent: RequestOutput, child_ids: list[str], params: SamplingParams,
+            incremental: bool | None = None) -> None:
+        """Track every completion of `parent`, or none of them (GenerationError).
+        `incremental=False`: nobody reads this request's text before it ends (a "final"
+        output), so it is decoded once, at its end, unless it has stop strings to look for;
+        None: the processor's own setting."""
         completions = {}
         stop_tokens = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         for index, child_id in enumerate(child_ids):
@@ -50,7 +54,8 @@ class OutputProcessor:
             try:
                 faults.check("detokenize_init", prompt=parent.prompt)
                 detok = IncrementalDetokenizer(self.tokenizer, parent.prompt_token_ids, params.stop,
-                                               params.skip_special_tokens, self.incremental,
+                                               params.skip_special_tokens,
+                                               self.incremental if incremental is None else incremental,
                                                params.min_tokens)
             except Exception as exc:  # noqa: BLE001 - per-request isolation
                 raise GenerationError(f"setting up the detokenizer failed: {exc}") from exc

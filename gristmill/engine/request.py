@@ -57,6 +57,16 @@ class Request:
         params = self.sampling_params
         #: It asks for a logits control (model/logits.py): a bias, a ban or a penalty.
         self.controlled = bool(params.logit_bias or params.min_tokens or self.bad_words_ids or params.penalized)
+        #: The token ids that end it once `min_tokens` are out: EOS (unless ignore_eos)
+        #: and stop_token_ids.
+        self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        #: `num_tokens` at which it ends on length: max_tokens, and the context once the
+        #: scheduler says how long that is (`limit_length`).
+        self.length_limit = self.num_prompt_tokens + params.max_tokens if params.max_tokens is not None else 1 << 62
+
+    def limit_length(self, max_model_len: int) -> None:
+        """It also ends when its sequence reaches `max_model_len` tokens."""
+        self.length_limit = min(self.length_limit, max_model_len)
 
     @property
     def num_tokens(self) -> int:
@@ -84,6 +94,13 @@ class Request:
                                 self.sampling_params, self.eos_token_ids, self.bad_words_ids, self.matcher,
                                 self.controlled)
 
+    def scheduled_decode(self) -> ScheduledRequest:
+        """`scheduled(1)` for a request whose one new token is its last (a decode)."""
+        return ScheduledRequest(self.request_id, self.token_ids[-1:], self.num_computed_tokens, self.block_ids,
+                                True, self.pending, self.token_ids, self.num_prompt_tokens,
+                                self.sampling_params, self.eos_token_ids, self.bad_words_ids, self.matcher,
+                                self.controlled)
+
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
 
@@ -99,17 +116,14 @@ class Request:
         """Tokens whose ids are known: all but a pending placeholder."""
         return len(self.token_ids) - self.pending
 
-    def reaches_length(self, max_model_len: int) -> bool:
-        return self.num_output_tokens >= self.sampling_params.max_tokens or self.num_tokens >= max_model_len
+    @property
+    def reaches_length(self) -> bool:
+        """Its sequence has as many tokens as it may have (`length_limit`)."""
+        return len(self.token_ids) >= self.length_limit
 
     def stop_reason_after(self, token_id: int, reaches_length: bool) -> str | None:
         """The finish reason once `token_id` was appended, or None to go on.
-        `reaches_length`: `self.reaches_length(max_model_len)`, known beforehand."""
-        params = self.sampling_params
-        if self.num_output_tokens <= params.min_tokens:  # the sampler allowed no stop token yet
-            return "length" if reaches_length else None
-        if not params.ignore_eos and token_id in self.eos_token_ids:
-            return "stop"
-        if token_id in params.stop_token_ids:
-            return "stop"
+        `reaches_length`: `self.reaches_length`, known beforehand."""
+        if token_id in self.stop_ids and self.num_output_tokens > self.sampling_params.min_tokens:
+            return "stop"  # (before min_tokens the sampler allowed no stop token)
         return "length" if reaches_length else None

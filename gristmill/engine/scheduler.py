@@ -43,6 +43,7 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in the engine")
+        request.limit_length(self.max_model_len)
         self.requests[request.request_id] = request
         self.waiting.append(request)
         self.num_constrained += request.needs_known_tokens
@@ -79,22 +80,24 @@ class Scheduler:
 
         # Running requests first, oldest first; preempt the newest when blocks run out.
         bs = self.block_manager.block_size
+        scheduled, running = out.scheduled, self.running
         i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
+        while i < len(running) and budget > 0:
+            request = running[i]
             if request.final:  # its last token is still being sampled
                 i += 1
                 continue
             computed = request.num_computed_tokens
-            num_new = min(len(request.token_ids) - computed, budget)
-            total = computed + num_new
-            if num_new == 1 and 0 < computed % bs < bs - 1 and total <= len(request.block_ids) * bs:
+            token_ids = request.token_ids
+            if len(token_ids) == computed + 1 and 0 < computed % bs < bs - 1 and computed < len(request.block_ids) * bs:
                 # Most decodes: the token lands in a block the request holds and fills no
                 # block (whose hash the block manager would register).
-                out.scheduled.append(request.scheduled(1))
+                scheduled.append(request.scheduled_decode())
                 budget -= 1
                 i += 1
                 continue
+            num_new = min(len(token_ids) - computed, budget)
+            total = computed + num_new
             while not self.block_manager.can_allocate(request, total):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -148,12 +151,12 @@ class Scheduler:
             request = requests.get(item.request_id)
             if request is None:  # ended (aborted) before the step was launched
                 continue
-            samples = item.samples
-            request.num_computed_tokens += item.num_new_tokens
-            if samples:
-                request.append_token(PLACEHOLDER)
+            request.num_computed_tokens += len(item.new_token_ids)
+            if item.samples:
+                token_ids = request.token_ids
+                token_ids.append(PLACEHOLDER)
                 request.pending = True
-                request.final = request.reaches_length(self.max_model_len)
+                request.final = len(token_ids) >= request.length_limit
 
     def resolve(self, out: SchedulerOutput, sampled: dict[str, SampledToken]) -> list[RequestUpdate]:
         """A step's sampled tokens are known: put them in place of the placeholders, end
@@ -162,22 +165,27 @@ class Scheduler:
         one before it is resolved), so neither is touched."""
         updates, requests = [], self.requests
         for item in out.scheduled:
-            request = requests.get(item.request_id)
+            request_id = item.request_id
+            request = requests.get(request_id)
             if request is None or not request.pending:  # ended while the step ran, or sampled nothing
                 continue
-            token = sampled[request.request_id]
-            request.token_ids[-1] = token.token_id
-            reason = request.stop_reason_after(token.token_id, request.final)
-            request.pending = request.final = False
-            error = None
-            if request.matcher is not None:
-                reason, error = _constrained(request, token.token_id, reason)
-            if reason is not None:
-                self.finish_request(request.request_id, reason)
-            updates.append(RequestUpdate(
-                request.request_id, [token.token_id],
-                [token.logprobs] if token.logprobs is not None else None,
-                reason, error))
+            token = sampled[request_id]
+            token_id = token.token_id
+            request.token_ids[-1] = token_id
+            request.pending = False
+            if token_id in request.stop_ids or request.final or request.matcher is not None:
+                reason = request.stop_reason_after(token_id, request.final)
+                request.final = False
+                error = None
+                if request.matcher is not None:
+                    reason, error = _constrained(request, token_id, reason)
+                if reason is not None:
+                    self.finish_request(request_id, reason)
+                updates.append(RequestUpdate(request_id, [token_id], None if token.logprobs is None
+                                             else [token.logprobs], reason, error))
+            else:  # (most rows: it goes on)
+                updates.append(RequestUpdate(request_id, [token_id], None if token.logprobs is None
+                                             else [token.logprobs], None))
         return updates
 
 

@@ -47,17 +47,17 @@ def build_host_step(sequences: Sequence[tuple[Sequence[int], int, Sequence[int],
     token is sampled) per scheduled sequence, decodes first. Costs a fixed number of
     numpy calls, whatever the batch: it runs before every step."""
     num_seqs = len(sequences)
-    counts = np.fromiter((len(s[0]) for s in sequences), dtype=np.int64, count=num_seqs)
-    starts = np.fromiter((s[1] for s in sequences), dtype=np.int64, count=num_seqs)
-    num_blocks = np.fromiter((len(s[2]) for s in sequences), dtype=np.int64, count=num_seqs)
+    new_ids, starts, blocks, samples = zip(*sequences) if num_seqs else ((),) * 4
+    counts = np.fromiter(map(len, new_ids), dtype=np.int64, count=num_seqs)
+    starts = np.fromiter(starts, dtype=np.int64, count=num_seqs)
+    num_blocks = np.fromiter(map(len, blocks), dtype=np.int64, count=num_seqs)
     query_start = np.zeros(num_seqs + 1, dtype=np.int64)
     np.cumsum(counts, out=query_start[1:])
     num_tokens = int(query_start[-1])
-    ids = np.fromiter(chain.from_iterable(s[0] for s in sequences), dtype=np.int64, count=num_tokens)
+    ids = np.fromiter(chain.from_iterable(new_ids), dtype=np.int64, count=num_tokens)
     # each sequence's block ids, left-aligned in a (num_seqs, width) table padded with 0
     width = max(int(num_blocks.max()) if num_seqs else 1, 1)
-    flat_blocks = np.fromiter(chain.from_iterable(s[2] for s in sequences), dtype=np.int64,
-                              count=int(num_blocks.sum()))
+    flat_blocks = np.fromiter(chain.from_iterable(blocks), dtype=np.int64, count=int(num_blocks.sum()))
     block_start = np.cumsum(num_blocks) - num_blocks
     tables = np.zeros((num_seqs, width), dtype=np.int64)
     rows = np.repeat(np.arange(num_seqs), num_blocks)
@@ -69,7 +69,7 @@ def build_host_step(sequences: Sequence[tuple[Sequence[int], int, Sequence[int],
         seq_of_token = np.repeat(np.arange(num_seqs), counts)
         positions = starts[seq_of_token] + np.arange(num_tokens) - query_start[:-1][seq_of_token]
     slots = tables[seq_of_token, positions // block_size] * block_size + positions % block_size
-    samples = np.flatnonzero(np.fromiter((s[3] for s in sequences), dtype=bool, count=num_seqs))
+    samples = np.flatnonzero(np.fromiter(samples, dtype=bool, count=num_seqs))
     num_decodes = int(np.argmax(counts != 1)) if (counts != 1).any() else num_seqs
     return HostStep(ids, positions, slots, query_start, starts + counts, tables, query_start[samples + 1] - 1,
                     num_decodes, block_size)

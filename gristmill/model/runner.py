@@ -226,7 +226,8 @@ class ModelRunner:
         if not items:
             self._rows = {}
             return LaunchedStep([], None)
-        rows = [SamplerRow(item.sampling_params, self._generator(item)) for item in items]
+        rows = [SamplerRow(item.sampling_params, None if item.sampling_params.seed is None else self._generator(item))
+                for item in items]
         if self.controls.apply(logits, items, self.token_buffer, self._rows):
             self._greedy = None  # the forward's argmax saw the logits before them
         constrained = [(j, item) for j, item in enumerate(items) if item.matcher is not None]
@@ -237,7 +238,7 @@ class ModelRunner:
         if deferred:
             tokens, pending = self.masks.resample_refused(logits, deferred, rows, tokens, pending)
         self.token_buffer[:len(items)].copy_(tokens)
-        self._rows = {item.request_id: j for j, item in enumerate(items)}
+        self._rows = dict(zip([item.request_id for item in items], range(len(items))))
         return LaunchedStep(items, pending)
 
     @torch.inference_mode()
@@ -271,7 +272,9 @@ class ModelRunner:
     def host_step(self, out: SchedulerOutput) -> tuple[HostStep, list[ScheduledRequest]]:
         """The step's inputs in numpy, decodes first, and the ScheduledRequest of each
         sampled row."""
-        ordered = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)  # stable: decodes first
+        ordered = out.scheduled
+        if any(len(s.new_token_ids) != 1 for s in ordered):  # a prefill chunk: decodes first (stable)
+            ordered = sorted(ordered, key=lambda s: len(s.new_token_ids) != 1)
         sequences = [(s.new_token_ids, s.num_computed_tokens, s.block_ids, s.samples) for s in ordered]
         return build_host_step(sequences, self.block_size), [s for s in ordered if s.samples]
 
@@ -290,13 +293,12 @@ class ModelRunner:
         """For each token of the step, the row of `token_buffer` holding its id when it is
         a placeholder (the last step's sampled token, not on the host yet), else -1; None
         when the step has no placeholder."""
-        pending = [(int(host.sample_indices[j]), self._rows[item.request_id])
-                   for j, item in enumerate(items) if item.pending]
+        pending = [j for j, item in enumerate(items) if item.pending]
         if not pending:
             return None
+        rows = self._rows
         source = np.full(host.num_tokens, -1, dtype=np.int64)
-        tokens, rows = zip(*pending)
-        source[list(tokens)] = rows
+        source[host.sample_indices[pending]] = [rows[items[j].request_id] for j in pending]
         return source
 
     def prepare_inputs(self, out: SchedulerOutput) -> StepInputs:

@@ -53,6 +53,43 @@ def test_cumulative_delta_and_final_outputs_describe_the_same_request(engine):
     assert arrivals[0][0] >= final[0].metrics.arrival_time
 
 
+def test_a_final_output_is_decoded_once_at_its_end_and_reads_as_a_streamed_one(engine):
+    """Nobody reads a "final" request's text before it ends: without stop strings to look
+    for, its tokens are held and decoded once, at the end (no detokenizing per step);
+    its text is the one a streamed request gets. With a stop string it is decoded as it
+    goes, and the stop string still ends it."""
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    prompt = "Write a word in French, Japanese and emoji:"
+
+    async def final_while_watching():
+        held = []
+        async for out in engine.generate(prompt, params, output_kind="final", request_id="held-1"):
+            held.append(out)
+        return held
+
+    async def run():
+        task = asyncio.ensure_future(final_while_watching())
+        seen = None
+        while not task.done():
+            live = engine.outputs._live.get("held-1")
+            if live is not None:
+                seen = live.detokenizer.held
+            await asyncio.sleep(0.001)
+        return (await task), seen
+    final, seen_held = asyncio.run(run())
+    streamed = collect(engine, prompt, params, "cumulative")[-1].outputs[0]
+    whole = final[0].outputs[0]
+    assert isinstance(seen_held, list), "the final request's detokenizer was decoding per step"
+    assert (whole.text, whole.token_ids, whole.finish_reason) == (streamed.text, streamed.token_ids, "length")
+    assert whole.text and whole.delta_text == whole.text
+
+    stop = streamed.text[len(streamed.text) // 2:][:3]
+    assert stop.strip(), streamed.text
+    cut = collect(engine, prompt, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=[stop]),
+                  "final")[0].outputs[0]
+    assert cut.finish_reason == "stop" and cut.text == streamed.text[:streamed.text.index(stop)]
+
+
 def test_an_unknown_output_kind_is_a_request_error(engine):
     with pytest.raises(RequestError, match="output_kind must be one of cumulative, delta, final") as info:
         collect(engine, "Hi", SamplingParams(max_tokens=2), "last")

@@ -1,0 +1,56 @@
+"""Measure the package as it was at another git revision, beside this tree, in one run.
+
+A benchmark that offers `--before REV` calls `measure_at(script, REV, argv)` and
+`measure_at(script, None, argv)`: each runs `script argv --json` in a child process, with
+that revision's `gristmill` first on the path, and returns the dict the child printed
+as JSON on its last line.
+
+A revision's tree is extracted once into the temporary directory, under its commit id,
+and kept: its C++ kernels are built for its own path (gristmill.model.cpu.kernels keys a
+build by where its sources are), so a second run reuses them instead of compiling again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def revision_tree(rev: str) -> Path:
+    """The package at git revision `rev`, extracted once."""
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--verify", f"{rev}^{{commit}}"],
+                            check=True, capture_output=True, text=True).stdout.strip()
+    tree = Path(tempfile.gettempdir()) / f"gristmill-rev-{commit[:12]}"
+    if not tree.exists():
+        partial = Path(tempfile.mkdtemp(prefix=f"{tree.name}-", dir=tree.parent))
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", commit], check=True,
+                                 capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(partial)], input=archive, check=True)
+        try:
+            partial.rename(tree)
+        except OSError:  # another run extracted it meanwhile
+            subprocess.run(["rm", "-rf", str(partial)], check=True)
+    return tree
+
+
+def measure_at(script: str | Path, rev: str | None, argv: list[str]) -> dict:
+    """`script argv --json` in a child process, on the package at git revision `rev`
+    (None: this tree); the dict it printed last."""
+    tree = revision_tree(rev) if rev is not None else ROOT
+    env = dict(os.environ, PYTHONPATH=str(tree))
+    # Run from inside that tree: an older core process appended its package root to
+    # sys.path after the working directory, and would import this tree's package.
+    out = subprocess.run([sys.executable, str(Path(script).resolve()), *argv, "--json"], env=env,
+                         check=True, stdout=subprocess.PIPE, text=True, cwd=tree).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def without_before(argv: list[str], rev: str | None) -> list[str]:
+    """The command line minus `--before REV`, to hand to each side."""
+    return [a for a in argv if a != "--before" and a != rev and a != f"--before={rev}"]
