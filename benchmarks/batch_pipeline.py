@@ -25,7 +25,7 @@ import time
 
 from gristmill import LLM, AsyncEngine, EngineConfig, SamplingParams
 from gristmill.batch import DeploymentProcessorConfig, build_processor, deploy
-from revisions import measure_at, without_before
+from revisions import compare
 
 try:
     from throughput import make_prompts
@@ -157,12 +157,8 @@ def main() -> None:
         return
     print(f"{args.rows} rows, {args.output_len} tokens each, greedy; pipeline batch_size={args.batch_size}, "
           f"max_concurrent_batches={args.max_concurrent_batches}; max_num_seqs={args.max_num_seqs}", flush=True)
-    argv = without_before(sys.argv[1:], args.before)
     if args.before:
-        before, after = measure_at(__file__, args.before, argv), measure_at(__file__, None, argv)
-        print(f"{'tok/s':>14} {args.before:>12} {'this tree':>12} {'after/before':>13}")
-        for name in after:
-            print(f"{name:>14} {before[name]:>12.1f} {after[name]:>12.1f} {after[name] / before[name]:>12.2f}x")
+        compare(__file__, args.before, sys.argv[1:], label="tok/s")
         return
     results = measure(args)
     raw = results.get("AsyncEngine") or next(iter(results.values()))

@@ -29,7 +29,7 @@ import torch
 
 from gristmill import LLM, SamplingParams
 from gristmill.paths import resolve_model
-from revisions import measure_at, without_before
+from revisions import compare
 
 
 def tiny_model_with_real_tokenizer(directory: Path) -> Path:
@@ -99,11 +99,7 @@ def main() -> None:
         return
     print(f"host ms per decode step, {args.batch} requests, {args.steps} steps, best of {args.runs}:")
     if args.before:
-        argv = without_before(sys.argv[1:], args.before)
-        before, after = measure_at(__file__, args.before, argv), measure_at(__file__, None, argv)
-        print(f"{'':>18} {args.before:>12} {'this tree':>10} {'after/before':>13}")
-        for name in after:
-            print(f"{name:>18} {before[name]:>12.2f} {after[name]:>10.2f} {after[name] / before[name]:>12.2f}x")
+        compare(__file__, args.before, sys.argv[1:], label="host ms", digits=2)
         return
     figures = measure(args)
     for name, value in figures.items():

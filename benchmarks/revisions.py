@@ -1,9 +1,9 @@
 """Measure the package as it was at another git revision, beside this tree, in one run.
 
-A benchmark that offers `--before REV` calls `measure_at(script, REV, argv)` and
-`measure_at(script, None, argv)`: each runs `script argv --json` in a child process, with
-that revision's `gristmill` first on the path, and returns the dict the child printed
-as JSON on its last line.
+A benchmark that offers `--before REV` calls `compare(__file__, REV, sys.argv[1:], ...)`:
+it runs `script argv --json` (minus `--before REV`) in a child process for each side,
+with that side's `gristmill` first on the path, reads the dict of figures each printed as
+JSON on its last line, and prints them side by side with their ratios.
 
 A revision's tree is extracted once into the temporary directory, under its commit id,
 and kept: its C++ kernels are built for its own path (gristmill.model.cpu.kernels keys a
@@ -51,6 +51,13 @@ def measure_at(script: str | Path, rev: str | None, argv: list[str]) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def without_before(argv: list[str], rev: str | None) -> list[str]:
-    """The command line minus `--before REV`, to hand to each side."""
-    return [a for a in argv if a != "--before" and a != rev and a != f"--before={rev}"]
+def compare(script: str | Path, rev: str, argv: list[str], label: str, digits: int = 1) -> None:
+    """Measure `script` at git revision `rev` and in this tree, and print each figure of
+    both with its ratio. `argv`: the command line, `--before REV` included."""
+    argv = [a for a in argv if a != "--before" and a != rev and a != f"--before={rev}"]
+    before, after = measure_at(script, rev, argv), measure_at(script, None, argv)
+    width = max(map(len, after)) + 2
+    print(f"{label:>{width}} {rev:>12} {'this tree':>12} {'after/before':>13}")
+    for name in after:
+        print(f"{name:>{width}} {before[name]:>12.{digits}f} {after[name]:>12.{digits}f} "
+              f"{after[name] / before[name]:>12.2f}x")
