@@ -11,6 +11,10 @@ The stages, as Ray runs them:
   DeploymentProcessorConfig (with app_name) or an HttpProcessorConfig, one actor sends
   the rows to the Serve deployment or the server, which applies its own template.
 
+Between preprocess and postprocess the rows travel pickled, one per cell (each input block
+encoded on its own), so Ray Data never merges the Arrow types of rows that differ: a row
+of another shape is that row's error, never the job's (see process_dataset).
+
 Row errors become error rows inside the actor (`should_continue_on_error`), so they never
 cross Ray as exceptions; what does cross (a fatal error, a row error with
 `should_continue_on_error=False`, a user function's error) fails the Dataset. Ray's own
@@ -33,7 +37,7 @@ from gristmill.batch import runtime
 from gristmill.batch.config import DeploymentProcessorConfig, EngineProcessorConfig, ProcessorConfig
 from gristmill.batch.processor import Processor, call_user, naming_row, needs_template, row_id_of
 from gristmill.batch.rows import ERROR_COLUMN, TEMPLATE_ERROR_COLUMN, TEMPLATED_COLUMN
-from gristmill.batch.tables import arrow_table
+from gristmill.batch.tables import arrow_table, arrow_types
 from gristmill.errors import EngineDeadError, GristmillError, RequestError, error_string, last_line, root_cause
 
 #: An engine actor reserves a CPU: it computes. Actors that only wait on a deployment or
@@ -48,18 +52,30 @@ _CLOSE_TIMEOUT_S = 10.0
 
 def process_dataset(processor: Processor, dataset, encoded: bool = False):
     """`processor`'s stages appended to `dataset` (lazy: nothing runs until it is read);
-    `processor(dataset)` comes here (see gristmill.extras)."""
+    `processor(dataset)` comes here (see gristmill.extras). `encoded`: the rows come (and
+    go) pickled in ENCODED_COLUMN, as `gristmill batch --runner ray` sends them."""
     import ray.data
 
     config = processor.config
     actors, options = stage_actors(config)
     pre = {"num_cpus": 1, **(processor.preprocess_map_kwargs or {})}
     post = {"num_cpus": 1, **(processor.postprocess_map_kwargs or {})}
-    check_fits(actors, options, max(pre["num_cpus"], post["num_cpus"]))
+    check_fits(actors, options, max(pre["num_cpus"], post["num_cpus"]), held=actors_in(dataset))
+    if isinstance(config, EngineProcessorConfig):
+        from gristmill.engine import builder
+        builder.resolve_model_dir(config.engine)  # a missing model fails here, not in each actor
     if processor.preprocess is not None:
         dataset = dataset.map(_UserMap("preprocess", processor.preprocess, config.id_column), **pre)
+    if not encoded:
+        # Up to the engine stage's output, rows travel pickled, one per cell, and each input
+        # block is encoded alone (batch_size=None). Ray Data would otherwise merge the Arrow
+        # types of the blocks it batches together: a row whose column has another type
+        # (`messages` as a string) would fail the whole job, and a struct column (a
+        # `logit_bias`) would get every other row's keys, as nulls.
+        dataset = dataset.map_batches(_encode_batch, batch_size=None, batch_format="pyarrow",
+                                      zero_copy_batch=True, **pre)
     if isinstance(config, EngineProcessorConfig) and config.apply_chat_template:
-        dataset = dataset.map_batches(_ChatTemplate(config, encoded), batch_size=config.batch_size,
+        dataset = dataset.map_batches(_ChatTemplate(config, True), batch_size=config.batch_size,
                                       batch_format="pyarrow", zero_copy_batch=False, **pre)
     # Batches of one actor run on its engine together (continuous batching across them).
     compute = ray.data.ActorPoolStrategy(size=actors, max_concurrent_calls_per_actor=config.max_concurrent_batches,
@@ -67,8 +83,11 @@ def process_dataset(processor: Processor, dataset, encoded: bool = False):
     with warnings.catch_warnings():  # max_restarts has no named parameter yet
         warnings.filterwarnings("ignore", message=".*ray_remote_args.*deprecated")
         dataset = dataset.map_batches(
-            _StageActor, fn_constructor_kwargs={"config": config, "encoded": encoded}, compute=compute,
+            _StageActor, fn_constructor_kwargs={"config": config, "encoded": True}, compute=compute,
             batch_size=config.batch_size, batch_format="pyarrow", zero_copy_batch=False, **options)
+    if not encoded:
+        dataset = dataset.map_batches(_decode_batch, batch_size=None, batch_format="pyarrow",
+                                      zero_copy_batch=True, **post)
     if processor.postprocess is not None:
         dataset = dataset.map(_UserMap("postprocess", processor.postprocess, config.id_column,
                                        skip_errors=True), **post)
@@ -91,17 +110,95 @@ def stage_actors(config: ProcessorConfig) -> tuple[int, dict]:
     return actors, {**defaults, **(config.ray_actor_options or {})}
 
 
-def check_fits(actors: int, options: dict, task_cpus: float) -> None:
+def actors_in(dataset) -> dict:
+    """{"CPU": n, "GPU": n} that the actor pools already in `dataset`'s plan (an earlier
+    processor's engine actors, a stage of the user's own) hold while it runs: they run at
+    the same time as the stages appended to it."""
+    held = {"CPU": 0.0, "GPU": 0.0}
+    try:
+        from ray.data import ActorPoolStrategy
+
+        operators = list(dataset._logical_plan.dag.post_order_iter())
+    except Exception:  # noqa: BLE001 - a Ray whose plan reads otherwise: this processor's actors only
+        return held
+    for operator in operators:
+        compute = getattr(operator, "compute", None)
+        if not isinstance(compute, ActorPoolStrategy):
+            continue
+        args = getattr(operator, "ray_remote_args", None) or {}
+        cpus = args.get("num_cpus", 1)  # Ray Data's default for a map stage's workers
+        held["CPU"] += compute.min_size * float(cpus or 0)
+        held["GPU"] += compute.min_size * float(args.get("num_gpus") or 0)
+    return held
+
+
+def check_fits(actors: int, options: dict, task_cpus: float, held: dict | None = None) -> None:
     """Fail now, saying what to change, when the stage's actors and one map task can never
-    run at once on this cluster: Ray would wait for the CPUs for ever, silently."""
-    total = connect().cluster_resources().get("CPU", 0.0)
-    need = actors * float(options.get("num_cpus") or 0) + task_cpus
+    run at once on this cluster, beside the actor pools `held` of the stages before them
+    (see actors_in): Ray would wait for the CPUs (or GPUs) for ever, silently."""
+    held = held or {}
+    resources = connect().cluster_resources()
+    total = resources.get("CPU", 0.0)
+    earlier = held.get("CPU", 0.0)
+    need = actors * float(options.get("num_cpus") or 0) + task_cpus + earlier
     if need > total:
+        before = (f" + {earlier:g} held by the actors of this Dataset's earlier stages (another processor's: "
+                  f"they run at the same time)" if earlier else "")
+        shared = ("; processors in a chain can share one engine instead: gristmill.ray.deploy it and use "
+                  "DeploymentProcessorConfig(app_name=...)" if earlier else "")
         raise RequestError(
             f"this processor needs {need:g} CPUs at once on Ray ({actors} actor(s) x num_cpus="
-            f"{options.get('num_cpus')} + {task_cpus:g} for a map task) but the cluster has {total:g}; lower "
-            f"concurrency, set ray_actor_options={{'num_cpus': ...}} (and num_cpus in preprocess_map_kwargs / "
-            f"postprocess_map_kwargs), or add CPUs", param="ray_actor_options")
+            f"{options.get('num_cpus')} + {task_cpus:g} for a map task{before}) but the cluster has {total:g}; "
+            f"lower concurrency, set ray_actor_options={{'num_cpus': ...}} (and num_cpus in preprocess_map_kwargs / "
+            f"postprocess_map_kwargs), or add CPUs{shared}", param="ray_actor_options")
+    gpus = actors * float(options.get("num_gpus") or 0)
+    if gpus:
+        earlier = held.get("GPU", 0.0)
+        if gpus + earlier > resources.get("GPU", 0.0):
+            before = f" + {earlier:g} held by the actors of this Dataset's earlier stages" if earlier else ""
+            raise RequestError(
+                f"this processor needs {gpus + earlier:g} GPUs at once on Ray ({actors} actor(s) x num_gpus="
+                f"{options.get('num_gpus')}{before}) but the cluster has {resources.get('GPU', 0.0):g}; lower "
+                f"concurrency or ray_actor_options['num_gpus'], or add GPUs", param="ray_actor_options")
+    for resource, key in (("CPU", "num_cpus"), ("GPU", "num_gpus")):
+        each = float(options.get(key) or 0)
+        largest = largest_node(resource)
+        if each > largest:  # the cluster's total may be enough, but an actor runs on one node
+            raise RequestError(
+                f"each actor of this processor needs {key}={options.get(key)} on one node, but the largest node "
+                f"of the Ray cluster has {largest:g} {resource}s; lower ray_actor_options[{key!r}]",
+                param="ray_actor_options")
+
+
+def largest_node(resource: str) -> float:
+    """The most of `resource` ("CPU", "GPU") that one alive node of the cluster has."""
+    import ray
+
+    try:
+        return max((node["Resources"].get(resource, 0.0) for node in ray.nodes() if node.get("Alive")), default=0.0)
+    except Exception:  # noqa: BLE001 - a Ray that reports nodes otherwise: the cluster's total is checked
+        return float("inf")
+
+
+def _encode_batch(batch):
+    """One block of rows as Arrow gave them, pickled one per cell (see process_dataset)."""
+    return _batch_of([_from_arrow(row) for row in batch.to_pylist()], True)
+
+
+def _decode_batch(batch):
+    """The engine stage's rows, unpickled into the Arrow table of a block."""
+    return _batch_of(_rows_of(batch, True), False)
+
+
+def _from_arrow(row: dict) -> dict:
+    """A row as it was before Arrow merged the struct types of its block: the `logit_bias`
+    of a row in a block where other rows bias other tokens holds theirs too, as nulls (a
+    null bias is never a row's own)."""
+    params = row.get("sampling_params")
+    if isinstance(params, dict) and isinstance(params.get("logit_bias"), dict):
+        bias = {token: value for token, value in params["logit_bias"].items() if value is not None}
+        row["sampling_params"] = {**params, "logit_bias": bias or None}
+    return row
 
 
 class _ChatTemplate:
@@ -117,9 +214,11 @@ class _ChatTemplate:
         from gristmill.tokenizer import render_chat
 
         rows = _rows_of(batch, self.encoded)
+        changed = False
         for i, row in enumerate(rows):
             if not isinstance(row, dict) or not needs_template(row, self.config):
                 continue
+            changed = True
             try:
                 row["prompt"] = render_chat(_tokenizer(self.config), row["messages"], add_generation_prompt=True)
                 row[TEMPLATED_COLUMN] = True
@@ -127,7 +226,7 @@ class _ChatTemplate:
                 if not self.config.should_continue_on_error:
                     raise naming_row(exc, row_id_of(self.config, row, f"batch row {i}")) from None
                 row[TEMPLATE_ERROR_COLUMN] = error_string(exc)
-        return _batch_of(rows, self.encoded)
+        return _batch_of(rows, self.encoded) if changed else batch  # no chat in it: the batch as it came
 
 
 _tokenizers: dict = {}
@@ -149,10 +248,26 @@ def _rows_of(batch, encoded: bool) -> list:
 
 
 def _batch_of(rows: list, encoded: bool):
+    import pyarrow as pa
+
     if encoded:
-        import pyarrow as pa
         return pa.table({ENCODED_COLUMN: pa.array([pickle.dumps(row) for row in rows], pa.binary())})
-    return arrow_table(rows)
+    try:
+        return arrow_table(rows)
+    except (pa.ArrowException, OverflowError):
+        # A column Arrow cannot type (logit_bias with int keys, a column of mixed types):
+        # Ray's own conversion keeps it as Python objects, as ray.data.from_items does.
+        from ray.data.block import BlockAccessor
+
+        names = list(dict.fromkeys(key for row in rows for key in row))
+        table = BlockAccessor.batch_to_block({name: [row.get(name) for row in rows] for name in names})
+        for name, wanted in arrow_types().items():
+            if name in table.column_names and table.schema.field(name).type != wanted:
+                try:
+                    table = table.set_column(table.column_names.index(name), name, table[name].cast(wanted))
+                except (pa.ArrowException, TypeError):
+                    pass  # left as Ray typed it
+        return table
 
 
 class _StageActor:
@@ -262,6 +377,9 @@ _CONNECT_TIMEOUT_S = 5.0
 def _check_reachable(address: str | None) -> None:
     """A cluster address that nothing answers at fails in seconds (Ray itself would keep
     trying to reach it for minutes)."""
+    shown = address
+    if address and address.startswith("ray://"):  # Ray Client: its server answers at host:port too
+        address = address[len("ray://"):].rstrip("/")
     if not address or address in ("auto", "local") or "://" in address or ":" not in address:
         return
     host, _, port = address.rpartition(":")
@@ -269,6 +387,6 @@ def _check_reachable(address: str | None) -> None:
         with socket.create_connection((host, int(port)), timeout=_CONNECT_TIMEOUT_S):
             pass
     except (OSError, ValueError) as exc:
-        raise EngineDeadError(f"no Ray cluster answers at {address} ({type(exc).__name__}: {exc}); start one "
+        raise EngineDeadError(f"no Ray cluster answers at {shown} ({type(exc).__name__}: {exc}); start one "
                               f"with `ray start --head` and pass the address it prints, or leave the address "
                               f"out to start a local cluster") from None

@@ -114,6 +114,9 @@ def deploy(engine: EngineConfig | None = None, *, name: str = "gristmill", app_n
     if not isinstance(num_replicas, int) or num_replicas < 1:
         raise RequestError(f"deploy: num_replicas must be a positive integer, got {num_replicas!r}",
                            param="num_replicas")
+    if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
+        raise RequestError(f"deploy: threads must be a positive integer (the engine's torch threads) or None, got "
+                           f"{threads!r}", param="threads")
     if ray_actor_options is not None and not isinstance(ray_actor_options, dict):
         raise RequestError(f"deploy: ray_actor_options must be a dict such as {{'num_cpus': 1}}, got "
                            f"{type(ray_actor_options).__name__}", param="ray_actor_options")
@@ -121,18 +124,23 @@ def deploy(engine: EngineConfig | None = None, *, name: str = "gristmill", app_n
     builder.resolve_model_dir(engine)  # a missing model fails here, not in a loop of replica restarts
     options = {**DEFAULT_REPLICA_OPTIONS, **(ray_actor_options or {})}
     _check_fits(options, num_replicas)
+    _wait_for_room(options, num_replicas, app_name)
     deployment = serve.deployment(EngineServer, name=name, num_replicas=num_replicas,
                                   ray_actor_options=options, max_ongoing_requests=max_ongoing_requests,
                                   max_queued_requests=max_queued_requests,
                                   health_check_period_s=1.0, health_check_timeout_s=10.0,
                                   graceful_shutdown_timeout_s=5.0)
-    return serve.run(deployment.bind(engine, model_name, threads), name=app_name, route_prefix=None)
+    # serve.run would wait for the replicas for ever when they cannot be placed: wait here.
+    [handle] = serve.run_many([serve.RunTarget(deployment.bind(engine, model_name, threads), name=app_name,
+                                               route_prefix=None)], wait_for_applications_running=False)
+    _wait_running(app_name, name, num_replicas)
+    return handle
 
 
 def _check_fits(options: dict, num_replicas: int) -> None:
     """Fail now, saying what to change, when the replicas can never be placed (Serve
     would otherwise wait for resources for ever)."""
-    from gristmill.ray.data import connect
+    from gristmill.ray.data import connect, largest_node
 
     total = connect().cluster_resources()
     for resource, key in (("CPU", "num_cpus"), ("GPU", "num_gpus")):
@@ -142,3 +150,101 @@ def _check_fits(options: dict, num_replicas: int) -> None:
                                f"{resource}s but the Ray cluster has {total.get(resource, 0.0):g}; lower "
                                f"num_replicas or ray_actor_options[{key!r}], or add {resource}s to the cluster",
                                param="ray_actor_options")
+        largest = largest_node(resource)
+        if float(options.get(key) or 0) > largest:  # a replica runs on one node
+            raise RequestError(f"deploy: each replica needs {key}={options.get(key)} on one node, but the largest "
+                               f"node of the Ray cluster has {largest:g} {resource}s; lower "
+                               f"ray_actor_options[{key!r}]", param="ray_actor_options")
+
+
+#: How long a deploy waits for CPUs / GPUs that other work holds (a Ray Data job's tasks
+#: end and free theirs) before it refuses, saying what holds them.
+_ROOM_WAIT_S = 5.0
+#: Serve's words, in a deployment's status message, for replicas that could not be placed
+#: for RAY_SERVE_SLOW_STARTUP_WARNING_S (30 s by default).
+_UNSCHEDULED = "to be scheduled"
+
+
+def _apps() -> dict:
+    """The Serve applications of the cluster ({} before Serve has started)."""
+    try:
+        return serve.status().applications
+    except Exception:  # noqa: BLE001 - no Serve instance yet
+        return {}
+
+
+def _need(options: dict, num_replicas: int) -> dict:
+    return {resource: float(options.get(key) or 0) * num_replicas
+            for resource, key in (("CPU", "num_cpus"), ("GPU", "num_gpus"))}
+
+
+def _wait_for_room(options: dict, num_replicas: int, app_name: str) -> None:
+    """Fail within seconds, saying what to change, when the replicas' CPUs or GPUs are held
+    by others (another Serve application's replicas, a Ray Data job's actors): Serve would
+    wait for them for ever. A redeploy of `app_name` frees its own, so it is not checked."""
+    import time
+
+    import ray
+
+    need = {resource: amount for resource, amount in _need(options, num_replicas).items() if amount > 0}
+    if not need or app_name in _apps():
+        return
+    deadline = time.monotonic() + _ROOM_WAIT_S
+    while True:
+        free = ray.available_resources()
+        short = {resource: amount for resource, amount in need.items() if free.get(resource, 0.0) < amount}
+        if not short:
+            return
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    apps = sorted(_apps())
+    (resource, amount), = list(short.items())[:1]
+    key = "num_cpus" if resource == "CPU" else "num_gpus"
+    raise RequestError(
+        f"deploy: {num_replicas} replica(s) x {key}={options.get(key)} need {amount:g} {resource}s but only "
+        f"{free.get(resource, 0.0):g} of the Ray cluster's {ray.cluster_resources().get(resource, 0.0):g} are "
+        f"free: others hold the rest (Serve applications running: {apps or 'none'}; or a Ray Data job's "
+        f"actors); serve.delete(...) an application you no longer use, lower num_replicas or "
+        f"ray_actor_options[{key!r}] (replicas reserve none by default), or add {resource}s",
+        param="ray_actor_options")
+
+
+def _wait_running(app_name: str, name: str, num_replicas: int) -> None:
+    """Until the application runs. A replica that fails to start fails the deploy with its
+    error; replicas that Serve cannot place (what they need is held by others) fail it once
+    Serve says so, instead of waiting for ever."""
+    import time
+
+    gone_since = None
+    while True:
+        app = serve.status().applications.get(app_name)
+        if app is None:  # not yet listed, or deleted meanwhile by another caller
+            gone_since = gone_since or time.monotonic()
+            if time.monotonic() - gone_since > 10:
+                raise EngineDeadError(f"deploy: Serve app {app_name!r} is gone (deleted while it started?); "
+                                      f"deploy it again")
+            time.sleep(0.2)
+            continue
+        gone_since = None
+        if app.status == "RUNNING":
+            return
+        deployment = app.deployments.get(name)
+        message = (deployment.message if deployment is not None else "") or app.message or ""
+        if app.status == "DEPLOY_FAILED":
+            raise EngineDeadError(f"deploy: the replicas of {name!r} (Serve app {app_name!r}) failed to start: "
+                                  f"{_last_error(message)}")
+        if deployment is not None and _UNSCHEDULED in message:
+            serve.delete(app_name)
+            raise RequestError(
+                f"deploy: Serve could not place the {num_replicas} replica(s) of {name!r} (Serve app "
+                f"{app_name!r}): what they need is held by others ({message.strip()}); serve.delete(...) an "
+                f"application you no longer use, lower num_replicas or ray_actor_options (replicas reserve no "
+                f"CPU by default), or add resources; the app was deleted", param="ray_actor_options")
+        time.sleep(0.2)
+
+
+def _last_error(message: str) -> str:
+    """The error at the end of Serve's message (a replica's traceback), or the message."""
+    lines = [line.strip() for line in (message or "").strip().splitlines() if line.strip()]
+    return lines[-1][:500] if lines else "no reason given"
