@@ -66,6 +66,9 @@ def sampling_params_of(row: dict, defaults: dict) -> SamplingParams:
     merged = {**defaults, **{k: v for k, v in given.items() if v is not None}}
     if given.get("structured_output") is False:  # this row opts out of a default constraint
         merged["structured_output"] = None
+    bias = merged.get("logit_bias")
+    if isinstance(bias, dict):  # rows read as one Arrow struct carry each other's keys, as nulls
+        merged["logit_bias"] = {token: value for token, value in bias.items() if value is not None} or None
     unknown = sorted(set(merged) - _SAMPLING_FIELDS)
     if unknown:
         raise RequestError(f"unknown sampling_params {unknown}; valid: {sorted(_SAMPLING_FIELDS - {'logprobs'})}",

@@ -19,6 +19,17 @@ def test_row_sampling_params_override_the_defaults():
     assert sampling_params_of({}, {}).max_tokens == 16
 
 
+def test_rows_read_as_one_arrow_table_keep_only_their_own_logit_bias():
+    """Arrow reads the logit_bias of rows biasing different tokens as one struct, each row
+    holding the others' keys as nulls: those are not the row's, and are dropped."""
+    _, rows = to_rows(pa.Table.from_pylist([{"sampling_params": {"logit_bias": {"5": 100.0}}},
+                                         {"sampling_params": {"logit_bias": {"7": -100.0}}},
+                                         {"sampling_params": {"max_tokens": 3}}]))
+    assert rows[0]["sampling_params"]["logit_bias"] == {"5": 100.0, "7": None}
+    biases = [sampling_params_of(row, {}).logit_bias for row in rows]
+    assert [dict(b) if b else b for b in biases] == [{5: 100.0}, {7: -100.0}, None]
+
+
 @pytest.mark.parametrize("given,says", [
     ({"max_tokens": 0}, "max_tokens must be an integer >= 1"),
     ({"temprature": 0.5}, "unknown sampling_params ['temprature']"),
