@@ -46,6 +46,12 @@ class RowEngine(Protocol):
         """Release what the processor opened (a shared deployment stays up for its other users)."""
 
 
+def _refuse_template_off(config: ProcessorConfig) -> None:
+    if not config.apply_chat_template:
+        raise RequestError("the row has 'messages' but apply_chat_template is off; send 'prompt' "
+                           "or turn it on", param="messages")
+
+
 class LocalStages:
     """The chat template and the tokenizer run here, before the engine, with its tokenizer.
     `engine` has `render_chat(messages) -> str` and `tokenize(prompt, add_special_tokens)`."""
@@ -54,9 +60,7 @@ class LocalStages:
         self.engine = engine
 
     def chat(self, request: RowRequest, config: ProcessorConfig) -> RowRequest:
-        if not config.apply_chat_template:
-            raise RequestError("the row has 'messages' but apply_chat_template is off; send 'prompt' "
-                               "or turn it on", param="messages")
+        _refuse_template_off(config)
         # A rendered chat holds its own special tokens. Token ids the row brings too stay and
         # are what the engine runs, as after the Ray runner's chat-template tasks.
         rendered = replace(request, prompt=self.engine.render_chat(request.messages), messages=None,
@@ -74,13 +78,27 @@ class LocalStages:
 
 class _RemoteStages:
     """The engine applies its own chat template and tokenizer: a row's chat is sent as its
-    `messages`, its prompt as text (so apply_chat_template and tokenize do not apply)."""
+    `messages`, its prompt as text. What it cannot honour is refused per row, as an engine
+    of the processor's own refuses it, never ignored: `apply_chat_template=False` for a
+    row's messages (it would apply its template all the same), and `generate=False` (it
+    tokenizes inside, so it has no token ids to give the processor)."""
 
     def chat(self, request: RowRequest, config: ProcessorConfig) -> RowRequest:
+        _refuse_template_off(config)
+        _refuse_tokenize_only(config)
         return replace(request, prompt_token_ids=None)  # the engine tokenizes the chat it renders
 
     def tokenize(self, request: RowRequest, config: ProcessorConfig) -> RowRequest:
+        _refuse_tokenize_only(config)
         return request
+
+
+def _refuse_tokenize_only(config: ProcessorConfig) -> None:
+    if not config.generate:
+        raise RequestError("generate=False needs a tokenizer beside the processor, and this engine (a server, "
+                           "a Serve deployment) tokenizes inside: run the tokenize stage with "
+                           "EngineProcessorConfig(engine=..., generate=False), or leave generate on",
+                           param="generate")
 
 
 REMOTE_STAGES = _RemoteStages()

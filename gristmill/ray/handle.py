@@ -20,44 +20,16 @@ import random
 from gristmill.batch.openai_rows import generated_of, openai_request
 from gristmill.batch.rows import Generated, RowRequest
 from gristmill.batch.stages import REMOTE_STAGES
-from gristmill.errors import (EngineDeadError, GenerationError, GristmillError, RequestError, is_fatal, last_line,
-                             root_cause)
+from gristmill.errors import EngineDeadError, GenerationError, GristmillError, is_fatal, last_line, root_cause
 
 logger = logging.getLogger(__name__)
 _BACKPRESSURE_RETRIES = 6
 _BACKOFF_BASE_S = 0.25
 
 
-class _ServeStages:
-    """REMOTE_STAGES (the deployment applies its own chat template and tokenizer), except
-    that what the deployment cannot honour is refused, as an engine of the processor's own
-    refuses it, never quietly done otherwise: a processor that only tokenizes
-    (generate=False: the replicas' tokenizer makes no token ids for it), and a row's
-    `messages` with apply_chat_template off (the replica would apply the template)."""
-
-    def chat(self, request: RowRequest, config) -> RowRequest:
-        _check_generates(config)
-        if not config.apply_chat_template:
-            raise RequestError("the row has 'messages' but apply_chat_template is off; send 'prompt' or turn it on",
-                               param="messages")
-        return REMOTE_STAGES.chat(request, config)
-
-    def tokenize(self, request: RowRequest, config) -> RowRequest:
-        _check_generates(config)
-        return REMOTE_STAGES.tokenize(request, config)
-
-
-def _check_generates(config) -> None:
-    if not config.generate:
-        raise RequestError("generate=False needs a tokenizer beside the processor, and a Serve deployment "
-                           "tokenizes inside its replicas: run the tokenize stage with "
-                           "EngineProcessorConfig(engine=..., generate=False), or leave generate on",
-                           param="generate")
-
-
 class ServeEngine:
     #: The deployment applies its own chat template and tokenizer.
-    stages = _ServeStages()
+    stages = REMOTE_STAGES
 
     def __init__(self, deployment_name: str, app_name: str):
         from ray import serve

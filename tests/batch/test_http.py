@@ -100,3 +100,23 @@ def test_constrained_and_penalized_rows_reach_the_server_with_every_field(busy_s
     assert out["choice"]["generated_text"] in ("yes", "no") and out["choice"]["finish_reason"] == "stop"
     assert out["bad"][ERROR_COLUMN].startswith("RequestError: structured_output.regex is not valid")
     assert "capital" not in out["banned"]["generated_text"] and out["banned"]["num_generated_tokens"] >= 20
+
+
+def test_what_a_server_cannot_honour_is_refused_per_row_not_ignored(busy_server):
+    """A server applies its own chat template and tokenizes inside: a processor that only
+    tokenizes (generate=False) would get no token ids, and messages with the template off
+    would be templated all the same. Each row says so (RequestError), as with an engine of
+    the processor's own; a prompt row beside them still generates."""
+    url = f"{busy_server.url}/v1"
+    chat = [{"id": "chat", "messages": [{"role": "user", "content": "Hi"}]}]
+    [tokenize_only] = build_processor(HttpProcessorConfig(url=url, generate=False, should_continue_on_error=True))(
+        [{"id": "p", "prompt": "Hello"}])
+    assert tokenize_only[ERROR_COLUMN].startswith("RequestError: generate=False needs a tokenizer beside the "
+                                                  "processor")
+    assert tokenize_only["tokenized_prompt"] == []
+    template_off = build_processor(HttpProcessorConfig(url=url, apply_chat_template=False, max_retries=30,
+                                                       should_continue_on_error=True))
+    refused, ok = template_off(chat + [{"id": "p", "prompt": "Hello", "sampling_params": {"max_tokens": 2}}])
+    assert refused[ERROR_COLUMN] == ("RequestError: the row has 'messages' but apply_chat_template is off; "
+                                     "send 'prompt' or turn it on")
+    assert ok[ERROR_COLUMN] == "" and ok["num_generated_tokens"] == 2
