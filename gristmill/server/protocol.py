@@ -36,7 +36,8 @@ class _SamplingFields(BaseModel):
         return data
 
     model: str | None = None
-    temperature: float | None = Field(default=None, ge=0, le=2)
+    # No upper bound (as vLLM): a batch row runs alike here and on an engine of its own.
+    temperature: float | None = Field(default=None, ge=0)
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=-1)
     min_p: float | None = Field(default=None, ge=0, le=1)
