@@ -201,6 +201,8 @@ class Processor:
                                param="prompt")
         if prompt is None and messages is None and token_ids is None:
             raise RequestError("a row needs 'prompt', 'messages' or 'tokenized_prompt'", param="prompt")
+        if method == "chat":  # the messages are what every row sends, not token ids it brings too
+            token_ids = None
         templated = bool(row.get(TEMPLATED_COLUMN))  # rendered by a stage before this one
         if messages is not None and not templated and needs_template(row, config):
             return engine.stages.chat(RowRequest(row_id, None, messages, token_ids, params), config)

@@ -61,8 +61,7 @@ class LocalStages:
 
     def chat(self, request: RowRequest, config: ProcessorConfig) -> RowRequest:
         _refuse_template_off(config)
-        # A rendered chat holds its own special tokens. Token ids the row brings too stay and
-        # are what the engine runs, as after the Ray runner's chat-template tasks.
+        # A rendered chat holds its own special tokens.
         rendered = replace(request, prompt=self.engine.render_chat(request.messages), messages=None,
                            add_special_tokens=False)
         return self.tokenize(rendered, config)

@@ -164,6 +164,21 @@ def test_a_row_with_prompt_and_messages_sends_messages_when_the_template_is_on(s
     assert off_chat["num_input_tokens"] == forced["num_input_tokens"] == as_text["num_input_tokens"]
 
 
+def test_method_chat_sends_the_messages_even_when_the_row_brings_token_ids(shared):
+    """docs/batch.md: token ids a row brings win, unless method="chat" (as a Serve
+    deployment or a server, which render the messages themselves, always did)."""
+    params = {"max_tokens": 3, "temperature": 0}
+    messages = [{"role": "user", "content": "Yo"}]
+    [as_chat] = build_processor(on(shared, sampling_params=params))([{"messages": messages}])
+    [both] = build_processor(on(shared, sampling_params=params, method="chat"))(
+        [{"messages": messages, "tokenized_prompt": [9259, 1902]}])
+    assert both[ERROR_COLUMN] == ""
+    assert both["num_input_tokens"] == as_chat["num_input_tokens"] > 2
+    assert both["generated_text"] == as_chat["generated_text"]
+    [ids] = build_processor(on(shared, sampling_params=params))([{"messages": messages, "tokenized_prompt": [9259, 1902]}])
+    assert ids["num_input_tokens"] == 2  # without method, the row's token ids win
+
+
 def test_fields_a_row_has_no_column_for_are_refused_not_dropped(shared):
     rows = [{"id": "logprobs", "prompt": "x", "sampling_params": {"logprobs": 2}},
             {"id": "n", "prompt": "x", "sampling_params": {"n": 3}},
