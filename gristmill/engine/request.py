@@ -116,14 +116,9 @@ class Request:
         """Tokens whose ids are known: all but a pending placeholder."""
         return len(self.token_ids) - self.pending
 
-    @property
-    def reaches_length(self) -> bool:
-        """Its sequence has as many tokens as it may have (`length_limit`)."""
-        return len(self.token_ids) >= self.length_limit
-
     def stop_reason_after(self, token_id: int, reaches_length: bool) -> str | None:
         """The finish reason once `token_id` was appended, or None to go on.
-        `reaches_length`: `self.reaches_length`, known beforehand."""
+        `reaches_length`: whether the sequence has `length_limit` tokens with it."""
         if token_id in self.stop_ids and self.num_output_tokens > self.sampling_params.min_tokens:
             return "stop"  # (before min_tokens the sampler allowed no stop token)
         return "length" if reaches_length else None

@@ -238,7 +238,7 @@ class ModelRunner:
         if deferred:
             tokens, pending = self.masks.resample_refused(logits, deferred, rows, tokens, pending)
         self.token_buffer[:len(items)].copy_(tokens)
-        self._rows = dict(zip([item.request_id for item in items], range(len(items))))
+        self._rows = {item.request_id: j for j, item in enumerate(items)}
         return LaunchedStep(items, pending)
 
     @torch.inference_mode()
