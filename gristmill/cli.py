@@ -12,7 +12,7 @@ from pathlib import Path
 from gristmill.batch.cli import add_batch_command
 # engine_config and engine_options are public names of this module too (callers import them from here).
 from gristmill.engine_flags import add_engine_args, engine_config, engine_options, run_figures  # noqa: F401
-from gristmill.errors import RequestError, error_string
+from gristmill.errors import EngineDeadError, RequestError, error_string
 from gristmill.outputs import CompletionOutput, RequestOutput
 
 
@@ -136,8 +136,15 @@ def cmd_generate(args) -> int:
         llm = LLM(**dataclasses.asdict(config))
     except RequestError as exc:
         raise SystemExit(f"error: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - a model that cannot load: say why, not a traceback
+        raise SystemExit(f"error: the model could not be loaded from {config.model or 'the bundled default'}: "
+                         f"{error_string(exc)}; check that the model directory or file is complete "
+                         f"(re-download or re-convert it)") from None
     began = time.monotonic()
-    results = generate_rows(llm, rows, params)
+    try:
+        results = generate_rows(llm, rows, params)
+    except EngineDeadError as exc:
+        raise SystemExit(f"error: {exc}") from None
     run_time = max(time.monotonic() - began, 1e-9)
     _write_rows(args.output, rows, results)
     failed = sum(1 for out in results if out.error)

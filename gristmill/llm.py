@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import itertools
+import numbers
+import threading
 import time
 from collections.abc import Sequence
 
@@ -52,6 +54,8 @@ class LLM:
         self.outputs = OutputProcessor(self.tokenizer, incremental=False, eos_token_ids=eos_token_ids)
         self._ids = itertools.count()
         self.dead_error: EngineDeadError | None = None
+        # One generate/chat at a time: two threads stepping one core would corrupt it.
+        self._lock = threading.Lock()
         #: Seconds the engine took to start (converting, quantizing, compiling, loading).
         self.start_seconds = time.monotonic() - started
         startup.logger.info("engine ready in %.1f s", self.start_seconds)
@@ -65,18 +69,23 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for one prompt or a list (strings or token-id lists); one output each,
         in order. `sampling_params` is one for all prompts or one per prompt. A list of
-        ints is one prompt of token ids."""
-        if isinstance(prompts, str) or _is_token_ids(prompts):
+        ints is one prompt of token ids. A prompt may also be a dict as vLLM takes it:
+        {"prompt": text} or {"prompt_token_ids": [ids]}."""
+        if prompts is None:
+            raise RequestError("prompts is None; pass a prompt (a string or a list of token ids) or a list of "
+                               "prompts", param="prompt")
+        if isinstance(prompts, (str, bytes, dict)) or _is_token_ids(prompts):
             prompts = [prompts]
-        return self._run([(p, None) for p in prompts], sampling_params, use_tqdm)
+        return self._run([_prompt_item(p) for p in prompts], sampling_params, use_tqdm)
 
     def chat(self, conversations: list[dict] | Sequence[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
         """Generate a reply to each conversation (a list of {"role", "content"} messages),
         rendered with the model's chat template."""
-        if conversations and isinstance(conversations[0], dict):
-            conversations = [conversations]
+        if isinstance(conversations, (str, bytes, dict)) or (
+                conversations and isinstance(conversations[0], dict)):
+            conversations = [conversations]  # one conversation (a str is one, malformed)
         items = []
         for messages in conversations:
             try:
@@ -101,9 +110,25 @@ class LLM:
         if self.dead_error is not None:
             raise self.dead_error
         params_list = _params_per_prompt(sampling_params, len(items))
+        with self._lock:
+            if self.dead_error is not None:  # (another thread's call saw it die)
+                raise self.dead_error
+            added: list[str] = []
+            try:
+                return self._run_locked(items, params_list, use_tqdm, add_special_tokens, added)
+            except BaseException:
+                # Ctrl-C, or anything else that leaves this call early: nothing of it may
+                # stay in the engine (its KV blocks, or steps run for it by the next call).
+                if self.dead_error is None:
+                    self.core.abort(added, "abort")
+                for request_id in added:
+                    self.outputs.finish(request_id, "abort")
+                raise
+
+    def _run_locked(self, items, params_list, use_tqdm: bool, add_special_tokens: bool, added: list[str]):
         results: list[RequestOutput] = []
         for (prompt, early_error), params in zip(items, params_list):
-            results.append(self._add(prompt, params, early_error, add_special_tokens))
+            results.append(self._add(prompt, params, early_error, add_special_tokens, added))
         bar = _progress_bar(len(results), use_tqdm)
         bar.update(sum(r.finished for r in results))
         try:
@@ -126,10 +151,16 @@ class LLM:
                 f"{error_string(exc)}; create a new LLM")
             raise self.dead_error from exc
 
-    def _add(self, prompt, params: SamplingParams, early_error, add_special_tokens) -> RequestOutput:
+    def _add(self, prompt, params: SamplingParams, early_error, add_special_tokens,
+             added: list[str]) -> RequestOutput:
         request_id = str(next(self._ids))
+        try:
+            params.ensure_valid()  # (fields assigned after it was made: n sizes the output)
+            num_outputs = params.n
+        except RequestError as exc:
+            early_error, num_outputs = early_error or exc, 1
         result = RequestOutput(request_id, prompt if isinstance(prompt, str) else None, [],
-                               [CompletionOutput(i) for i in range(params.n)])
+                               [CompletionOutput(i) for i in range(num_outputs)])
         try:
             if early_error is not None:
                 raise early_error
@@ -142,15 +173,46 @@ class LLM:
                 output.finish_reason, output.error = "error", error_string(exc)
             return result
         for request in requests:
+            added.append(request.request_id)
             refused = self.core.add_request(request)
             if refused is not None:
                 self.outputs.fail(request.request_id, GenerationError(f"the engine core refused the request: {refused}"))
         return result
 
 
+def _is_token_id(t) -> bool:
+    # numpy and other integer types count (vLLM users pass them), bools do not.
+    return type(t) is int or (isinstance(t, numbers.Integral) and not isinstance(t, bool)
+                              and type(t).__name__ != "bool_")
+
+
 def _is_token_ids(prompt) -> bool:
-    return isinstance(prompt, (list, tuple)) and bool(prompt) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    if type(prompt).__name__ == "ndarray":  # (numpy is not imported here for this)
+        return prompt.ndim == 1 and prompt.size > 0 and _is_token_id(prompt.reshape(-1)[0])
+    return isinstance(prompt, (list, tuple)) and bool(prompt) and all(_is_token_id(t) for t in prompt)
+
+
+_DICT_PROMPT_KEYS = ("prompt", "prompt_token_ids")
+
+
+def _prompt_item(prompt) -> tuple[object, RequestError | None]:
+    """(the prompt as a str or a list of int token ids, None), or (None, why it is invalid)."""
+    if isinstance(prompt, dict):  # vLLM's TextPrompt / TokensPrompt
+        given = [k for k in _DICT_PROMPT_KEYS if k in prompt]
+        other = sorted(map(str, set(prompt) - set(_DICT_PROMPT_KEYS)))
+        if len(given) != 1 or other:
+            return None, RequestError(
+                f"a prompt dict must have exactly one of the keys 'prompt' (text) or 'prompt_token_ids' "
+                f"(token ids), got keys {sorted(map(str, prompt))}"
+                + (f"; {other} are not supported" if other else ""), param="prompt")
+        prompt = prompt[given[0]]
+    if isinstance(prompt, bytes):
+        return None, RequestError("prompt is bytes; pass text (decode it, e.g. prompt.decode('utf-8')) or a list "
+                                  "of token ids", param="prompt")
+    if not isinstance(prompt, str) and _is_token_ids(prompt):
+        return (prompt if type(prompt) is list and all(type(t) is int for t in prompt)
+                else [int(t) for t in prompt]), None
+    return prompt, None
 
 
 def _params_per_prompt(sampling_params, count: int) -> list[SamplingParams]:
@@ -158,10 +220,18 @@ def _params_per_prompt(sampling_params, count: int) -> list[SamplingParams]:
         return [SamplingParams()] * count
     if isinstance(sampling_params, SamplingParams):
         return [sampling_params] * count
+    if isinstance(sampling_params, (dict, str, bytes)):
+        raise RequestError(f"sampling_params must be a SamplingParams or a list of them, got "
+                           f"{type(sampling_params).__name__}; e.g. SamplingParams(**your_dict)",
+                           param="sampling_params")
     params = list(sampling_params)
     if len(params) != count:
         raise RequestError(f"got {len(params)} SamplingParams for {count} prompts; pass one for "
                            f"all prompts or exactly one per prompt", param="sampling_params")
+    bad = next((p for p in params if not isinstance(p, SamplingParams)), None)
+    if bad is not None:
+        raise RequestError(f"sampling_params must be SamplingParams, got a {type(bad).__name__} in the list; "
+                           f"e.g. SamplingParams(**your_dict)", param="sampling_params")
     return params
 
 

@@ -26,6 +26,9 @@ GEMMA_CHAT_TEMPLATE = (
     "{%- set first_user_prefix = '' -%}"
     "{%- set loop_messages = messages -%}"
     "{%- endif -%}"
+    "{%- if not loop_messages -%}"
+    "{{ raise_exception('a system message must be followed by a user message') }}"
+    "{%- endif -%}"
     "{%- for message in loop_messages -%}"
     "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
     "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
@@ -134,6 +137,10 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
     if continue_final_message and (add_generation_prompt or messages[-1]["role"] != "assistant"):
         raise RequestError("continue_final_message continues the last message, which must be the assistant's, "
                            "and needs add_generation_prompt false", param="continue_final_message")
+    bad_roles = [m["role"] for m in messages if not isinstance(m["role"], str) or not m["role"]]
+    if bad_roles:
+        raise RequestError(f"each message's role must be a non-empty string such as 'system', 'user' or "
+                           f"'assistant', got {bad_roles[0]!r}", param="messages")
     flat = [{"role": m["role"], "content": _text_content(m["content"])} for m in messages]
     kwargs = dict(template_kwargs or {})
     reserved = sorted(set(kwargs) & {"conversation", "messages", "tokenize", "add_generation_prompt",

@@ -151,6 +151,12 @@ class AsyncEngine:
         if output_kind not in OUTPUT_KINDS:
             raise RequestError(f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {output_kind!r}",
                                param="output_kind")
+        if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
+            raise RequestError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}; "
+                               f"e.g. SamplingParams(**your_dict)", param="sampling_params")
+        if request_id is not None and not isinstance(request_id, str):
+            raise RequestError(f"request_id must be a string (or None for a generated one), got "
+                               f"{type(request_id).__name__} {request_id!r}", param="request_id")
         return self._open(prompt, sampling_params or SamplingParams(), request_id, add_special_tokens,
                           max_buffered, output_kind, prompt_token_ids)
 
@@ -166,6 +172,16 @@ class AsyncEngine:
             raise
 
     async def abort(self, request_id: str) -> None:
+        """Abort a request (its stream ends with finish_reason "abort"); an unknown or
+        finished id is ignored. May be called from another event loop or thread: the
+        abort then runs on the engine's loop, which its streams wait on."""
+        loop = self._loop
+        if loop is not None and loop is not asyncio.get_running_loop() and loop.is_running():
+            _call_threadsafe(loop, self._abort_now, request_id)
+        else:
+            self._abort_now(request_id)
+
+    def _abort_now(self, request_id: str) -> None:
         stream = self._streams.get(request_id)
         if stream is not None:
             self._abort(stream)
@@ -331,7 +347,16 @@ class AsyncEngine:
                 _call_threadsafe(waiter[0], _resolve, waiter[1], message.stats)
         elif isinstance(message, (StepOutputs, Rejected)):
             loop = self._loop
-            if loop is not None:  # else no request was ever made: nothing to deliver
+            if loop is not None and loop.is_closed() and isinstance(message, StepOutputs):
+                # Its loop ended with streams left open (never closed): nobody can read
+                # them, so stop generating for them now instead of to max_tokens.
+                live = [u.request_id for u in message.updates if u.finish_reason is None]
+                if live and not self.errored:
+                    try:
+                        self._client.send(Abort(live))
+                    except EngineDeadError:
+                        pass
+            elif loop is not None:  # else no request was ever made: nothing to deliver
                 _call_threadsafe(loop, self._on_outputs, message)
 
     def _on_outputs(self, message: StepOutputs | Rejected) -> None:

@@ -7,6 +7,8 @@ malformed message fails only its request, never the core.
 
 from __future__ import annotations
 
+import numbers
+
 from gristmill import faults
 from gristmill.engine.kv_blocks import blocks_needed
 from gristmill.engine.messages import AddRequest, Capacity
@@ -32,6 +34,9 @@ class InputProcessor:
                 return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
             except Exception as exc:  # noqa: BLE001 - a tokenizer failure ends only this request
                 raise GenerationError(f"tokenizing the prompt failed: {exc}") from exc
+        if isinstance(prompt, (list, tuple)) and not all(type(t) is int for t in prompt) and all(
+                isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt):
+            prompt = [int(t) for t in prompt]  # numpy's integers too
         check_token_ids(prompt, self.capacity.vocab_size)
         return list(prompt)
 
@@ -83,6 +88,8 @@ class InputProcessor:
     def num_prompt_tokens(self, prompt: str | list[int] | int) -> int:
         """Tokens in a prompt given as text, token ids or a count."""
         if isinstance(prompt, int) and not isinstance(prompt, bool):
+            if prompt < 0:
+                raise RequestError(f"a prompt's number of tokens must be >= 0, got {prompt}", param="prompt")
             return prompt
         return len(self.tokenize(prompt))
 
@@ -98,16 +105,26 @@ def check_text(text: str, param: str) -> None:
 
 
 def check_token_ids(token_ids, vocab_size: int) -> None:
-    if not isinstance(token_ids, (list, tuple)) or not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
+    if not isinstance(token_ids, (list, tuple)):
         raise RequestError(f"prompt must be a string or a list of token ids, got "
                            f"{type(token_ids).__name__}", param="prompt")
+    bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool)][:1]
+    if bad:
+        bad = bad[0]
+        raise RequestError(f"prompt must be a string or a list of token ids (Python ints), got a "
+                           f"{type(token_ids).__name__} holding {type(bad).__name__} {short_repr(bad)}",
+                           param="prompt")
     if not token_ids:
         raise RequestError("prompt token list is empty; send at least one token", param="prompt")
     bad = [t for t in token_ids if not 0 <= t < vocab_size]
     if bad:
         raise RequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})",
                            param="prompt")
+
+
+def short_repr(value, limit: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def check_fits(num_prompt: int, max_tokens: int, capacity: Capacity) -> None:
