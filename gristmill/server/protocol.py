@@ -36,8 +36,7 @@ class _SamplingFields(BaseModel):
         return data
 
     model: str | None = None
-    # No upper bound (as vLLM): a batch row runs alike here and on an engine of its own.
-    temperature: float | None = Field(default=None, ge=0)
+    temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=-1)
     min_p: float | None = Field(default=None, ge=0, le=1)

@@ -53,11 +53,6 @@ def test_extreme_sampling_values_never_reach_a_broken_distribution(server, auth)
         assert response.status_code == 200, response.text
         assert response.json()["choices"][0]["text"] == greedy
     refused(post(server, auth, "completions", {**prompt, "repetition_penalty": 1e-300}), "repetition_penalty")
-    # Any temperature >= 0, as SamplingParams (and vLLM) take it: a hot one is near uniform.
-    for temperature in (3.0, 1e300):
-        hot = post(server, auth, "completions", {**prompt, "temperature": temperature, "seed": 1})
-        assert hot.status_code == 200 and hot.json()["usage"]["completion_tokens"] == 8, hot.text
-    refused(post(server, auth, "completions", {**prompt, "temperature": -1}), "temperature")
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
 
 
