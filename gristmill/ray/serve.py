@@ -142,9 +142,9 @@ def _check_fits(options: dict, num_replicas: int) -> None:
     would otherwise wait for resources for ever)."""
     from gristmill.ray.data import connect, largest_node
 
-    total = connect().cluster_resources()
+    total, needs = connect().cluster_resources(), _need(options, num_replicas)
     for resource, key in (("CPU", "num_cpus"), ("GPU", "num_gpus")):
-        need = float(options.get(key) or 0) * num_replicas
+        need = needs[resource]
         if need > total.get(resource, 0.0):
             raise RequestError(f"deploy: {num_replicas} replica(s) x {key}={options.get(key)} need {need:g} "
                                f"{resource}s but the Ray cluster has {total.get(resource, 0.0):g}; lower "
