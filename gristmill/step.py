@@ -82,6 +82,9 @@ class SchedulerOutput:
     #: Requests that ended since the previous step; the runner drops their state.
     finished_request_ids: list[str] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)
+    #: Every request it samples is `Request.plain` (greedy, no logprobs, no logits
+    #: control, no constraint): its tokens are the argmax of the logits. False: look.
+    plain: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -93,3 +96,21 @@ class SampledToken:
     token_id: int
     #: {token_id: logprob} for the sampled token and the top-k, or None.
     logprobs: dict[int, float] | None = None
+
+
+@dataclass(slots=True)
+class StepTokens:
+    """A step's sampled tokens as the runner gives them: three lists in the order of its
+    sampled rows, no object per row. The same as {request id: SampledToken}, which an
+    executor may give instead (`StepTokens.of`)."""
+
+    request_ids: list[str]
+    token_ids: list[int]
+    #: Per row: {token_id: logprob} of the sampled token and the top-k, or None.
+    logprobs: list[dict[int, float] | None]
+
+    @classmethod
+    def of(cls, sampled: "StepTokens | dict[str, SampledToken]") -> "StepTokens":
+        if isinstance(sampled, StepTokens):
+            return sampled
+        return cls(list(sampled), [t.token_id for t in sampled.values()], [t.logprobs for t in sampled.values()])

@@ -13,7 +13,7 @@ from gristmill.engine.processor import check_add_request
 from gristmill.engine.request import Request
 from gristmill.engine.scheduler import Scheduler
 from gristmill.errors import RequestError, error_string
-from gristmill.step import SampledToken, SchedulerOutput
+from gristmill.step import SampledToken, SchedulerOutput, StepTokens
 from gristmill.structured.spec import parse_constraint
 
 
@@ -24,14 +24,14 @@ class Executor(Protocol):
     max_model_len: int
     vocab_size: int
 
-    def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]: ...
+    def execute(self, out: SchedulerOutput) -> StepTokens | dict[str, SampledToken]: ...
 
     def make_device_error(self) -> None:
         """The `device_error` fault: make the device fail for real (see docs/faults.md)."""
 
 
 class LaunchedStep(Protocol):
-    def result(self) -> dict[str, SampledToken]: ...
+    def result(self) -> StepTokens | dict[str, SampledToken]: ...
 
 
 class AsyncExecutor(Executor, Protocol):

@@ -105,6 +105,9 @@ class OutputProcessor:
                 output.logprobs.extend(update.new_logprobs)
             changed[id(live.parent)] = live.parent
             detok = live.detokenizer
+            if detok.held is not None and update.finish_reason is None and not faults.ACTIVE:
+                detok.held.extend(update.new_token_ids)  # its text is decoded at its end
+                continue
             try:
                 if faults.ACTIVE:
                     faults.check("detokenize", prompt=live.parent.prompt)

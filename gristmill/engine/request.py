@@ -57,6 +57,10 @@ class Request:
         params = self.sampling_params
         #: It asks for a logits control (model/logits.py): a bias, a ban or a penalty.
         self.controlled = bool(params.logit_bias or params.min_tokens or self.bad_words_ids or params.penalized)
+        #: Its next token is the argmax of the logits as they are: greedy, no logprobs, no
+        #: control, no constraint (a step of such rows only needs the forward's argmax).
+        self.plain = (params.greedy and params.logprobs is None and not self.controlled
+                      and self.matcher is None)
         #: The token ids that end it once `min_tokens` are out: EOS (unless ignore_eos)
         #: and stop_token_ids.
         self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)

@@ -20,7 +20,7 @@ from gristmill import faults
 from gristmill.engine.kv_blocks import BlockManager
 from gristmill.engine.messages import RequestUpdate
 from gristmill.engine.request import PLACEHOLDER, Request, RequestStatus
-from gristmill.step import SampledToken, SchedulerOutput
+from gristmill.step import SampledToken, SchedulerOutput, StepTokens
 
 
 class Scheduler:
@@ -37,6 +37,9 @@ class Scheduler:
         #: Unfinished requests whose next token needs all their tokens on the host
         #: (`Request.needs_known_tokens`: structured output, bad words of several tokens).
         self.num_constrained = 0
+        #: Unfinished requests that are not `Request.plain`: while there are none, every
+        #: step is all plain greedy rows (`SchedulerOutput.plain`).
+        self.num_fancy = 0
 
     # -- requests in and out -------------------------------------------------------
 
@@ -47,6 +50,7 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
         self.num_constrained += request.needs_known_tokens
+        self.num_fancy += not request.plain
 
     def finish_request(self, request_id: str, reason: str) -> Request | None:
         """End a request now (abort, error, stop string): free its blocks at once."""
@@ -64,6 +68,7 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self.num_constrained -= request.needs_known_tokens
+        self.num_fancy -= not request.plain
         self.block_manager.free(request)
         self._finished_ids.append(request.request_id)
 
@@ -74,7 +79,7 @@ class Scheduler:
     # -- one step ------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(finished_request_ids=self._finished_ids)
+        out = SchedulerOutput(finished_request_ids=self._finished_ids, plain=self.num_fancy == 0)
         self._finished_ids = []
         budget = self.max_num_batched_tokens
 
@@ -137,7 +142,7 @@ class Scheduler:
         request.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, SampledToken]) -> list[RequestUpdate]:
+    def update(self, out: SchedulerOutput, sampled: StepTokens | dict[str, SampledToken]) -> list[RequestUpdate]:
         """Apply a step's results: advance progress, append tokens, end finished requests."""
         self.advance(out)
         return self.resolve(out, sampled)
@@ -158,21 +163,21 @@ class Scheduler:
                 request.pending = True
                 request.final = len(token_ids) >= request.length_limit
 
-    def resolve(self, out: SchedulerOutput, sampled: dict[str, SampledToken]) -> list[RequestUpdate]:
+    def resolve(self, out: SchedulerOutput, sampled: StepTokens | dict[str, SampledToken]) -> list[RequestUpdate]:
         """A step's sampled tokens are known: put them in place of the placeholders, end
-        the requests they finish. A request that ended since has left `requests`; one
-        added since under the same id is not pending yet (a step is advanced after the
-        one before it is resolved), so neither is touched."""
+        the requests they finish. `sampled` holds a token for each request of `out` that
+        samples. A request that ended since has left `requests`; one added since under
+        the same id is not pending yet (a step is advanced after the one before it is
+        resolved), so neither is touched."""
         updates, requests = [], self.requests
-        for item in out.scheduled:
-            request_id = item.request_id
+        sampled = StepTokens.of(sampled)
+        for request_id, token_id, logprobs in zip(sampled.request_ids, sampled.token_ids, sampled.logprobs):
             request = requests.get(request_id)
-            if request is None or not request.pending:  # ended while the step ran, or sampled nothing
+            if request is None or not request.pending:  # ended while the step ran
                 continue
-            token = sampled[request_id]
-            token_id = token.token_id
             request.token_ids[-1] = token_id
             request.pending = False
+            logprobs = None if logprobs is None else [logprobs]
             if token_id in request.stop_ids or request.final or request.matcher is not None:
                 reason = request.stop_reason_after(token_id, request.final)
                 request.final = False
@@ -181,11 +186,9 @@ class Scheduler:
                     reason, error = _constrained(request, token_id, reason)
                 if reason is not None:
                     self.finish_request(request_id, reason)
-                updates.append(RequestUpdate(request_id, [token_id], None if token.logprobs is None
-                                             else [token.logprobs], reason, error))
+                updates.append(RequestUpdate(request_id, [token_id], logprobs, reason, error))
             else:  # (most rows: it goes on)
-                updates.append(RequestUpdate(request_id, [token_id], None if token.logprobs is None
-                                             else [token.logprobs], None))
+                updates.append(RequestUpdate(request_id, [token_id], logprobs, None))
         return updates
 
 

@@ -29,7 +29,7 @@ from gristmill.model.metadata import HostStep, StepMetadata, build_host_step
 from gristmill.model.models import model_class
 from gristmill.model.sampler import Sampler, SamplerRow
 from gristmill.paths import cache_root, resolve_model
-from gristmill.step import SampledToken, ScheduledRequest, SchedulerOutput
+from gristmill.step import ScheduledRequest, SchedulerOutput, StepTokens
 
 logger = logging.getLogger(__name__)
 
@@ -98,11 +98,14 @@ class ModelRunner:
         self._greedy: torch.Tensor | None = None  # argmax of the last forward's logits, when it came with them
         #: Async scheduling pays where a GPU computes while the host goes on.
         self.prefers_async = self.device.type == "cuda"
-        #: The ids sampled by the last step, on the device, in the order of `_rows`
-        #: (request id -> row): a step launched before they reach the host reads its
+        #: The ids sampled by the last step, on the device, row j for the request
+        #: `_row_ids[j]`: a step launched before they reach the host reads its
         #: placeholder tokens from here.
         self.token_buffer = torch.zeros(config.max_num_seqs, dtype=torch.int32, device=self.device)
-        self._rows: dict[str, int] = {}
+        self._row_ids: list[str] = []
+        self._row_map: dict[str, int] | None = {}
+        #: The request ids of the sampled rows of the step being launched.
+        self._step_ids: list[str] = []
         if self.device.type == "cuda" and not config.enforce_eager:
             from gristmill.model.cuda.graphs import CudaGraphs
             self.graphs = CudaGraphs(self.model, self.backend, config.max_num_seqs, self.max_model_len,
@@ -216,7 +219,7 @@ class ModelRunner:
 
     # -- one step ------------------------------------------------------------------
 
-    def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
+    def execute(self, out: SchedulerOutput) -> StepTokens:
         return self.launch(out).result()
 
     @torch.inference_mode()
@@ -228,11 +231,20 @@ class ModelRunner:
             self.generators.pop(request_id, None)
         logits, items = self.forward(out)
         if not items:
-            self._rows = {}
+            self._row_ids, self._row_map = [], {}
             return LaunchedStep([], None)
+        if out.plain:  # (most steps of a greedy batch job: no pass over the rows)
+            tokens, pending = self.sampler.sample_greedy(logits, self._greedy)
+        else:
+            tokens, pending = self._sample(logits, items)
+        self.token_buffer[:len(items)].copy_(tokens)
+        self._row_ids, self._row_map = self._step_ids, None
+        return LaunchedStep(self._step_ids, pending)
+
+    def _sample(self, logits: torch.Tensor, items: list[ScheduledRequest]):
         rows = [SamplerRow(item.sampling_params, None if item.sampling_params.seed is None else self._generator(item))
                 for item in items]
-        if self.controls.apply(logits, items, self.token_buffer, self._rows):
+        if self.controls.apply(logits, items, self.token_buffer, self._rows()):
             self._greedy = None  # the forward's argmax saw the logits before them
         constrained = [(j, item) for j, item in enumerate(items) if item.matcher is not None]
         deferred = []
@@ -241,9 +253,7 @@ class ModelRunner:
         tokens, pending = self.sampler.sample(logits, rows, self._greedy)
         if deferred:
             tokens, pending = self.masks.resample_refused(logits, deferred, rows, tokens, pending)
-        self.token_buffer[:len(items)].copy_(tokens)
-        self._rows = {item.request_id: j for j, item in enumerate(items)}
-        return LaunchedStep(items, pending)
+        return tokens, pending
 
     @torch.inference_mode()
     def forward(self, out: SchedulerOutput) -> tuple[torch.Tensor | None, list[ScheduledRequest]]:
@@ -255,6 +265,7 @@ class ModelRunner:
         if not out.scheduled:
             return None, []
         host, items = self.host_step(out)
+        self._step_ids = [item.request_id for item in items]
         source = self._token_source(host, items)
         if self.graphs is not None and self.graphs.can_run(host):
             logits, self._greedy = self.graphs.run(host, source)
@@ -300,10 +311,19 @@ class ModelRunner:
         pending = [j for j, item in enumerate(items) if item.pending]
         if not pending:
             return None
-        rows = self._rows
         source = np.full(host.num_tokens, -1, dtype=np.int64)
-        source[host.sample_indices[pending]] = [rows[items[j].request_id] for j in pending]
+        if self._step_ids == self._row_ids:  # the same rows as the last step (most steps)
+            source[host.sample_indices[pending]] = pending
+        else:
+            rows, ids = self._rows(), self._step_ids
+            source[host.sample_indices[pending]] = [rows[ids[j]] for j in pending]
         return source
+
+    def _rows(self) -> dict[str, int]:
+        """request id -> its row of `token_buffer` (the last step's sampled ids)."""
+        if self._row_map is None:
+            self._row_map = {request_id: j for j, request_id in enumerate(self._row_ids)}
+        return self._row_map
 
     def prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
         """A step's inputs on the device, as the eager forward takes them."""
@@ -357,12 +377,11 @@ def _untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor
 class LaunchedStep:
     """A step queued on the device; `result()` waits for its sampled tokens."""
 
-    def __init__(self, items: list[ScheduledRequest], pending):
-        self.items, self.pending = items, pending
+    def __init__(self, request_ids: list[str], pending):
+        """`request_ids`: of the sampled rows, in their order."""
+        self.request_ids, self.pending = request_ids, pending
 
-    def result(self) -> dict[str, SampledToken]:
+    def result(self) -> StepTokens:
         if self.pending is None:
-            return {}
-        tokens, logprobs = self.pending.result()
-        return {item.request_id: SampledToken(token, lp)
-                for item, token, lp in zip(self.items, tokens, logprobs)}
+            return StepTokens([], [], [])
+        return StepTokens(self.request_ids, *self.pending.result())

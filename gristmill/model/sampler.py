@@ -81,8 +81,14 @@ class Sampler:
             tokens[index] = self._inverse_cdf(probs, [rows[i].generator for i in random], logits[index])
         wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
         if not wanted:
-            return tokens, PendingSample(tokens, self._host_buffer(tokens), lambda ids: (ids, [None] * len(ids)))
+            return tokens, PendingSample(tokens, self._host_buffer(tokens), _no_logprobs)
         return tokens, self._with_logprobs(logits, rows, tokens, wanted)
+
+    def sample_greedy(self, logits: torch.Tensor, argmax: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, "PendingSample"]:
+        """`sample` for rows that are all greedy and want no logprobs."""
+        tokens = argmax if argmax is not None else greedy_tokens(logits)
+        return tokens, PendingSample(tokens, self._host_buffer(tokens), _no_logprobs)
 
     def _filtered_probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         device = logits.device
@@ -168,6 +174,10 @@ class PendingSample:
         if self.event is not None:
             self.event.synchronize()
         return self.unpack(self.values.tolist())
+
+
+def _no_logprobs(ids: list[int]) -> tuple[list[int], list[None]]:
+    return ids, [None] * len(ids)
 
 
 def _unpack_logprobs(packed: list[float], rows: list[SamplerRow], wanted: list[int], k: int):

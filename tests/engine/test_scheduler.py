@@ -516,6 +516,31 @@ def test_scheduler_direct_api():
 # -- randomized stress ---------------------------------------------------------------
 
 
+def test_a_step_is_plain_only_while_every_unfinished_request_is_plain_greedy():
+    # `SchedulerOutput.plain` lets the runner take the forward's argmax without looking at
+    # any row: it must be False whenever any request in the engine samples, wants
+    # logprobs or has a logits control, and True again once those have ended.
+    from gristmill.engine.kv_blocks import BlockManager
+    sched = Scheduler(BlockManager(32, 4), max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
+    greedy = Request("g", [5, 6, 7], SamplingParams(max_tokens=8, temperature=0))
+    sched.add_request(greedy)
+    assert greedy.plain and sched.schedule().plain
+    for name, params in [("t", SamplingParams(max_tokens=1, temperature=0.7)),
+                         ("lp", SamplingParams(max_tokens=1, temperature=0, logprobs=2)),
+                         ("bias", SamplingParams(max_tokens=1, temperature=0, logit_bias={3: 5.0})),
+                         ("pen", SamplingParams(max_tokens=1, temperature=0, repetition_penalty=1.2)),
+                         ("min", SamplingParams(max_tokens=2, temperature=0, min_tokens=1))]:
+        fancy = Request(name, [5, 6], params)
+        assert not fancy.plain
+        sched.add_request(fancy)
+        out = sched.schedule()
+        assert not out.plain and name in [item.request_id for item in out.scheduled]
+        sched.finish_request(name, "abort")
+        assert sched.schedule().plain, name
+    sched.finish_request("g", "abort")
+    assert sched.num_fancy == 0 and sched.schedule().plain
+
+
 @pytest.mark.parametrize("cfg", [
     dict(block_size=4, num_blocks=24, max_num_seqs=8, max_num_batched_tokens=32),
     dict(block_size=2, num_blocks=40, max_num_seqs=6, max_num_batched_tokens=6),
