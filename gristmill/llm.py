@@ -173,6 +173,9 @@ class LLM:
                 output.finish_reason, output.error = "error", error_string(exc)
             return result
         for request in requests:
+            # Its text is read at its end (unless stop strings are looked for in it): the
+            # core sends its tokens then, not one update a step.
+            request.final_only = not params.stop and params.logprobs is None
             added.append(request.request_id)
             refused = self.core.add_request(request)
             if refused is not None:

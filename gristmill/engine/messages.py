@@ -53,6 +53,10 @@ class AddRequest:
     fault_tag: str | None = None
     #: `sampling_params.bad_words` as token id sequences (the client tokenizes them).
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
+    #: The client reads nothing of it before it ends (no stop strings, no logprobs, no
+    #: stream): the core sends one update, at its end, with every token, instead of one a
+    #: step (`Request.final_only`).
+    final_only: bool = False
 
 
 @dataclass(slots=True)

@@ -184,10 +184,14 @@ class Scheduler:
                 error = None
                 if request.matcher is not None:
                     reason, error = _constrained(request, token_id, reason)
-                if reason is not None:
-                    self.finish_request(request_id, reason)
-                updates.append(RequestUpdate(request_id, [token_id], logprobs, reason, error))
-            else:  # (most rows: it goes on)
+                if reason is None:
+                    if not request.final_only:
+                        updates.append(RequestUpdate(request_id, [token_id], logprobs, None))
+                    continue
+                self.finish_request(request_id, reason)
+                updates.append(RequestUpdate(request_id, request.output_token_ids if request.final_only else [token_id],
+                                             logprobs, reason, error))
+            elif not request.final_only:  # (most rows: it goes on)
                 updates.append(RequestUpdate(request_id, [token_id], logprobs, None))
         return updates
 

@@ -276,10 +276,13 @@ class Harness:
         assert set(rec.sampled) == samplers
         upd_ids = [u.request_id for u in updates]
         assert len(upd_ids) == len(set(upd_ids))
-        assert set(upd_ids) == samplers - set(abort_during)
+        sampled_now = samplers - set(abort_during)
+        # A final_only request has one update, when it ends, with every output token.
+        assert set(upd_ids) == {rid for rid in sampled_now if not self.all[rid].final_only
+                                or self.all[rid].finish_reason is not None}
         for u in updates:
             r = self.all[u.request_id]
-            assert u.new_token_ids == [rec.sampled[u.request_id]]
+            assert u.new_token_ids == (r.output_token_ids if r.final_only else [rec.sampled[u.request_id]])
             assert u.finish_reason == r.finish_reason
             if u.finish_reason is not None:
                 assert r.status is RequestStatus.FINISHED
@@ -290,7 +293,7 @@ class Harness:
             self.updates[u.request_id].append(u)
         for rid, r in self.all.items():
             grown = len(r.output_token_ids) - len(outputs_before[rid])
-            assert grown == (1 if rid in upd_ids else 0)
+            assert grown == (1 if rid in sampled_now else 0)
         self.check_invariants()
         return rec, updates
 

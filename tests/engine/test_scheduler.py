@@ -541,6 +541,29 @@ def test_a_step_is_plain_only_while_every_unfinished_request_is_plain_greedy():
     assert sched.num_fancy == 0 and sched.schedule().plain
 
 
+@pytest.mark.parametrize("stop_on", ["length", "eos"])
+def test_a_final_only_request_sends_one_update_at_its_end_with_every_token(stop_on):
+    # An offline request (AddRequest.final_only) costs no update a step: the core sends
+    # its tokens once, when it ends, and they are the tokens a step-by-step twin got.
+    h = Harness(max_num_batched_tokens=64, max_num_seqs=4, num_blocks=64, block_size=4)
+    eos_at = {"length": None, "eos": 3}[stop_on]
+    script = {} if eos_at is None else {name: {eos_at: EOS} for name in ("quiet", "loud")}
+    h.executor.script = script
+    quiet = h.add("quiet", prompt(1, 6), max_tokens=6)
+    quiet.final_only = True
+    loud = h.add("loud", prompt(1, 6), max_tokens=6)
+    seen = defaultdict(list)
+    while h.core.has_unfinished:
+        _, updates = h.step()
+        for update in updates:
+            seen[update.request_id].append(update)
+    assert len(seen["quiet"]) == 1 and len(seen["loud"]) == len(loud.output_token_ids) > 1
+    (last,) = seen["quiet"]
+    assert last.finish_reason == seen["loud"][-1].finish_reason == ("stop" if eos_at else "length")
+    assert last.new_token_ids == quiet.output_token_ids == loud.output_token_ids
+    assert [t for u in seen["loud"] for t in u.new_token_ids] == loud.output_token_ids
+
+
 @pytest.mark.parametrize("cfg", [
     dict(block_size=4, num_blocks=24, max_num_seqs=8, max_num_batched_tokens=32),
     dict(block_size=2, num_blocks=40, max_num_seqs=6, max_num_batched_tokens=6),
@@ -555,6 +578,7 @@ def test_randomized_stress(cfg):
     next_id = 0
     steps = 0
     aborted = set()
+    quiet = random.Random(seed + 1)
     while next_id < num_requests or h.core.has_unfinished:
         # Arrivals between steps.
         for _ in range(rng.choice([0, 0, 1, 1, 2, 3])):
@@ -573,7 +597,8 @@ def test_randomized_stress(cfg):
             p_len = rng.randint(1, 40)
             max_tokens = rng.randint(1, 30)
             assert p_len + max_tokens <= total_cap  # what InputProcessor guarantees
-            h.add(rid, prompt(rng.random(), p_len, vocab), max_tokens=max_tokens, eos=eos, **params)
+            request = h.add(rid, prompt(rng.random(), p_len, vocab), max_tokens=max_tokens, eos=eos, **params)
+            request.final_only = quiet.random() < 0.5  # (its own draws: the schedule stays the same)
         # Random aborts, between steps or while a step runs.
         live = sorted(h.sched.requests)
         abort_during = []
