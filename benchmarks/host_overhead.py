@@ -57,8 +57,12 @@ def measure(args) -> dict[str, float]:
                   max_num_batched_tokens=max(2048, 32 * args.batch))
         model_time = [0.0]
         runner = llm.core.executor
-        for owner, name in ((runner.model, "forward"), (runner.model, "compute_logits"), (runner.sampler, "sample")):
-            original = getattr(owner, name)
+        timed_parts = [(runner.model, "forward"), (runner.model, "compute_logits"), (runner.sampler, "sample"),
+                       (runner.sampler, "sample_greedy")]  # (the last: from 5dd7635 on)
+        for owner, name in timed_parts:
+            original = getattr(owner, name, None)
+            if original is None:
+                continue
 
             @functools.wraps(original)
             def timed(*a, _original=original, **k):

@@ -94,9 +94,12 @@ class Scheduler:
                 continue
             computed = request.num_computed_tokens
             token_ids = request.token_ids
-            if len(token_ids) == computed + 1 and 0 < computed % bs < bs - 1 and computed < len(request.block_ids) * bs:
-                # Most decodes: the token lands in a block the request holds and fills no
-                # block (whose hash the block manager would register).
+            within = computed % bs
+            if (len(token_ids) == computed + 1 and within and (within < bs - 1 or request.pending)
+                    and computed < len(request.block_ids) * bs):
+                # Most decodes: the token lands in a block the request holds, and fills no
+                # block whose hash the block manager would register now (a placeholder's
+                # block is named at the next step, once its last token is known).
                 scheduled.append(request.scheduled_decode())
                 budget -= 1
                 i += 1
