@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import copy
+import numbers
 from dataclasses import dataclass, field, replace
 
 from gristmill.errors import RequestError
-from gristmill.structured.spec import parse_constraint, short
+from gristmill.structured.spec import given_kinds, parse_constraint, short
 
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300
@@ -100,11 +101,7 @@ class SamplingParams:
         if isinstance(self.bad_words, str):
             self.bad_words = [self.bad_words]
         self.bad_words = list(self.bad_words or [])
-        if isinstance(self.structured_output, dict) and len(self.structured_output) > 1:
-            # Rows that went through Arrow (Ray Data, Parquet) carry every kind any row of
-            # their block used, the others as None: those are not given.
-            self.structured_output = {kind: spec for kind, spec in self.structured_output.items()
-                                      if spec is not None} or None
+        self.structured_output = given_kinds(self.structured_output)
         self.validate()
 
     def validate(self) -> None:
@@ -137,7 +134,7 @@ class SamplingParams:
                   f"logit_bias must be a dict of at most {MAX_LOGIT_BIAS} token id -> bias entries, "
                   f"got {short(self.logit_bias)}")
             try:
-                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+                self.logit_bias = {_token_id(k): float(v) for k, v in self.logit_bias.items()}
             except (TypeError, ValueError):
                 check(False, "logit_bias", f"logit_bias keys must be token ids and values numbers, got "
                                            f"{short(self.logit_bias)}")
@@ -187,6 +184,16 @@ class SamplingParams:
             object.__setattr__(new, name, value)
         object.__setattr__(new, "_valid", self._valid)
         return new
+
+
+def _token_id(key) -> int:
+    """A logit_bias key as a token id: an int, or its decimal text (JSON object keys, as
+    OpenAI sends them, are strings); never a float or a bool cut down to one."""
+    if isinstance(key, numbers.Integral) and not isinstance(key, bool):  # numpy's integers too
+        return int(key)
+    if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+        return int(key)
+    raise ValueError(f"not a token id: {key!r}")
 
 
 def _is_int(value) -> bool:

@@ -42,7 +42,8 @@ def add_batch_command(commands) -> None:
         parser.add_argument(f"--{name}", type=float, default=None,
                             help=f"default {what} of every row; a row's own sampling_params win")
     parser.add_argument("--json-schema", metavar="FILE", help="constrain every row's output to this JSON schema "
-                        "(a .json file); a row's own sampling_params.structured_output wins")
+                        "(a .json file); a row's own sampling_params.structured_output wins (false: none), as does an "
+                        "OpenAI batch line's response_format ({\"type\": \"text\"}: none)")
     parser.add_argument("--fail-fast", action="store_true",
                         help="stop at the first row error, in input order, writing the rows before it "
                              "(default: write it as an error row and go on)")

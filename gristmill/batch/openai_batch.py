@@ -9,7 +9,7 @@ import uuid
 
 from gristmill.batch.io import InputError
 from gristmill.errors import GristmillError, RequestError
-from gristmill.structured.spec import openai_constraint
+from gristmill.structured.spec import check_constraint, openai_constraint
 
 BATCH_URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 _BATCH_KEYS = ("custom_id", "method", "url", "body")
@@ -53,7 +53,11 @@ def batch_request_row(line: dict) -> dict:
         params["max_tokens"] = body["max_tokens"]
     if isinstance(params.get("stop"), str):
         params["stop"] = [params["stop"]]
-    params["structured_output"], _ = openai_constraint(body.get("response_format"), body.get("structured_outputs"))
+    structured, field = openai_constraint(body.get("response_format"), body.get("structured_outputs"))
+    check_constraint(structured, field)  # its error names the body's field, as the server's does
+    if structured is None and (body.get("response_format") or {}).get("type") == "text":
+        structured = False  # plain text asked for: the line opts out of a --json-schema default
+    params["structured_output"] = structured
     row = {"custom_id": line["custom_id"], "sampling_params": {k: v for k, v in params.items() if v is not None}}
     if BATCH_URLS[url] == "chat":
         row["messages"] = body.get("messages")

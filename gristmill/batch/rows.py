@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 
 from gristmill.errors import RequestError, error_string
 from gristmill.sampling import SamplingParams
+from gristmill.structured.spec import given_kinds
 
 ERROR_COLUMN = "__inference_error__"
 #: Set by a chat-template stage that ran before the engine stage (on Ray: a task):
@@ -66,6 +67,10 @@ def sampling_params_of(row: dict, defaults: dict) -> SamplingParams:
     merged = {**defaults, **{k: v for k, v in given.items() if v is not None}}
     if given.get("structured_output") is False:  # this row opts out of a default constraint
         merged["structured_output"] = None
+    elif (own := _own_schema(given.get("structured_output"))) is not None:
+        merged["structured_output"] = own
+    else:  # a struct of nulls (Arrow) gives no constraint: the default stays
+        merged["structured_output"] = defaults.get("structured_output")
     bias = merged.get("logit_bias")
     if isinstance(bias, dict):  # rows read as one Arrow struct carry each other's keys, as nulls
         merged["logit_bias"] = {token: value for token, value in bias.items() if value is not None} or None
@@ -84,6 +89,26 @@ def sampling_params_of(row: dict, defaults: dict) -> SamplingParams:
         return SamplingParams(**merged)
     except TypeError as exc:
         raise RequestError(f"invalid sampling_params: {exc}", param="sampling_params") from exc
+
+
+def _own_schema(structured_output):
+    """A row's constraint as it was before Arrow merged the struct types of its rows
+    (Parquet, a pyarrow Table, Ray Data): a JSON schema given as an object gets every key
+    the other rows' schemas use, as nulls (`"properties": null` in a string schema), so
+    null values of a schema's objects are dropped (`"const": null` too: write
+    `{"type": "null"}`, or give the schema as JSON text, which Arrow leaves alone)."""
+    kinds = given_kinds(structured_output)
+    if not isinstance(kinds, dict) or not isinstance(kinds.get("json"), dict):
+        return kinds
+    return {**kinds, "json": _without_nulls(kinds["json"])}
+
+
+def _without_nulls(value):
+    if isinstance(value, dict):
+        return {key: _without_nulls(item) for key, item in value.items() if item is not None}
+    if isinstance(value, list):
+        return [_without_nulls(item) for item in value]
+    return value
 
 
 def result_columns(generated: Generated, time_taken: float, detokenize: bool = True) -> dict:

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from gristmill.engine.async_engine import AsyncEngine, RequestStream
 from gristmill.errors import EngineDeadError, RequestError
-from gristmill.structured.spec import openai_constraint
+from gristmill.structured.spec import named_for, openai_constraint
 from gristmill.tokenizer import render_chat
 from gristmill.outputs import RequestOutput
 from gristmill.sampling import SamplingParams
@@ -146,9 +146,7 @@ class OpenAIServing:
                 min_tokens=body.min_tokens or 0, bad_words=body.bad_words or [],
                 skip_special_tokens=body.skip_special_tokens)
         except RequestError as exc:
-            if exc.param != "structured_output" or field is None:
-                raise
-            raise RequestError(str(exc).replace("structured_output", field, 1), param=field) from None
+            raise named_for(exc, field) from None
 
     # -- running a job --------------------------------------------------------------
 

@@ -30,6 +30,11 @@ def parse_constraint(value) -> Constraint | None:
         return None
     if isinstance(value, Constraint):
         return value
+    value = given_kinds(value)
+    others = sorted(str(key) for key in value if key not in KINDS) if isinstance(value, dict) else []
+    if others:  # e.g. vLLM's options (disable_any_whitespace, ...): never taken and dropped
+        raise RequestError(f"{PARAM} takes exactly one of {', '.join(KINDS)} and no other keys; "
+                           f"leave out {', '.join(others)}", param=PARAM)
     if not isinstance(value, dict) or len(value) != 1 or next(iter(value)) not in KINDS:
         raise RequestError(f"{PARAM} must be an object with exactly one of {', '.join(KINDS)}, "
                            f"got {short(value)}", param=PARAM)
@@ -58,19 +63,32 @@ def parse_constraint(value) -> Constraint | None:
     return Constraint(kind, spec)
 
 
+def given_kinds(value):
+    """A `structured_output` dict without the kinds set to None: rows that went through
+    Arrow (Ray Data, Parquet) carry every kind any row of their block used, the others as
+    None, and those are not given. None if no kind is left."""
+    if isinstance(value, dict) and len(value) > 1:
+        return {kind: spec for kind, spec in value.items() if spec is not None} or None
+    return value
+
+
 def openai_constraint(response_format, structured_outputs) -> tuple[dict | None, str | None]:
     """(a `structured_output` value, the request field it came from) of an OpenAI request
     body's `response_format` ({"type": "text" | "json_object" | "json_schema", "json_schema":
     {"name", "schema", "strict"}}) or vLLM's `structured_outputs` (the same kinds as
-    `structured_output`)."""
+    `structured_output`). `{"type": "text"}` is OpenAI's default, no constraint: it goes
+    with `structured_outputs` (as in vLLM)."""
+    if response_format is not None and not isinstance(response_format, dict):
+        raise RequestError(f"response_format must be an object such as {{\"type\": \"json_object\"}}, "
+                           f"got {short(response_format)}", param="response_format")
+    kind = response_format.get("type") if response_format is not None else None
+    if kind == "text":
+        response_format = None
     if response_format is not None and structured_outputs is not None:
         raise RequestError("give response_format or structured_outputs, not both", param="response_format")
     if structured_outputs is not None:
         return structured_outputs, "structured_outputs"
     if response_format is None:
-        return None, None
-    kind = response_format.get("type") if isinstance(response_format, dict) else None
-    if kind == "text":
         return None, None
     if kind == "json_object":
         return {"json_object": True}, "response_format"
@@ -82,6 +100,26 @@ def openai_constraint(response_format, structured_outputs) -> tuple[dict | None,
         return {"json": spec["schema"]}, "response_format"
     raise RequestError(f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
                        param="response_format")
+
+
+def named_for(exc: RequestError, field: str | None) -> RequestError:
+    """A `structured_output` error of a constraint that came from the request field
+    `field` (`response_format`, `structured_outputs`), reworded to name that field."""
+    if exc.param != PARAM or field is None:
+        return exc
+    return RequestError(str(exc).replace(PARAM, field, 1), param=field)
+
+
+def check_constraint(value, field: str | None) -> None:
+    """`value` (a `structured_output`) parses, or a RequestError naming `field`, the
+    request field it came from."""
+    try:
+        constraint = parse_constraint(value)
+        if constraint is not None:
+            from gristmill.structured.grammars import check
+            check(constraint)
+    except RequestError as exc:
+        raise named_for(exc, field) from None
 
 
 def short(value) -> str:

@@ -122,3 +122,29 @@ def test_a_batch_line_without_max_tokens_runs_to_the_context_and_one_line_is_one
     assert out["two"]["status_code"] == 400
     error = out["two"]["body"]["error"]
     assert error["message"].startswith("body.prompt holds 2 prompts; a batch line makes one completion")
+
+
+def test_parquet_rows_with_json_schemas_of_different_shapes_each_get_their_own(tmp_path):
+    """A Parquet file holds the rows' schemas as one struct type: a string schema reads
+    back with the object schema's keys as nulls (`"properties": null`). Each row still runs
+    under its own schema: no error row, every document valid."""
+    person = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}},
+              "required": ["name"], "additionalProperties": False}
+    year = {"type": "integer", "minimum": 1900, "maximum": 2100}
+    rows = [{"prompt": "Name a famous scientist, as JSON:", "sampling_params": {"structured_output": {"json": person}}},
+            {"prompt": "In what year did the first person walk on the moon?",
+             "sampling_params": {"structured_output": {"json": year}}},
+            {"prompt": "Is water wet?", "sampling_params": {"structured_output": {"choice": ["yes", "no"]}}}]
+    source = tmp_path / "in.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), source)
+    target = tmp_path / "out.jsonl"
+    result = batch_cli(source, "-o", target, "--temperature", "0", "--max-tokens", "24", "--device", "cpu",
+                       "--max-model-len", "256")
+    assert result.returncode == 0, result.stderr
+    out = read_jsonl(target)
+    assert [row[ERROR_COLUMN] for row in out] == ["", "", ""], out
+    assert all(row["finish_reason"] == "stop" for row in out), out
+    named, when, answer = (row["generated_text"] for row in out)
+    assert list(json.loads(named)) == ["name"] and len(json.loads(named)["name"]) <= 12
+    assert 1900 <= json.loads(when) <= 2100 and isinstance(json.loads(when), int)
+    assert answer in ("yes", "no")

@@ -103,7 +103,7 @@ def test_openai_batch_lines_carry_response_format_and_structured_outputs_as_a_co
     chat["body"]["response_format"] = {"type": "json_object"}
     assert batch_request_row(chat)["sampling_params"]["structured_output"] == {"json_object": True}
     chat["body"]["response_format"] = {"type": "text"}
-    assert "structured_output" not in batch_request_row(chat)["sampling_params"]
+    assert batch_request_row(chat)["sampling_params"]["structured_output"] is False  # plain text: no constraint
     completion = {"custom_id": "2", "url": "/v1/completions",
                   "body": {"prompt": "x", "structured_outputs": {"choice": ["a", "b"]}}}
     assert batch_request_row(completion)["sampling_params"]["structured_output"] == {"choice": ["a", "b"]}
@@ -118,3 +118,55 @@ def test_openai_batch_lines_carry_response_format_and_structured_outputs_as_a_co
     with pytest.raises(RequestError, match="not both") as info:
         batch_request_row(completion)
     assert info.value.param == "response_format"
+
+
+def test_a_batch_lines_own_choice_of_constraint_wins_over_the_jobs_default():
+    """`gristmill batch --json-schema` gives every row a default constraint; a line whose
+    body asks for plain text (`response_format: {"type": "text"}`, OpenAI's way) runs
+    free, as a row with `structured_output: false` does; `text` beside vLLM's
+    `structured_outputs` is no conflict (as in vLLM)."""
+    from gristmill.batch.openai_batch import batch_request_row
+
+    default = {"structured_output": {"json": {"type": "object"}}}
+    line = {"custom_id": "1", "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "text"}}}
+    assert sampling_params_of(batch_request_row(line), default).structured_output is None
+    line["body"]["structured_outputs"] = {"regex": "[0-9]+"}
+    assert sampling_params_of(batch_request_row(line), default).structured_output == {"regex": "[0-9]+"}
+    del line["body"]["response_format"], line["body"]["structured_outputs"]
+    assert sampling_params_of(batch_request_row(line), default).structured_output == default["structured_output"]
+
+
+@pytest.mark.parametrize("body,param,says", [
+    ({"structured_outputs": {"regex": "[0-9"}}, "structured_outputs", "structured_outputs.regex is not valid"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
+     "response_format", "response_format.json is not valid: Invalid type: objectx"),
+    ({"response_format": "json_object"}, "response_format",
+     'response_format must be an object such as {"type": "json_object"}, got \'json_object\''),
+    ({"structured_outputs": {"json": {"type": "object"}, "disable_any_whitespace": True}}, "structured_outputs",
+     "leave out disable_any_whitespace"),
+])
+def test_a_batch_lines_bad_constraint_names_the_body_field_as_the_server_does(body, param, says):
+    from gristmill.batch.openai_batch import batch_request_row
+
+    line = {"custom_id": "1", "url": "/v1/completions", "body": {"prompt": "x", **body}}
+    with pytest.raises(RequestError) as info:
+        batch_request_row(line)
+    assert info.value.param == param and says in str(info.value), info.value
+
+
+def test_rows_read_as_one_arrow_table_keep_only_their_own_json_schema():
+    """Arrow reads the JSON schemas of rows (Parquet, a pyarrow Table) as one struct: a
+    string schema gets the object schema's `properties` and `required` as nulls. Those are
+    not the row's: each row is constrained by its own schema, never an error row."""
+    person = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    short = {"type": "string", "maxLength": 5}
+    _, rows = to_rows(pa.Table.from_pylist([
+        {"sampling_params": {"structured_output": {"json": person}}},
+        {"sampling_params": {"structured_output": {"json": short}}},
+        {"sampling_params": {"structured_output": {"regex": "[0-9]+"}}},
+        {"sampling_params": {"max_tokens": 3}}]))
+    assert rows[1]["sampling_params"]["structured_output"]["json"]["properties"] is None  # what Arrow gives
+    default = {"structured_output": {"json_object": True}}
+    assert [sampling_params_of(row, default).structured_output for row in rows] == [
+        {"json": person}, {"json": short}, {"regex": "[0-9]+"}, {"json_object": True}]

@@ -26,7 +26,8 @@ def test_a_bias_of_100_forces_its_token_and_other_rows_are_untouched(default_llm
 
 
 @pytest.mark.parametrize("bias,says", [({1: 101}, "biases in [-100, 100]"), ({-1: 5}, "token ids >= 0"),
-                                       ({"x": 1}, "keys must be token ids"), ([1], "must be a dict")])
+                                       ({"x": 1}, "keys must be token ids"), ([1], "must be a dict"),
+                                       ({1.7: 5}, "keys must be token ids"), ({True: 5}, "keys must be token ids")])
 def test_bad_logit_bias_is_a_request_error(bias, says):
     with pytest.raises(RequestError, match=__import__("re").escape(says)) as info:
         SamplingParams(logit_bias=bias)

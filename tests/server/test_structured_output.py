@@ -61,6 +61,10 @@ def test_json_object_streamed_and_vllm_fields_on_completions(client):
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "exactly one of"),
     ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, "response_format",
      "not both"),
+    # vLLM's options beside the constraint are named, never taken and dropped.
+    ({"structured_outputs": {"json": {"type": "object"}, "disable_any_whitespace": True}}, "structured_outputs",
+     "structured_outputs takes exactly one of json, json_object, regex, choice, grammar and no other keys; "
+     "leave out disable_any_whitespace"),
 ])
 def test_bad_constraints_are_400s_naming_the_field(server, extra, param, says):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **extra}
@@ -69,3 +73,17 @@ def test_bad_constraints_are_400s_naming_the_field(server, extra, param, says):
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param and says in error["message"], error
+
+
+def test_response_format_text_is_no_constraint_beside_structured_outputs(client):
+    """`{"type": "text"}` is OpenAI's default (clients send it unasked): with vLLM's
+    `structured_outputs` it is no conflict, and the constraint applies (as in vLLM)."""
+    regex = {"structured_outputs": {"regex": "[0-9]{3}-[0-9]{4}"}}
+    for create, kwargs in ((client.chat.completions.create, {"messages": [{"role": "user", "content": "Call me."}],
+                                                             "response_format": {"type": "text"}, "extra_body": regex}),
+                           (client.completions.create, {"prompt": "Call me at",  # the client has no such argument
+                                                        "extra_body": {**regex, "response_format": {"type": "text"}}})):
+        result = create(model=MODEL, max_tokens=12, temperature=0, **kwargs)
+        choice = result.choices[0]
+        text = choice.message.content if hasattr(choice, "message") else choice.text
+        assert re.fullmatch("[0-9]{3}-[0-9]{4}", text) and choice.finish_reason == "stop", text
