@@ -9,7 +9,8 @@ import uuid
 
 from gristmill.batch.io import InputError
 from gristmill.errors import GristmillError, RequestError
-from gristmill.structured.spec import check_constraint, openai_constraint
+from gristmill.structured.grammars import check_constraint
+from gristmill.structured.spec import openai_constraint
 
 BATCH_URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 _BATCH_KEYS = ("custom_id", "method", "url", "body")

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gristmill.errors import RequestError
-from gristmill.structured.spec import PARAM, Constraint
+from gristmill.structured.spec import PARAM, Constraint, named_for, parse_constraint
 
 if TYPE_CHECKING:
     import torch
@@ -182,6 +182,17 @@ def _plain_tokenizer_file(path: Path) -> bool:
         return False
     return re.match(rb'\{\s*"version"\s*:\s*"[^"]*"\s*,\s*"truncation"\s*:\s*null\s*,\s*"padding"\s*:\s*null\s*,',
                     head) is not None
+
+
+def check_constraint(value, field: str | None) -> None:
+    """`value` (a `structured_output`) parses, or a RequestError naming `field`, the
+    request field it came from."""
+    try:
+        constraint = parse_constraint(value)
+        if constraint is not None:
+            check(constraint)
+    except RequestError as exc:
+        raise named_for(exc, field) from None
 
 
 def check(constraint: Constraint) -> None:

@@ -110,18 +110,6 @@ def named_for(exc: RequestError, field: str | None) -> RequestError:
     return RequestError(str(exc).replace(PARAM, field, 1), param=field)
 
 
-def check_constraint(value, field: str | None) -> None:
-    """`value` (a `structured_output`) parses, or a RequestError naming `field`, the
-    request field it came from."""
-    try:
-        constraint = parse_constraint(value)
-        if constraint is not None:
-            from gristmill.structured.grammars import check
-            check(constraint)
-    except RequestError as exc:
-        raise named_for(exc, field) from None
-
-
 def short(value) -> str:
     """A value as an error message shows it: its repr, cut to 80 characters."""
     text = repr(value)
