@@ -147,7 +147,9 @@ class _Replica:
         try:
             prompt = request.prompt_token_ids if request.prompt_token_ids is not None else request.prompt
             out = None
-            async for out in self.engine.generate(prompt, params, request_id, output_kind="final",
+            # A row reads its output once, at its end, and no time of its tokens: the
+            # core sends them then, not every step.
+            async for out in self.engine.generate(prompt, params, request_id, output_kind="final", token_times=False,
                                                   add_special_tokens=request.add_special_tokens):
                 pass
             return Generated(out.text, list(out.token_ids), len(out.prompt_token_ids), len(out.token_ids),

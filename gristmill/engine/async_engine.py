@@ -123,14 +123,18 @@ class AsyncEngine:
 
     async def generate(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, *, add_special_tokens: bool = True,
-                       output_kind: str = "cumulative") -> AsyncIterator[RequestOutput]:
+                       output_kind: str = "cumulative", token_times: bool = True) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; the last has `finished` set. Raises RequestError,
         PromptTooLongError, GenerationError, EngineOverloadedError or EngineDeadError.
         Cancelling the consuming task (or leaving the loop early) aborts the request.
         `output_kind`: "cumulative" (each output holds everything so far), "delta" (only
-        what is new) or "final" (one output, at the end; nothing copied per step)."""
+        what is new) or "final" (one output, at the end; nothing copied per step).
+        `token_times=False` with "final": the caller needs no time of each token's arrival
+        (`metrics.token_arrivals`), so a request without stop strings or logprobs gets its
+        tokens from the engine core once, at its end, instead of every step (less work per
+        step in both processes; an aborted one then ends with no text)."""
         stream = self.add_request(prompt, sampling_params, request_id, add_special_tokens=add_special_tokens,
-                                  output_kind=output_kind)
+                                  output_kind=output_kind, token_times=token_times)
         try:
             async for output in stream:
                 yield output
@@ -140,12 +144,12 @@ class AsyncEngine:
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
                     request_id: str | None = None, *, add_special_tokens: bool = True,
                     max_buffered: int | None = None, output_kind: str = "cumulative",
-                    prompt_token_ids: list[int] | None = None) -> RequestStream:
+                    prompt_token_ids: list[int] | None = None, token_times: bool = True) -> RequestStream:
         """Validate and submit a request now (errors raise here, before any output), and
         return its stream. Call it from a running event loop. The caller must `aclose()`
         the stream (that aborts the request if unfinished). `max_buffered`: outputs that
         may wait unread before the request is aborted (a reader too slow for it) and the
-        stream ends with GenerationError. `output_kind`: see `generate`.
+        stream ends with GenerationError. `output_kind`, `token_times`: see `generate`.
         `prompt_token_ids`: the text prompt's ids from `tokenize`, so it is not tokenized
         again here."""
         if output_kind not in OUTPUT_KINDS:
@@ -158,7 +162,7 @@ class AsyncEngine:
             raise RequestError(f"request_id must be a string (or None for a generated one), got "
                                f"{type(request_id).__name__} {request_id!r}", param="request_id")
         return self._open(prompt, sampling_params or SamplingParams(), request_id, add_special_tokens,
-                          max_buffered, output_kind, prompt_token_ids)
+                          max_buffered, output_kind, prompt_token_ids, token_times)
 
     async def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         """The prompt's token ids, checked as `add_request` checks them; a text longer than
@@ -256,7 +260,8 @@ class AsyncEngine:
     # -- requests in (on the event loop) ------------------------------------------------
 
     def _open(self, prompt, params: SamplingParams, request_id: str | None, add_special_tokens: bool,
-              max_buffered: int | None, output_kind: str, token_ids: list[int] | None) -> RequestStream:
+              max_buffered: int | None, output_kind: str, token_ids: list[int] | None,
+              token_times: bool = True) -> RequestStream:
         self._raise_if_dead()
         self._bind_loop()
         request_id = request_id or uuid.uuid4().hex
@@ -284,8 +289,10 @@ class AsyncEngine:
         stream = RequestStream(output, child_ids, self._release, max_buffered, output_kind)
         self._streams[request_id] = stream
         self._by_child.update((child, stream) for child in child_ids)
+        final_only = output_kind == "final" and not token_times and not params.stop and params.logprobs is None
         try:
             for request in requests:
+                request.final_only = final_only
                 self._client.send(request)
         except EngineDeadError:
             self._release(stream)

@@ -90,6 +90,31 @@ def test_a_final_output_is_decoded_once_at_its_end_and_reads_as_a_streamed_one(e
     assert cut.finish_reason == "stop" and cut.text == streamed.text[:streamed.text.index(stop)]
 
 
+def test_a_final_output_without_token_times_comes_from_the_core_once_and_reads_the_same(engine):
+    """`token_times=False` (what batch rows ask): the core sends a "final" request's
+    tokens once, at its end, not every step; its output is the one a streamed request
+    gets. A request that needs its tokens as they come (stop strings, logprobs) still
+    gets them every step."""
+    async def final(prompt, params, token_times):
+        async for out in engine.generate(prompt, params, output_kind="final", token_times=token_times):
+            pass
+        return out
+
+    params = SamplingParams(max_tokens=24, temperature=0.8, seed=3, n=2, ignore_eos=True)
+    prompt = "The river ran"
+    quiet = asyncio.run(final(prompt, params, False))
+    streamed = collect(engine, prompt, params, "cumulative")[-1]
+    assert [(o.text, o.token_ids, o.finish_reason) for o in quiet.outputs] == \
+        [(o.text, o.token_ids, o.finish_reason) for o in streamed.outputs]
+    assert all(len(o.token_ids) == 24 and o.text for o in quiet.outputs)
+    # one arrival per completion, each with all its tokens: the core sent nothing before
+    assert sorted(count for _, count in quiet.metrics.token_arrivals) == [24, 24]
+    assert len(asyncio.run(final(prompt, params, True)).metrics.token_arrivals) > 2
+    for needs_tokens in (dict(stop=["never-there"]), dict(logprobs=1)):
+        loud = asyncio.run(final(prompt, params.clone(**needs_tokens), False))
+        assert len(loud.metrics.token_arrivals) > 2, needs_tokens
+
+
 def test_an_unknown_output_kind_is_a_request_error(engine):
     with pytest.raises(RequestError, match="output_kind must be one of cumulative, delta, final") as info:
         collect(engine, "Hi", SamplingParams(max_tokens=2), "last")
