@@ -170,10 +170,16 @@ def test_abort_from_another_thread_ends_the_stream_on_its_loop(engine):
     assert asyncio.run(_idle(engine))["num_free_blocks"] == 64
 
 
-def test_a_stream_left_open_when_its_loop_ends_stops_generating(engine):
+@pytest.mark.parametrize("final_only", [False, True], ids=["streamed", "final-only"])
+def test_a_stream_left_open_when_its_loop_ends_stops_generating(engine, final_only):
+    # A final-only request (what batch rows ask) sends the client nothing before its end
+    # but a beat every FINAL_ONLY_PULSE tokens, which is when the engine hears of it.
+    kind = dict(output_kind="final", token_times=False) if final_only else {}
+
     async def leave_open():
-        stream = engine.add_request("Once upon a time", SamplingParams(max_tokens=1000, ignore_eos=True))
-        await stream.__anext__()  # never closed: the loop ends under it
+        stream = engine.add_request("Once upon a time", SamplingParams(max_tokens=1000, ignore_eos=True), **kind)
+        if not final_only:
+            await stream.__anext__()  # never closed: the loop ends under it
 
     asyncio.run(leave_open())
     stats = asyncio.run(_idle(engine, timeout=5))

@@ -356,8 +356,10 @@ class AsyncEngine:
             loop = self._loop
             if loop is not None and loop.is_closed() and isinstance(message, StepOutputs):
                 # Its loop ended with streams left open (never closed): nobody can read
-                # them, so stop generating for them now instead of to max_tokens.
+                # them, so stop generating for them now instead of to max_tokens (all of
+                # them: a final_only request is heard of only every FINAL_ONLY_PULSE tokens).
                 live = [u.request_id for u in message.updates if u.finish_reason is None]
+                live += [child for child in list(self._by_child) if child not in live]
                 if live and not self.errored:
                     try:
                         self._client.send(Abort(live))

@@ -50,8 +50,9 @@ class Request:
     matcher: object | None = None
     #: Its bad_words as token id sequences (`InputProcessor.bad_words_ids`).
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
-    #: Its client wants only the end (`AddRequest.final_only`): no update until it ends,
-    #: then one with every output token.
+    #: Its client wants only the end (`AddRequest.final_only`): no update until it ends
+    #: (but an empty one every `scheduler.FINAL_ONLY_PULSE` tokens), then one with every
+    #: output token.
     final_only: bool = False
 
     def __post_init__(self):

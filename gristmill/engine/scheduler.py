@@ -23,6 +23,12 @@ from gristmill.engine.request import PLACEHOLDER, Request, RequestStatus
 from gristmill.step import SampledToken, SchedulerOutput, StepTokens
 
 
+#: A `final_only` request still gets an update without tokens every this many tokens: a
+#: client whose reader is gone (an AsyncEngine whose event loop ended with the stream
+#: open) hears of it and aborts it, instead of it running on to max_tokens.
+FINAL_ONLY_PULSE = 32
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int):
@@ -187,15 +193,15 @@ class Scheduler:
                 error = None
                 if request.matcher is not None:
                     reason, error = _constrained(request, token_id, reason)
-                if reason is None:
-                    if not request.final_only:
-                        updates.append(RequestUpdate(request_id, [token_id], logprobs, None))
+                if reason is not None:
+                    self.finish_request(request_id, reason)
+                    updates.append(RequestUpdate(request_id, request.output_token_ids if request.final_only
+                                                 else [token_id], logprobs, reason, error))
                     continue
-                self.finish_request(request_id, reason)
-                updates.append(RequestUpdate(request_id, request.output_token_ids if request.final_only else [token_id],
-                                             logprobs, reason, error))
-            elif not request.final_only:  # (most rows: it goes on)
+            if not request.final_only:  # (most rows: it goes on)
                 updates.append(RequestUpdate(request_id, [token_id], logprobs, None))
+            elif (len(request.token_ids) - request.num_prompt_tokens) % FINAL_ONLY_PULSE == 0:
+                updates.append(RequestUpdate(request_id, [], None, None))
         return updates
 
 

@@ -244,7 +244,7 @@ class ModelRunner:
     def _sample(self, logits: torch.Tensor, items: list[ScheduledRequest]):
         rows = [SamplerRow(item.sampling_params, None if item.sampling_params.seed is None else self._generator(item))
                 for item in items]
-        if self.controls.apply(logits, items, self.token_buffer, self._rows()):
+        if self.controls.apply(logits, items, self.token_buffer, self._rows):
             self._greedy = None  # the forward's argmax saw the logits before them
         constrained = [(j, item) for j, item in enumerate(items) if item.matcher is not None]
         deferred = []
