@@ -165,17 +165,15 @@ class LLM:
             if early_error is not None:
                 raise early_error
             result.prompt_token_ids = self.inputs.tokenize(prompt, add_special_tokens)
+            # Its text is read at its end: the core sends its tokens then, not every step.
             requests = self.inputs.make_requests(request_id, result.prompt_token_ids, params,
-                                                 result.prompt)
+                                                 result.prompt, final_only=True)
             self.outputs.add(result, [r.request_id for r in requests], params)
         except (RequestError, GenerationError) as exc:
             for output in result.outputs:
                 output.finish_reason, output.error = "error", error_string(exc)
             return result
         for request in requests:
-            # Its text is read at its end (unless stop strings are looked for in it): the
-            # core sends its tokens then, not one update a step.
-            request.final_only = not params.stop and params.logprobs is None
             added.append(request.request_id)
             refused = self.core.add_request(request)
             if refused is not None:

@@ -269,7 +269,8 @@ class AsyncEngine:
         try:
             if token_ids is None:
                 token_ids = self.inputs.tokenize(prompt, add_special_tokens)
-            requests = self.inputs.make_requests(request_id, token_ids, params, prompt_text)
+            requests = self.inputs.make_requests(request_id, token_ids, params, prompt_text,
+                                                 final_only=output_kind == "final" and not token_times)
         except GenerationError:
             self.num_errors += 1
             raise
@@ -289,10 +290,8 @@ class AsyncEngine:
         stream = RequestStream(output, child_ids, self._release, max_buffered, output_kind)
         self._streams[request_id] = stream
         self._by_child.update((child, stream) for child in child_ids)
-        final_only = output_kind == "final" and not token_times and not params.stop and params.logprobs is None
         try:
             for request in requests:
-                request.final_only = final_only
                 self._client.send(request)
         except EngineDeadError:
             self._release(stream)
@@ -356,10 +355,11 @@ class AsyncEngine:
             loop = self._loop
             if loop is not None and loop.is_closed() and isinstance(message, StepOutputs):
                 # Its loop ended with streams left open (never closed): nobody can read
-                # them, so stop generating for them now instead of to max_tokens (all of
-                # them: a final_only request is heard of only every FINAL_ONLY_PULSE tokens).
-                live = [u.request_id for u in message.updates if u.finish_reason is None]
-                live += [child for child in list(self._by_child) if child not in live]
+                # them, so stop generating for them now instead of to max_tokens. All of
+                # them, not only those in this message: a final_only request is heard of
+                # only every FINAL_ONLY_PULSE tokens. (A stream closed earlier was aborted
+                # then and left `_by_child`.)
+                live = list(self._by_child)
                 if live and not self.errored:
                     try:
                         self._client.send(Abort(live))

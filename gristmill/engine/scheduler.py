@@ -45,7 +45,7 @@ class Scheduler:
         self.num_constrained = 0
         #: Unfinished requests that are not `Request.plain`: while there are none, every
         #: step is all plain greedy rows (`SchedulerOutput.plain`).
-        self.num_fancy = 0
+        self.num_not_plain = 0
 
     # -- requests in and out -------------------------------------------------------
 
@@ -56,7 +56,7 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
         self.num_constrained += request.needs_known_tokens
-        self.num_fancy += not request.plain
+        self.num_not_plain += not request.plain
 
     def finish_request(self, request_id: str, reason: str) -> Request | None:
         """End a request now (abort, error, stop string): free its blocks at once."""
@@ -74,7 +74,7 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self.num_constrained -= request.needs_known_tokens
-        self.num_fancy -= not request.plain
+        self.num_not_plain -= not request.plain
         self.block_manager.free(request)
         self._finished_ids.append(request.request_id)
 
@@ -85,7 +85,7 @@ class Scheduler:
     # -- one step ------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(finished_request_ids=self._finished_ids, plain=self.num_fancy == 0)
+        out = SchedulerOutput(finished_request_ids=self._finished_ids, plain=self.num_not_plain == 0)
         self._finished_ids = []
         budget = self.max_num_batched_tokens
 

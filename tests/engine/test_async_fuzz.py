@@ -141,7 +141,7 @@ def test_async_scheduling_fuzz_matches_the_reference_with_prefix_caching_aborts_
             _check_hashes(core, executor)
             steps += 1
             assert steps < 20_000
-            assert core.scheduler.num_fancy == 0
+            assert core.scheduler.num_not_plain == 0
         for rid, (p, params, eos, final_only) in requests.items():
             expected, reason = reference_output(p, params.max_tokens, 256, vocab, eos)
             tokens, n_updates, got_reason = got[rid]

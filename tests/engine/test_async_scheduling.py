@@ -143,3 +143,48 @@ def test_a_request_aborted_while_its_step_runs_ends_and_the_next_run_is_clean(ti
     results, _ = _run(core, requests)
     fresh, _ = _run(_core(tiny_gemma, False, device), requests)
     assert results == fresh
+
+
+def _run_schedule(core: EngineCore, schedule: dict) -> tuple[dict, list[bool]]:
+    """`schedule`: {step number: [("add", id, prompt, params, final_only) | ("abort", id)]}.
+    Returns each request's tokens ("aborted" for one aborted) and, per step, whether it
+    was all plain greedy rows."""
+    got, plain_steps, step = {}, [], 0
+    while step <= max(schedule) or core.has_unfinished:
+        for action in schedule.get(step, []):
+            if action[0] == "add":
+                _, request_id, prompt, params, final_only = action
+                message = AddRequest(request_id, prompt, params, frozenset())
+                message.final_only = final_only
+                assert core.add_request(message) is None
+                got[request_id] = []
+            elif core.scheduler.requests.get(action[1]) is not None:
+                core.abort([action[1]])
+                got[action[1]] = "aborted"  # (async hears of one token less by then)
+        plain_steps.append(core.scheduler.num_not_plain == 0)
+        for update in core.step():
+            if isinstance(got[update.request_id], list):
+                got[update.request_id] += update.new_token_ids
+        step += 1
+        assert step < 500
+    assert core.block_manager.num_free_blocks == core.block_manager.num_total_blocks
+    return got, plain_steps
+
+
+def test_plain_and_controlled_steps_alternating_with_changing_rows_are_the_same_as_synchronous(tiny_gemma, device):
+    # Plain greedy steps (the forward's argmax, no pass over the rows) and steps with
+    # penalties (which read the last step's pending tokens by row) alternate, while rows
+    # change between steps: requests end, join mid-flight and are aborted.
+    greedy = SamplingParams(max_tokens=14, temperature=0)
+    schedule = {
+        0: [("add", f"g{i}", _prompt(i, 3 + i), greedy, i % 2 == 0) for i in range(4)],
+        3: [("add", "pen", _prompt(9, 5), greedy.clone(repetition_penalty=1.7, frequency_penalty=0.8), False)],
+        5: [("abort", "g1"), ("add", "g5", _prompt(5, 1), greedy, True)],
+        7: [("add", "pen2", _prompt(11, 2), greedy.clone(presence_penalty=1.5, max_tokens=4), False)],
+        9: [("add", "g6", _prompt(6, 4), greedy, False)],
+        14: [("add", "late", _prompt(12, 6), greedy.clone(max_tokens=6), True)],
+    }
+    sync, _ = _run_schedule(_core(tiny_gemma, False, device), schedule)
+    got, plain_steps = _run_schedule(_core(tiny_gemma, True, device), schedule)
+    assert any(plain_steps) and not all(plain_steps)
+    assert got == sync

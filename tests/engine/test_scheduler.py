@@ -538,7 +538,7 @@ def test_a_step_is_plain_only_while_every_unfinished_request_is_plain_greedy():
         sched.finish_request(name, "abort")
         assert sched.schedule().plain, name
     sched.finish_request("g", "abort")
-    assert sched.num_fancy == 0 and sched.schedule().plain
+    assert sched.num_not_plain == 0 and sched.schedule().plain
 
 
 @pytest.mark.parametrize("stop_on", ["length", "eos"])
