@@ -1,7 +1,9 @@
-"""What a batch row's request costs the host when its tokens come from the engine core
-once, at its end (`AsyncEngine.generate(..., output_kind="final", token_times=False)`,
-what batch rows ask), against once a step (`token_times=True`, what the server's
-non-streamed responses ask, for their latency histograms).
+"""What a request with `output_kind="final"` costs the host: its tokens come from the
+engine core once, at its end, with (`token_times=True`, what the server's non-streamed
+responses ask, for their latency histograms) or without (`token_times=False`, what batch
+rows ask) the time each token became known. `--before REV` measures git revision REV
+too, each side in its own process (benchmarks/revisions.py): before 5b1d2d9 (2026-11-25),
+`token_times=True` meant an update from the core every step.
 
 Side by side in one run, alternating, best of a few runs each: `--requests` greedy
 requests of `--steps` tokens through an AsyncEngine (the engine core in its own
@@ -9,22 +11,25 @@ process) over the tiny model of benchmarks/host_overhead.py (one small layer, th
 bundled model's real tokenizer), so the host's work is most of what is timed. Prints
 generated tok/s, the CPU seconds of the client and of the engine core, and ratios.
 
-    python benchmarks/final_outputs.py [--requests 256] [--steps 64] [--runs 3]
+    python benchmarks/final_outputs.py [--requests 256] [--steps 64] [--runs 3] [--before REV]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
 import resource
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 from gristmill import AsyncEngine, EngineConfig, SamplingParams
 from host_overhead import VOCAB, tiny_model_with_real_tokenizer
+from revisions import compare
 
 
 def core_cpu_seconds(pid: int) -> float:
@@ -55,12 +60,7 @@ def one_run(engine: AsyncEngine, prompts, params: SamplingParams, token_times: b
             "core cpu s": core_cpu_seconds(engine.core_pid) - core_before}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--requests", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=64)
-    parser.add_argument("--runs", type=int, default=3)
-    args = parser.parse_args()
+def measure(args) -> dict[str, float]:
     rng = random.Random(0)
     params = SamplingParams(max_tokens=args.steps, temperature=0, ignore_eos=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -79,11 +79,31 @@ def main() -> None:
                         best[token_times] = figures
         finally:
             engine.shutdown()
+    return {f"{name}, {label}": best[token_times][name] for token_times, label in ((True, "times"),
+                                                                                  (False, "no times"))
+            for name in ("tok/s", "client cpu s", "core cpu s")}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--before", metavar="REV", help="measure git revision REV too, side by side")
+    parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.json:
+        print(json.dumps(measure(args)))
+        return
     print(f"{args.requests} requests x {args.steps} tokens, output_kind='final', best of {args.runs}:")
-    print(f"{'':>14} {'per step':>10} {'at the end':>11} {'end / step':>11}")
+    if args.before:
+        compare(__file__, args.before, sys.argv[1:], label="", digits=2)
+        return
+    figures = measure(args)
+    print(f"{'':>14} {'token_times':>12} {'no times':>9} {'no / with':>10}")
     for name in ("tok/s", "client cpu s", "core cpu s"):
-        each, end = best[True][name], best[False][name]
-        print(f"{name:>14} {each:>10.2f} {end:>11.2f} {end / each:>10.2f}x")
+        each, end = figures[f"{name}, times"], figures[f"{name}, no times"]
+        print(f"{name:>14} {each:>12.2f} {end:>9.2f} {end / each:>9.2f}x")
 
 
 if __name__ == "__main__":

@@ -129,10 +129,11 @@ class AsyncEngine:
         Cancelling the consuming task (or leaving the loop early) aborts the request.
         `output_kind`: "cumulative" (each output holds everything so far), "delta" (only
         what is new) or "final" (one output, at the end; nothing copied per step).
-        `token_times=False` with "final": the caller needs no time of each token's arrival
-        (`metrics.token_arrivals`), so a request without stop strings or logprobs gets its
-        tokens from the engine core once, at its end, instead of every step (less work per
-        step in both processes; an aborted one then ends with no text)."""
+        A "final" request without stop strings or logprobs gets its tokens from the engine
+        core once, at its end, instead of every step (less work per step in both
+        processes; aborted, it ends with no text). `token_times`: `metrics.token_arrivals`
+        holds each token's time (for such a request, when the core knew it); False: the
+        caller needs none (a final-only request's arrivals are then one, at its end)."""
         stream = self.add_request(prompt, sampling_params, request_id, add_special_tokens=add_special_tokens,
                                   output_kind=output_kind, token_times=token_times)
         try:
@@ -270,7 +271,7 @@ class AsyncEngine:
             if token_ids is None:
                 token_ids = self.inputs.tokenize(prompt, add_special_tokens)
             requests = self.inputs.make_requests(request_id, token_ids, params, prompt_text,
-                                                 final_only=output_kind == "final" and not token_times)
+                                                 final_only=output_kind == "final", token_times=token_times)
         except GenerationError:
             self.num_errors += 1
             raise

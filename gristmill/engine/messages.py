@@ -28,6 +28,10 @@ class RequestUpdate:
     finish_reason: str | None
     #: "<ErrorType>: <message>" when finish_reason is "error".
     error: str | None = None
+    #: A `final_only` request's last update, when its client asked for them
+    #: (`AddRequest.token_times`): when each of its output tokens became known in the
+    #: core (`time.monotonic()`, one per token).
+    token_times: list[float] | None = None
 
 
 # -- client -> core ----------------------------------------------------------------
@@ -57,6 +61,10 @@ class AddRequest:
     #: stream): the core sends one update, at its end, with every token, instead of one a
     #: step (`Request.final_only`).
     final_only: bool = False
+    #: With `final_only`: the core notes when each token becomes known and sends those
+    #: times with the tokens (`RequestUpdate.token_times`), for the client's latency
+    #: metrics (time to first token, between tokens).
+    token_times: bool = False
 
 
 @dataclass(slots=True)

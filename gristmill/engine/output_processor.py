@@ -100,7 +100,10 @@ class OutputProcessor:
             output.token_ids.extend(update.new_token_ids)
             metrics = live.parent.metrics
             if metrics is not None and update.new_token_ids:
-                metrics.token_arrivals.append((now, len(update.new_token_ids)))
+                if update.token_times is not None:  # (a final-only request's, noted by the core)
+                    _add_arrivals(metrics.token_arrivals, update.token_times)
+                else:
+                    metrics.token_arrivals.append((now, len(update.new_token_ids)))
             if update.new_logprobs is not None and output.logprobs is not None:
                 output.logprobs.extend(update.new_logprobs)
             changed[id(live.parent)] = live.parent
@@ -153,3 +156,16 @@ class OutputProcessor:
         except Exception:  # noqa: BLE001 - it ends either way, with the text it had
             live.output.delta_text = ""
         return live.parent
+
+
+def _add_arrivals(arrivals: list[tuple[float, int]], times: list[float]) -> None:
+    """Add a token at each of `times` (one completion's, from the core) to `arrivals`,
+    kept as the steps would have brought them: in time order, one entry per time with
+    the tokens of every completion (n > 1) that became known then."""
+    if not arrivals:
+        arrivals.extend((at, 1) for at in times)
+        return
+    merged = dict(arrivals)
+    for at in times:
+        merged[at] = merged.get(at, 0) + 1
+    arrivals[:] = sorted(merged.items())

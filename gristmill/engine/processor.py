@@ -41,12 +41,14 @@ class InputProcessor:
         return list(prompt)
 
     def make_requests(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      prompt: str | None = None, final_only: bool = False) -> list[AddRequest]:
+                      prompt: str | None = None, final_only: bool = False,
+                      token_times: bool = False) -> list[AddRequest]:
         """One AddRequest per completion (`params.n`); raises RequestError when invalid.
         `params.max_tokens=None` becomes the room left after this prompt. `final_only`:
         the caller reads nothing of the request before its end, so the core sends its
         tokens once, then (`AddRequest.final_only`), unless the client needs them as they
-        come: to look for stop strings, or for their logprobs."""
+        come: to look for stop strings, or for their logprobs. `token_times`: with them,
+        the core sends when each token became known (`AddRequest.token_times`)."""
         params.ensure_valid()
         if params.max_tokens is None:
             room = max(1, self.max_new_tokens(len(prompt_token_ids)))
@@ -63,12 +65,13 @@ class InputProcessor:
         fault_tag = prompt if faults.ACTIVE else None
         bad_words = self.bad_words_ids(params.bad_words)
         final_only = final_only and not params.stop and params.logprobs is None
+        token_times = final_only and token_times
         if params.n == 1:
             return [AddRequest(request_id, prompt_token_ids, params, self.eos_token_ids, fault_tag, bad_words,
-                               final_only)]
+                               final_only, token_times)]
         return [AddRequest(child_request_id(request_id, i), prompt_token_ids,
                            params.derived(n=1, seed=_child_seed(params.seed, i)), self.eos_token_ids, fault_tag,
-                           bad_words, final_only)
+                           bad_words, final_only, token_times)
                 for i in range(params.n)]
 
     def bad_words_ids(self, words: list[str]) -> tuple[tuple[int, ...], ...]:

@@ -54,6 +54,9 @@ class Request:
     #: (but an empty one every `scheduler.FINAL_ONLY_PULSE` tokens), then one with every
     #: output token.
     final_only: bool = False
+    #: With `final_only`, when the client wants them (`AddRequest.token_times`): when
+    #: each output token became known (`time.monotonic()`); else None.
+    token_times: list[float] | None = None
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)

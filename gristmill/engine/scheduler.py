@@ -14,6 +14,7 @@ request comes back the same way and reuses whatever of its own blocks is still c
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from gristmill import faults
@@ -178,7 +179,7 @@ class Scheduler:
         samples. A request that ended since has left `requests`; one added since under
         the same id is not pending yet (a step is advanced after the one before it is
         resolved), so neither is touched."""
-        updates, requests = [], self.requests
+        updates, requests, now = [], self.requests, time.monotonic()
         sampled = StepTokens.of(sampled)
         for request_id, token_id, logprobs in zip(sampled.request_ids, sampled.token_ids, sampled.logprobs):
             request = requests.get(request_id)
@@ -186,6 +187,8 @@ class Scheduler:
                 continue
             request.token_ids[-1] = token_id
             request.pending = False
+            if request.token_times is not None:
+                request.token_times.append(now)
             logprobs = None if logprobs is None else [logprobs]
             if token_id in request.stop_ids or request.final or request.matcher is not None:
                 reason = request.stop_reason_after(token_id, request.final)
@@ -196,7 +199,7 @@ class Scheduler:
                 if reason is not None:
                     self.finish_request(request_id, reason)
                     updates.append(RequestUpdate(request_id, request.output_token_ids if request.final_only
-                                                 else [token_id], logprobs, reason, error))
+                                                 else [token_id], logprobs, reason, error, request.token_times))
                     continue
             if not request.final_only:  # (most rows: it goes on)
                 updates.append(RequestUpdate(request_id, [token_id], logprobs, None))

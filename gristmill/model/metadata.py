@@ -57,11 +57,9 @@ def build_host_step(sequences: Sequence[tuple[Sequence[int], int, Sequence[int],
     ids = np.fromiter(chain.from_iterable(new_ids), dtype=np.int64, count=num_tokens)
     # each sequence's block ids, left-aligned in a (num_seqs, width) table padded with 0
     width = max(int(num_blocks.max()) if num_seqs else 1, 1)
-    flat_blocks = np.fromiter(chain.from_iterable(blocks), dtype=np.int64, count=int(num_blocks.sum()))
-    block_start = np.cumsum(num_blocks) - num_blocks
     tables = np.zeros((num_seqs, width), dtype=np.int64)
-    rows = np.repeat(np.arange(num_seqs), num_blocks)
-    tables[rows, np.arange(len(flat_blocks)) - block_start[rows]] = flat_blocks
+    tables[np.arange(width) < num_blocks[:, None]] = np.fromiter(  # (row-major: each row's blocks in order)
+        chain.from_iterable(blocks), dtype=np.int64, count=int(num_blocks.sum()))
     # position of each token: its sequence's first new position + its index within it
     if num_tokens == num_seqs:  # one token each (decodes)
         seq_of_token, positions = np.arange(num_seqs), starts

@@ -90,29 +90,46 @@ def test_a_final_output_is_decoded_once_at_its_end_and_reads_as_a_streamed_one(e
     assert cut.finish_reason == "stop" and cut.text == streamed.text[:streamed.text.index(stop)]
 
 
-def test_a_final_output_without_token_times_comes_from_the_core_once_and_reads_the_same(engine):
-    """`token_times=False` (what batch rows ask): the core sends a "final" request's
-    tokens once, at its end, not every step; its output is the one a streamed request
-    gets. A request that needs its tokens as they come (stop strings, logprobs) still
-    gets them every step."""
+def test_a_final_output_comes_from_the_core_once_and_reads_the_same(engine, monkeypatch):
+    """The core sends a "final" request's tokens once, at its end, not every step (with
+    an empty beat every FINAL_ONLY_PULSE tokens); its output is the one a streamed
+    request gets. With `token_times` (the default; the server's latency metrics read
+    them) the core sends when each token became known; without (what batch rows ask),
+    the arrivals are one per completion. A request that needs its tokens as they come
+    (stop strings, logprobs) still gets them every step."""
+    updates = []  # (request id, tokens) of every update the client processes: a spy
+    process = engine.outputs.process
+    monkeypatch.setattr(engine.outputs, "process",
+                        lambda batch, *a: updates.extend((u.request_id, len(u.new_token_ids)) for u in batch)
+                        or process(batch, *a))
+
     async def final(prompt, params, token_times):
         async for out in engine.generate(prompt, params, output_kind="final", token_times=token_times):
             pass
         return out
 
+    def token_updates(out):
+        return sorted(count for request_id, count in updates if request_id.startswith(out.request_id) and count)
+
     params = SamplingParams(max_tokens=24, temperature=0.8, seed=3, n=2, ignore_eos=True)
     prompt = "The river ran"
-    quiet = asyncio.run(final(prompt, params, False))
     streamed = collect(engine, prompt, params, "cumulative")[-1]
-    assert [(o.text, o.token_ids, o.finish_reason) for o in quiet.outputs] == \
-        [(o.text, o.token_ids, o.finish_reason) for o in streamed.outputs]
-    assert all(len(o.token_ids) == 24 and o.text for o in quiet.outputs)
-    # one arrival per completion, each with all its tokens: the core sent nothing before
-    assert sorted(count for _, count in quiet.metrics.token_arrivals) == [24, 24]
-    assert len(asyncio.run(final(prompt, params, True)).metrics.token_arrivals) > 2
+    for token_times in (False, True):
+        quiet = asyncio.run(final(prompt, params, token_times))
+        assert [(o.text, o.token_ids, o.finish_reason) for o in quiet.outputs] == \
+            [(o.text, o.token_ids, o.finish_reason) for o in streamed.outputs]
+        assert all(len(o.token_ids) == 24 and o.text for o in quiet.outputs)
+        assert token_updates(quiet) == [24, 24], token_times  # one update per completion
+        arrivals = quiet.metrics.token_arrivals
+        if token_times:  # the time of each step that sampled tokens, and how many
+            assert sum(count for _, count in arrivals) == 48 and len(arrivals) >= 24
+            times = [at for at, _ in arrivals]
+            assert times == sorted(set(times)) and times[0] >= quiet.metrics.arrival_time
+        else:
+            assert sorted(count for _, count in arrivals) == [24, 24]
     for needs_tokens in (dict(stop=["never-there"]), dict(logprobs=1)):
         loud = asyncio.run(final(prompt, params.clone(**needs_tokens), False))
-        assert len(loud.metrics.token_arrivals) > 2, needs_tokens
+        assert len(token_updates(loud)) > 2 and len(loud.metrics.token_arrivals) > 2, needs_tokens
 
 
 def test_an_unknown_output_kind_is_a_request_error(engine):

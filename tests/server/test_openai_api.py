@@ -203,6 +203,23 @@ def test_prefix_cache_metrics_move_when_requests_share_a_prefix(server, client):
     assert 0 < metric(server, "gristmill_prefix_cache_hit_rate") < 1
 
 
+def test_a_whole_response_still_times_each_token(server, client):
+    """A non-streamed response's tokens come from the engine core once, at its end, with
+    the time each became known: the latency histograms still get a first token and a gap
+    between each two steps that brought tokens (both completions sample in each step)."""
+    names = ("gristmill_time_to_first_token_seconds_count", "gristmill_time_to_first_token_seconds_sum",
+             "gristmill_inter_token_latency_seconds_count", "gristmill_e2e_request_latency_seconds_sum")
+    before = [metric(server, name) for name in names]
+    start = time.monotonic()
+    result = client.completions.create(model=MODEL, prompt="Count slowly:", max_tokens=12, n=2, temperature=0.9,
+                                       seed=5, extra_body={"ignore_eos": True})
+    wall = time.monotonic() - start
+    assert [c.finish_reason for c in result.choices] == ["length", "length"]
+    ttft_count, ttft_sum, itl_count, e2e_sum = (metric(server, name) - b for name, b in zip(names, before))
+    assert ttft_count == 1 and itl_count == 12 - 1
+    assert 0 < ttft_sum < e2e_sum <= wall
+
+
 def test_disconnect_frees_blocks(server, auth):
     body = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 2000, "temperature": 0,
             "ignore_eos": True, "stream": True}
