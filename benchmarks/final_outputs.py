@@ -2,7 +2,7 @@
 engine core once, at its end, with (`token_times=True`, what the server's non-streamed
 responses ask, for their latency histograms) or without (`token_times=False`, what batch
 rows ask) the time each token became known. `--before REV` measures git revision REV
-too, each side in its own process (benchmarks/revisions.py): before 5b1d2d9 (2026-11-25),
+too, each side in its own process (benchmarks/revisions.py): up to 1682e05 (2026-11-25),
 `token_times=True` meant an update from the core every step.
 
 Side by side in one run, alternating, best of a few runs each: `--requests` greedy

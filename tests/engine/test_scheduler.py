@@ -4,6 +4,7 @@ model, no torch. Every step is checked against the scheduler's invariants."""
 from __future__ import annotations
 
 import random
+import time
 import subprocess
 import sys
 from collections import defaultdict
@@ -544,24 +545,33 @@ def test_a_step_is_plain_only_while_every_unfinished_request_is_plain_greedy():
 @pytest.mark.parametrize("stop_on", ["length", "eos"])
 def test_a_final_only_request_sends_one_update_at_its_end_with_every_token(stop_on):
     # An offline request (AddRequest.final_only) costs no update a step: the core sends
-    # its tokens once, when it ends, and they are the tokens a step-by-step twin got.
+    # its tokens once, when it ends, and they are the tokens a step-by-step twin got. One
+    # whose client wants token times (AddRequest.token_times) gets each token's time too.
     h = Harness(max_num_batched_tokens=64, max_num_seqs=4, num_blocks=64, block_size=4)
     eos_at = {"length": None, "eos": 3}[stop_on]
-    script = {} if eos_at is None else {name: {eos_at: EOS} for name in ("quiet", "loud")}
+    script = {} if eos_at is None else {name: {eos_at: EOS} for name in ("quiet", "loud", "timed")}
     h.executor.script = script
     quiet = h.add("quiet", prompt(1, 6), max_tokens=6)
     quiet.final_only = True
+    timed = h.add("timed", prompt(1, 6), max_tokens=6)
+    timed.final_only, timed.token_times = True, []
     loud = h.add("loud", prompt(1, 6), max_tokens=6)
-    seen = defaultdict(list)
+    seen, step_ends = defaultdict(list), []
     while h.core.has_unfinished:
         _, updates = h.step()
+        step_ends.append(time.monotonic())
         for update in updates:
             seen[update.request_id].append(update)
-    assert len(seen["quiet"]) == 1 and len(seen["loud"]) == len(loud.output_token_ids) > 1
-    (last,) = seen["quiet"]
-    assert last.finish_reason == seen["loud"][-1].finish_reason == ("stop" if eos_at else "length")
-    assert last.new_token_ids == quiet.output_token_ids == loud.output_token_ids
+    assert len(seen["quiet"]) == len(seen["timed"]) == 1 and len(seen["loud"]) == len(loud.output_token_ids) > 1
+    (last,), (last_timed,) = seen["quiet"], seen["timed"]
+    assert last.finish_reason == last_timed.finish_reason == seen["loud"][-1].finish_reason == \
+        ("stop" if eos_at else "length")
+    assert last.new_token_ids == last_timed.new_token_ids == quiet.output_token_ids == loud.output_token_ids
     assert [t for u in seen["loud"] for t in u.new_token_ids] == loud.output_token_ids
+    assert last.token_times is None and all(u.token_times is None for u in seen["loud"])
+    times = last_timed.token_times
+    assert len(times) == len(quiet.output_token_ids) and times == sorted(set(times))  # one step each
+    assert times[-1] <= step_ends[-1] and times[0] <= step_ends[-len(times)]
 
 
 @pytest.mark.parametrize("cfg", [
