@@ -85,6 +85,9 @@ class SchedulerOutput:
     #: Every request it samples is `Request.plain` (greedy, no logprobs, no logits
     #: control, no constraint): its tokens are the argmax of the logits. False: look.
     plain: bool = False
+    #: Its rows that sample (`ScheduledRequest.samples`), counted once it is launched
+    #: (`Scheduler.advance`): the executor must give back a token for each.
+    num_sampled: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -161,17 +161,20 @@ class Scheduler:
         """A step was launched: its tokens count as computed, and each request it samples
         gets a PLACEHOLDER token, so the next step can be scheduled before this one ends
         (async scheduling). A request whose next token is its last either way is `final`."""
-        requests = self.requests
+        requests, num_sampled = self.requests, 0
         for item in out.scheduled:
             request = requests.get(item.request_id)
             if request is None:  # ended (aborted) before the step was launched
+                num_sampled += item.samples
                 continue
             request.num_computed_tokens += len(item.new_token_ids)
             if item.samples:
+                num_sampled += 1
                 token_ids = request.token_ids
                 token_ids.append(PLACEHOLDER)
                 request.pending = True
                 request.final = len(token_ids) >= request.length_limit
+        out.num_sampled = num_sampled
 
     def resolve(self, out: SchedulerOutput, sampled: StepTokens | dict[str, SampledToken]) -> list[RequestUpdate]:
         """A step's sampled tokens are known: put them in place of the placeholders, end
@@ -181,6 +184,11 @@ class Scheduler:
         resolved), so neither is touched."""
         updates, requests, now = [], self.requests, time.monotonic()
         sampled = StepTokens.of(sampled)
+        if not len(sampled.request_ids) == len(sampled.token_ids) == len(sampled.logprobs) == out.num_sampled:
+            # (else a row without its token would stay pending, and its placeholder be fed on)
+            raise RuntimeError(f"the executor returned {len(sampled.request_ids)} request ids, "
+                               f"{len(sampled.token_ids)} tokens and {len(sampled.logprobs)} logprobs "
+                               f"for a step that samples {out.num_sampled} rows")
         for request_id, token_id, logprobs in zip(sampled.request_ids, sampled.token_ids, sampled.logprobs):
             request = requests.get(request_id)
             if request is None or not request.pending:  # ended while the step ran

@@ -4,9 +4,9 @@ model, no torch. Every step is checked against the scheduler's invariants."""
 from __future__ import annotations
 
 import random
-import time
 import subprocess
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -572,6 +572,20 @@ def test_a_final_only_request_sends_one_update_at_its_end_with_every_token(stop_
     times = last_timed.token_times
     assert len(times) == len(quiet.output_token_ids) and times == sorted(set(times))  # one step each
     assert times[-1] <= step_ends[-1] and times[0] <= step_ends[-len(times)]
+
+
+def test_an_executor_that_gives_back_too_few_tokens_fails_the_step():
+    # A sampled row without its token would stay pending, its placeholder fed to the
+    # next step: the step fails instead (the engine then reports itself dead).
+    h = Harness(max_num_batched_tokens=64, max_num_seqs=4, num_blocks=64, block_size=4)
+    h.add("a", prompt(1, 5), max_tokens=4)
+    h.add("b", prompt(2, 5), max_tokens=4)
+    out = h.sched.schedule()
+    h.sched.advance(out)
+    assert out.num_sampled == 2
+    with pytest.raises(RuntimeError, match="returned 1 request ids, 1 tokens and 1 logprobs for a step that "
+                                           "samples 2 rows"):
+        h.sched.resolve(out, {"a": SampledToken(7)})
 
 
 @pytest.mark.parametrize("cfg", [
