@@ -62,7 +62,8 @@ def add_batch_command(commands) -> None:
     parser.add_argument("--address", metavar="ADDR", help="with --runner ray: the Ray cluster to run on, e.g. "
                         "'auto' or 10.0.0.1:6379 (default: RAY_ADDRESS, else a new local cluster)")
     parser.add_argument("--concurrency", type=int, default=1,
-                        help="engine replicas (with --runner ray, actors), each its own engine (default: 1)")
+                        help="engine replicas (with --runner ray, actors), each its own engine (default: 1); "
+                             "on several GPUs, one on each in turn")
     parser.add_argument("--batch-size", type=int, default=64, help="rows per batch (default: 64)")
     parser.add_argument("--max-concurrent-batches", type=int, default=4,
                         help="batches in flight at once (default: 4)")

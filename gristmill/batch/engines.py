@@ -16,6 +16,7 @@ import asyncio
 import logging
 import uuid
 
+from gristmill import gpus
 from gristmill.batch import runtime
 from gristmill.batch.rows import Generated, RowRequest
 from gristmill.batch.stages import LocalStages
@@ -56,16 +57,30 @@ class EnginePool:
         self.replicas: list[_Replica] = []
 
     async def start(self) -> None:
+        """Start every replica: on a machine with several GPUs, one on each in turn; those
+        sharing a GPU split its memory and start one after another (`gristmill.gpus`)."""
         loop = asyncio.get_running_loop()
-        started = await asyncio.gather(*(loop.run_in_executor(None, AsyncEngine, self.config)
-                                         for _ in range(self.concurrency)), return_exceptions=True)
-        errors = [e for e in started if isinstance(e, BaseException)]
+        configs = [self.config] * self.concurrency
+        if self.concurrency > 1 and self.config.device != "cpu":
+            configs = gpus.replica_configs(self.config, self.concurrency, gpus.visible_gpu_count())
+            if configs[0] is not self.config:
+                logger.info("engine replicas on %s", ", ".join(
+                    f"{c.device} (gpu_memory_utilization={c.gpu_memory_utilization:.3g})" for c in configs))
+        engines: list[AsyncEngine | BaseException | None] = [None] * len(configs)
+        for wave in gpus.start_waves(configs):
+            started = await asyncio.gather(*(loop.run_in_executor(None, AsyncEngine, configs[i]) for i in wave),
+                                           return_exceptions=True)
+            for i, engine in zip(wave, started):
+                engines[i] = engine
+            if any(isinstance(e, BaseException) for e in started):
+                break
+        errors = [e for e in engines if isinstance(e, BaseException)]
         if errors:
-            for engine in started:
+            for engine in engines:
                 if isinstance(engine, AsyncEngine):
                     engine.shutdown()
             raise errors[0]
-        self.replicas = [_Replica(self, engine) for engine in started]
+        self.replicas = [_Replica(self, engine) for engine in engines]
 
     @property
     def tokenizer(self):

@@ -142,3 +142,45 @@ def test_real_size_gemma3_greedy_equals_transformers():
             theirs = hf.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=None)[0, ids.shape[1]:]
         agree += out.token_ids == theirs.tolist()
     assert agree >= 3, agree  # bf16 near-ties may flip one prompt
+
+
+@needs_gpu_model
+def test_a_pool_of_two_engines_shares_one_gpu():
+    """`concurrency=2` on a machine with one GPU: both replicas go on it, each with half of
+    gpu_memory_utilization, started one after the other; together they hold about the KV
+    cache one would, and both generate."""
+    import asyncio
+
+    from gristmill import gpus
+    from gristmill.batch import runtime
+    from gristmill.batch.engines import start_pool
+    from gristmill.batch.rows import RowRequest
+
+    assert gpus.visible_gpu_count() == torch.cuda.device_count()
+    config = EngineConfig(model=GPU_MODEL, device="cuda", max_model_len=1024, max_num_seqs=16,
+                          gpu_memory_utilization=0.5)
+    alone = start_pool(config, concurrency=1)
+    try:
+        single_blocks = runtime.call(alone.replicas[0].engine.stats())["num_total_blocks"]
+    finally:
+        runtime.call(alone.close())
+    pool = start_pool(config, concurrency=2)
+    try:
+        engines = [r.engine for r in pool.replicas]
+        stats = [runtime.call(e.stats()) for e in engines]
+        expected = ["cuda:0"] * 2 if torch.cuda.device_count() == 1 else ["cuda:0", "cuda:1"]
+        assert [e.config.device for e in engines] == expected
+        if torch.cuda.device_count() == 1:
+            assert [e.config.gpu_memory_utilization for e in engines] == [0.25, 0.25]
+            both = sum(s["num_total_blocks"] for s in stats)
+            assert 0.7 * single_blocks < both < 1.1 * single_blocks, (both, single_blocks)
+
+        async def rows():
+            params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+            return await asyncio.gather(*(pool.generate(RowRequest(i, f"Row {i}:", None, None, params))
+                                          for i in range(8)))
+        generated = runtime.call(rows())
+        assert all(len(g.token_ids) == 8 for g in generated)
+        assert all(len(r.in_flight) == 0 for r in pool.replicas)
+    finally:
+        runtime.call(pool.close())
