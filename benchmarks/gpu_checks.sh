@@ -26,7 +26,7 @@ part() {  # part NAME SECONDS COMMAND...: run COMMAND into $out/NAME.txt, bounde
 case "${1:-}" in
   tests)
     part tests 540 python3 -m pytest -q tests/cuda tests/engine/test_async_scheduling.py \
-        tests/model/test_triton_kernels.py tests/model/test_logits_controls.py ;;
+        tests/model/test_triton_kernels.py tests/model/test_logits_controls.py tests/batch/test_gpus.py ;;
   speed)
     part throughput 560 python3 benchmarks/throughput_cuda.py --model "$model" --json "$out/throughput.json" ;;
   structured)
