@@ -38,6 +38,7 @@ from gristmill.batch.config import DeploymentProcessorConfig, EngineProcessorCon
 from gristmill.batch.processor import Processor, call_user, naming_row, needs_template, row_id_of
 from gristmill.batch.rows import ERROR_COLUMN, TEMPLATE_ERROR_COLUMN, TEMPLATED_COLUMN
 from gristmill.batch.tables import arrow_table, arrow_types
+from gristmill.config import EngineConfig
 from gristmill.errors import EngineDeadError, GristmillError, RequestError, error_string, last_line, root_cause
 
 #: An engine actor reserves a CPU: it computes. Actors that only wait on a deployment or
@@ -58,6 +59,9 @@ def process_dataset(processor: Processor, dataset, encoded: bool = False):
 
     config = processor.config
     actors, options = stage_actors(config)
+    if isinstance(config, EngineProcessorConfig):
+        engine, options = engine_gpus(config.engine, options, connect().cluster_resources().get("GPU", 0.0))
+        config = dataclasses.replace(config, engine=engine)
     pre = {"num_cpus": 1, **(processor.preprocess_map_kwargs or {})}
     post = {"num_cpus": 1, **(processor.postprocess_map_kwargs or {})}
     check_fits(actors, options, max(pre["num_cpus"], post["num_cpus"]), held=actors_in(dataset))
@@ -108,6 +112,33 @@ def stage_actors(config: ProcessorConfig) -> tuple[int, dict]:
     else:
         actors, defaults = 1, {**CLIENT_ACTOR_OPTIONS, "max_restarts": 0, "max_task_retries": 0}
     return actors, {**defaults, **(config.ray_actor_options or {})}
+
+
+def engine_gpus(engine: EngineConfig, options: dict, cluster_gpus: float) -> tuple[EngineConfig, dict]:
+    """The engine config and Ray options of actors (or Serve replicas) that each own an
+    engine, with GPUs in mind. Ray hides the GPUs from an actor that asks for none, so an
+    engine on "cuda" or "auto" asks for one GPU (`num_gpus=1`) unless `options` say how
+    many, when the cluster has any ("auto" would otherwise run on the CPU). An actor given
+    a fraction of a GPU gets that fraction of `gpu_memory_utilization`: actors sharing a
+    GPU then fit on it together. An engine on "cuda" whose actors get no GPU is refused,
+    saying what to set."""
+    if engine.device == "cpu":
+        return engine, options
+    if "num_gpus" not in options and cluster_gpus > 0:
+        options = {**options, "num_gpus": 1}
+    share = float(options.get("num_gpus") or 0)
+    if share == 0:
+        if engine.device != "auto":
+            why = "the Ray cluster has none" if not cluster_gpus else "ray_actor_options has num_gpus=0"
+            raise RequestError(
+                f"the engine's device is {engine.device!r} but its actors get no GPU ({why}), and Ray hides "
+                f"the GPUs from an actor that asks for none: set ray_actor_options={{'num_gpus': 1}} (or a "
+                f"fraction, to share a GPU), add GPUs to the cluster, or use device='cpu'",
+                param="ray_actor_options")
+        return engine, options
+    if share < 1:
+        engine = dataclasses.replace(engine, gpu_memory_utilization=engine.gpu_memory_utilization * share)
+    return engine, options
 
 
 def actors_in(dataset) -> dict:

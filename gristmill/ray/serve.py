@@ -99,8 +99,10 @@ def deploy(engine: EngineConfig | None = None, *, name: str = "gristmill", app_n
     `max_queued_requests` caps the requests waiting for a replica (-1: no cap); past it
     callers get back-pressure, which processors retry a few times before failing the job.
     `ray_actor_options` are each replica's Ray options (default {"num_cpus": 0}: see
-    docs/ray.md); `threads` sets the engine's torch threads (default: Ray's, which is the
-    replica's num_cpus when it reserves CPUs). Processors reach it with
+    docs/ray.md; an engine on "cuda" or "auto" also gets {"num_gpus": 1} when the cluster
+    has GPUs, and a fraction of a GPU that fraction of gpu_memory_utilization); `threads`
+    sets the engine's torch threads (default: Ray's, which is the replica's num_cpus when
+    it reserves CPUs). Processors reach it with
     `DeploymentProcessorConfig(deployment_name=name, app_name=app_name)`; Ray Data LLM's
     `ServeDeploymentProcessorConfig(deployment_name=name, app_name=app_name)` too.
     `serve.delete(app_name)` stops it.
@@ -123,6 +125,8 @@ def deploy(engine: EngineConfig | None = None, *, name: str = "gristmill", app_n
     from gristmill.engine import builder
     builder.resolve_model_dir(engine)  # a missing model fails here, not in a loop of replica restarts
     options = {**DEFAULT_REPLICA_OPTIONS, **(ray_actor_options or {})}
+    from gristmill.ray.data import connect, engine_gpus
+    engine, options = engine_gpus(engine, options, connect().cluster_resources().get("GPU", 0.0))
     _check_fits(options, num_replicas)
     _wait_for_room(options, num_replicas, app_name)
     deployment = serve.deployment(EngineServer, name=name, num_replicas=num_replicas,

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from gristmill import EngineConfig
 from gristmill.gpus import replica_configs, start_waves, visible_gpu_count
 
@@ -58,3 +60,21 @@ def test_on_cpu_nothing_changes_and_every_replica_starts_at_once():
 def test_this_machine_is_counted_as_cuda_counts_it():
     torch = __import__("torch")
     assert visible_gpu_count(os.environ) == torch.cuda.device_count()
+
+
+def test_engine_actors_on_ray_ask_for_a_gpu_and_share_one_by_its_memory():
+    from gristmill.errors import RequestError
+    from gristmill.ray.data import engine_gpus
+
+    auto, cuda, cpu = EngineConfig(), EngineConfig(device="cuda"), EngineConfig(device="cpu")
+    assert engine_gpus(auto, {"num_cpus": 1}, cluster_gpus=4) == (auto, {"num_cpus": 1, "num_gpus": 1})
+    assert engine_gpus(auto, {"num_cpus": 1}, cluster_gpus=0) == (auto, {"num_cpus": 1})  # CPU: as it was
+    assert engine_gpus(cpu, {"num_cpus": 1}, cluster_gpus=4) == (cpu, {"num_cpus": 1})
+    half, options = engine_gpus(cuda, {"num_gpus": 0.5}, cluster_gpus=1)
+    assert options == {"num_gpus": 0.5} and half.gpu_memory_utilization == 0.45 and half.device == "cuda"
+    for options, gpus, why in (({}, 0, "the Ray cluster has none"),
+                               ({"num_gpus": 0}, 2, "ray_actor_options has num_gpus=0")):
+        with pytest.raises(RequestError, match=rf"device is 'cuda' but its actors get no GPU \({why}.*"
+                                               r"set ray_actor_options=\{'num_gpus': 1\}") as info:
+            engine_gpus(cuda, options, gpus)
+        assert info.value.param == "ray_actor_options"

@@ -70,6 +70,12 @@ def test_stages_that_can_never_run_at_once_fail_at_once_saying_what_to_change():
     gpu = EngineProcessorConfig(engine=ENGINE, ray_actor_options={"num_cpus": 0, "num_gpus": 1})
     with pytest.raises(RequestError, match=r"needs 1 GPUs at once on Ray .* but the cluster has 0"):
         build_processor(gpu)(ray.data.from_items([{"prompt": "Hi"}]))
+    # An engine on "cuda" whose actors would get no GPU (Ray hides them): refused now, not in each actor.
+    cuda = EngineProcessorConfig(engine=EngineConfig(model=ENGINE.model, device="cuda"))
+    with pytest.raises(RequestError, match=r"device is 'cuda' but its actors get no GPU \(the Ray cluster has none\)"):
+        build_processor(cuda)(ray.data.from_items([{"prompt": "Hi"}]))
+    with pytest.raises(RequestError, match=r"device is 'cuda' but its actors get no GPU"):
+        deploy(EngineConfig(model=ENGINE.model, device="cuda"), name="on-gpu", app_name="on-gpu-app")
     missing = EngineProcessorConfig(engine=EngineConfig(model="/nonexistent/model", device="cpu"))
     with pytest.raises(FileNotFoundError, match="model '/nonexistent/model' not found"):
         build_processor(missing)(ray.data.from_items([{"prompt": "Hi"}]))
