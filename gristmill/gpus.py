@@ -51,33 +51,64 @@ def _installed_gpus(driver_gpus: Path) -> int:
     return sum(1 for line in listing.splitlines() if line.startswith("GPU "))
 
 
-def replica_configs(config: EngineConfig, replicas: int, num_gpus: int) -> list[EngineConfig]:
-    """The config of each of `replicas` engines built from `config` on a machine showing
-    `num_gpus` GPUs. On "cuda" or "auto" they go round the GPUs (cuda:0, cuda:1, ...);
-    on one named GPU ("cuda:1") they all go there; on CPU nothing changes. Replicas that
-    share a GPU split its `gpu_memory_utilization` evenly, so together they use what one
-    would (an explicit `kv_cache_memory_gb` or `num_kv_blocks` stays each one's own)."""
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where one replica of a pool runs: its config, and the environment its engine-core
+    process gets (None: this process's, as it is)."""
+
+    config: EngineConfig
+    #: CUDA_VISIBLE_DEVICES for its core: the one GPU it sees (as cuda:0), or None.
+    visible_devices: str | None = None
+    #: Which GPU it runs on, for replicas that share one (None: CPU, or a GPU of its own).
+    gpu: str | None = None
+
+    @property
+    def core_env(self) -> dict[str, str] | None:
+        return None if self.visible_devices is None else {"CUDA_VISIBLE_DEVICES": self.visible_devices}
+
+
+def place_replicas(config: EngineConfig, replicas: int, num_gpus: int,
+                   environ: Mapping[str, str] = os.environ) -> list[Placement]:
+    """Where each of `replicas` engines built from `config` runs, on a machine showing
+    `num_gpus` GPUs. On "cuda" or "auto" they go round the GPUs, each core seeing only
+    its own (CUDA_VISIBLE_DEVICES, as Ray does: "auto" still means the CPU when torch has
+    no CUDA); on one named GPU ("cuda:1") they all go there; on CPU nothing changes.
+    Replicas that share a GPU split its `gpu_memory_utilization` evenly, so together they
+    use what one would (an explicit `kv_cache_memory_gb` or `num_kv_blocks` stays each
+    one's own)."""
     if config.device == "cpu" or (config.device == "auto" and num_gpus == 0):
-        return [config] * replicas
+        return [Placement(config)] * replicas
     if config.device in ("auto", "cuda"):
-        devices = [f"cuda:{i % max(num_gpus, 1)}" for i in range(replicas)]
-    else:
-        devices = [config.device] * replicas
-    sharing = Counter(devices)
-    return [dataclasses.replace(config, device=device,
-                                gpu_memory_utilization=config.gpu_memory_utilization / sharing[device])
-            for device in devices]
+        names = _visible_names(environ, max(num_gpus, 1))
+        gpus = [names[i % len(names)] for i in range(replicas)]
+        placed = [(gpu, gpu) for gpu in gpus]
+    else:  # "cuda:N": the GPU the user named, for all of them
+        placed = [(None, config.device)] * replicas
+    sharing = Counter(gpu for _, gpu in placed)
+    return [Placement(dataclasses.replace(config, gpu_memory_utilization=config.gpu_memory_utilization / sharing[gpu]),
+                      visible, gpu if sharing[gpu] > 1 else None)
+            for visible, gpu in placed]
 
 
-def start_waves(configs: list[EngineConfig]) -> list[list[int]]:
-    """The replicas (indices of `configs`) to start together, wave after wave: those on
-    different GPUs (or on CPU) at once, those sharing a GPU one after another, so each
+def _visible_names(environ: Mapping[str, str], count: int) -> list[str]:
+    """How this process's GPUs are named in CUDA_VISIBLE_DEVICES: its own entries when it
+    is set (indices or UUIDs), else 0, 1, ..."""
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return [str(i) for i in range(count)]
+    return [entry.strip() for entry in visible.split(",")][:count]
+
+
+def start_waves(placements: list[Placement]) -> list[list[int]]:
+    """The replicas (indices of `placements`) to start together, wave after wave: those on
+    GPUs of their own (or on CPU) at once, those sharing a GPU one after another, so each
     sizes its KV cache from the memory the ones before it left."""
     waves: list[list[int]] = []
     seen: Counter[str] = Counter()
-    for i, config in enumerate(configs):
-        rank = seen[config.device] if config.device.startswith("cuda") else 0
-        seen[config.device] += 1
+    for i, placement in enumerate(placements):
+        rank = 0 if placement.gpu is None else seen[placement.gpu]
+        if placement.gpu is not None:
+            seen[placement.gpu] += 1
         if rank == len(waves):
             waves.append([])
         waves[rank].append(i)

@@ -102,7 +102,7 @@ class EngineProcessorConfig(_EngineBacked):
 
     engine: EngineConfig = field(default_factory=EngineConfig)
     #: Engine replicas, each its own engine-core process; rows go to the least busy.
-    #: With device "cuda" or "auto" on several GPUs, replica i runs on cuda:(i % GPUs);
+    #: With device "cuda" or "auto" on several GPUs, replica i runs on GPU i % GPUs;
     #: replicas sharing a GPU split its gpu_memory_utilization (`gristmill.gpus`).
     concurrency: int = 1
 

@@ -60,15 +60,20 @@ class EnginePool:
         """Start every replica: on a machine with several GPUs, one on each in turn; those
         sharing a GPU split its memory and start one after another (`gristmill.gpus`)."""
         loop = asyncio.get_running_loop()
-        configs = [self.config] * self.concurrency
+        placements = [gpus.Placement(self.config)] * self.concurrency
         if self.concurrency > 1 and self.config.device != "cpu":
-            configs = gpus.replica_configs(self.config, self.concurrency, gpus.visible_gpu_count())
-            if configs[0] is not self.config:
-                logger.info("engine replicas on %s", ", ".join(
-                    f"{c.device} (gpu_memory_utilization={c.gpu_memory_utilization:.3g})" for c in configs))
-        engines: list[AsyncEngine | BaseException | None] = [None] * len(configs)
-        for wave in gpus.start_waves(configs):
-            started = await asyncio.gather(*(loop.run_in_executor(None, AsyncEngine, configs[i]) for i in wave),
+            placements = gpus.place_replicas(self.config, self.concurrency, gpus.visible_gpu_count())
+            if placements[0].config is not self.config:
+                logger.info("engine replicas: %s", ", ".join(
+                    f"GPU {p.visible_devices or p.config.device} (gpu_memory_utilization="
+                    f"{p.config.gpu_memory_utilization:.3g})" for p in placements))
+
+        def start(placement: gpus.Placement) -> AsyncEngine:
+            return AsyncEngine(placement.config, core_env=placement.core_env)
+
+        engines: list[AsyncEngine | BaseException | None] = [None] * len(placements)
+        for wave in gpus.start_waves(placements):
+            started = await asyncio.gather(*(loop.run_in_executor(None, start, placements[i]) for i in wave),
                                            return_exceptions=True)
             for i, engine in zip(wave, started):
                 engines[i] = engine

@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 
 from gristmill import faults, startup
 from gristmill.config import EngineConfig
@@ -51,9 +51,13 @@ class AsyncEngine:
     while none is in flight.
     """
 
-    def __init__(self, config: EngineConfig | None = None, **options):
-        """Start an engine (returns once its core is ready); keywords are EngineConfig fields."""
+    def __init__(self, config: EngineConfig | None = None, *, core_env: Mapping[str, str] | None = None,
+                 **options):
+        """Start an engine (returns once its core is ready); keywords are EngineConfig fields.
+        `core_env`: environment variables for the engine-core process, over this one's (an
+        engine pool gives each replica its GPU as CUDA_VISIBLE_DEVICES); kept for restarts."""
         started = time.monotonic()
+        self._core_env = dict(core_env) if core_env else None
         faults.load()  # a malformed GRISTMILL_FAULTS fails here, before any process starts
         self.config = config = config or EngineConfig.from_kwargs(**options)
         builder.start_kernels(self.config)  # a first start compiles them meanwhile
@@ -84,7 +88,7 @@ class AsyncEngine:
         startup.logger.info("engine ready in %.1f s", self.start_seconds)
 
     def _start_core(self) -> tuple[CoreClient, Ready]:
-        client = CoreClient(self._core_config, self._on_core_message, self._on_core_death)
+        client = CoreClient(self._core_config, self._on_core_message, self._on_core_death, self._core_env)
         try:
             return client, client.wait_ready()
         except BaseException:

@@ -23,7 +23,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
@@ -48,7 +48,9 @@ _PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 
 
 class CoreClient:
-    def __init__(self, config: EngineConfig, on_message: Callable, on_death: Callable[[EngineDeadError], None]):
+    def __init__(self, config: EngineConfig, on_message: Callable, on_death: Callable[[EngineDeadError], None],
+                 env: Mapping[str, str] | None = None):
+        """`env`: environment variables for the core process, over this process's."""
         self.config = config
         self._on_message = on_message
         self._on_death = on_death
@@ -63,7 +65,7 @@ class CoreClient:
                 [sys.executable, "-c", _CORE_PROGRAM.format(root=str(_PACKAGE_ROOT)),
                  str(inbox_read), str(outbox_write), str(self.heartbeat.fd), str(os.getpid())],
                 pass_fds=(inbox_read, outbox_write, self.heartbeat.fd), stdin=subprocess.DEVNULL,
-                stdout=_stderr_fd())
+                stdout=_stderr_fd(), env={**os.environ, **env} if env else None)
         finally:
             os.close(inbox_read)
             os.close(outbox_write)

@@ -3,12 +3,13 @@ runs without a GPU (tests/cuda starts a real pool of two on one GPU)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 
 import pytest
 
 from gristmill import EngineConfig
-from gristmill.gpus import replica_configs, start_waves, visible_gpu_count
+from gristmill.gpus import place_replicas, start_waves, visible_gpu_count
 
 
 def driver_dir(tmp_path, gpus: int):
@@ -35,26 +36,33 @@ def test_no_driver_means_no_gpu_unless_named(tmp_path, monkeypatch):
 
 
 def test_replicas_go_round_the_gpus_and_those_sharing_one_split_its_memory():
+    # Each core sees only its GPU (CUDA_VISIBLE_DEVICES, as Ray does), so "auto" still
+    # means the CPU where torch has no CUDA.
     config = EngineConfig(device="cuda", gpu_memory_utilization=0.9, max_num_seqs=64)
-    configs = replica_configs(config, 5, num_gpus=2)
-    assert [c.device for c in configs] == ["cuda:0", "cuda:1", "cuda:0", "cuda:1", "cuda:0"]
-    shares = [c.gpu_memory_utilization for c in configs]
+    placed = place_replicas(config, 5, num_gpus=2, environ={})
+    assert [p.core_env for p in placed] == [{"CUDA_VISIBLE_DEVICES": gpu} for gpu in "01010"]
+    shares = [p.config.gpu_memory_utilization for p in placed]
     assert shares[0] == shares[2] == shares[4] == 0.9 / 3 and shares[1] == shares[3] == 0.9 / 2
-    assert all(c.max_num_seqs == 64 for c in configs)  # the rest of the config is the same
-    assert start_waves(configs) == [[0, 1], [2, 3], [4]]  # on one GPU, one after another
+    assert all(p.config.device == "cuda" and p.config.max_num_seqs == 64 for p in placed)  # the rest as it was
+    assert start_waves(placed) == [[0, 1], [2, 3], [4]]  # on one GPU, one after another
 
-    assert [c.device for c in replica_configs(EngineConfig(device="auto"), 3, num_gpus=4)] == \
-        ["cuda:0", "cuda:1", "cuda:2"]
-    one = replica_configs(EngineConfig(device="cuda:1"), 2, num_gpus=4)  # the GPU named: both share it
-    assert [(c.device, c.gpu_memory_utilization) for c in one] == [("cuda:1", 0.45), ("cuda:1", 0.45)]
+    # The GPUs this process may use, by the names it was given.
+    auto = place_replicas(EngineConfig(), 3, num_gpus=4, environ={"CUDA_VISIBLE_DEVICES": "3,GPU-9f,5,7"})
+    assert [p.visible_devices for p in auto] == ["3", "GPU-9f", "5"]
+    assert all(p.config.device == "auto" and p.config.gpu_memory_utilization == 0.9 for p in auto)
+    assert start_waves(auto) == [[0, 1, 2]]  # a GPU each: all at once
+
+    one = place_replicas(EngineConfig(device="cuda:1"), 2, num_gpus=4, environ={})  # named: both share it
+    assert [(p.config.device, p.config.gpu_memory_utilization, p.core_env) for p in one] == \
+        [("cuda:1", 0.45, None), ("cuda:1", 0.45, None)]
     assert start_waves(one) == [[0], [1]]
 
 
 def test_on_cpu_nothing_changes_and_every_replica_starts_at_once():
     for config, gpus in ((EngineConfig(device="cpu"), 2), (EngineConfig(device="auto"), 0)):
-        configs = replica_configs(config, 3, gpus)
-        assert all(c is config for c in configs)
-        assert start_waves(configs) == [[0, 1, 2]]
+        placed = place_replicas(config, 3, gpus, environ={})
+        assert all(p.config is config and p.core_env is None for p in placed)
+        assert start_waves(placed) == [[0, 1, 2]]
 
 
 def test_this_machine_is_counted_as_cuda_counts_it():
@@ -78,3 +86,35 @@ def test_engine_actors_on_ray_ask_for_a_gpu_and_share_one_by_its_memory():
                                                r"set ray_actor_options=\{'num_gpus': 1\}") as info:
             engine_gpus(cuda, options, gpus)
         assert info.value.param == "ray_actor_options"
+
+
+def core_environ(engine) -> dict[str, str]:
+    raw = open(f"/proc/{engine.core_pid}/environ", "rb").read().split(b"\0")
+    return dict(entry.decode().split("=", 1) for entry in raw if b"=" in entry)
+
+
+def test_a_pool_on_a_machine_with_two_gpus_gives_each_core_its_own(monkeypatch):
+    """Two GPUs named, torch without CUDA (this machine): each replica's core sees its own
+    GPU, "auto" still runs on the CPU there, both generate; a restarted core sees the
+    same GPU."""
+    from gristmill.batch import runtime
+    from gristmill.batch.engines import start_pool
+    from gristmill.batch.rows import RowRequest
+    from gristmill.sampling import SamplingParams
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    pool = start_pool(EngineConfig(device="auto", max_model_len=128), concurrency=2)
+    try:
+        engines = [replica.engine for replica in pool.replicas]
+        assert [core_environ(e)["CUDA_VISIBLE_DEVICES"] for e in engines] == ["0", "1"]
+        assert [e.config.gpu_memory_utilization for e in engines] == [0.9, 0.9]  # a GPU each
+
+        async def rows():
+            params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+            return await asyncio.gather(*(pool.generate(RowRequest(i, f"Row {i}:", None, None, params))
+                                          for i in range(4)))
+        assert [g.num_generated_tokens for g in runtime.call(rows())] == [4] * 4
+        engines[1].restart()
+        assert core_environ(engines[1])["CUDA_VISIBLE_DEVICES"] == "1"
+    finally:
+        runtime.call(pool.close())
