@@ -21,8 +21,9 @@ DRIVER_GPUS = Path("/proc/driver/nvidia/gpus")
 
 def visible_gpu_count(environ: Mapping[str, str] = os.environ, driver_gpus: Path = DRIVER_GPUS) -> int:
     """The GPUs CUDA will show this process: those `CUDA_VISIBLE_DEVICES` names when it
-    is set (CUDA stops reading it at the first entry that is empty or negative), else
-    every GPU the driver lists (`nvidia-smi -L` where /proc does not say)."""
+    is set (CUDA shows those before the first invalid entry: empty, negative, or an
+    index past the GPUs installed), else every GPU the driver lists (`nvidia-smi -L`
+    where /proc does not say)."""
     installed = _installed_gpus(driver_gpus)
     visible = environ.get("CUDA_VISIBLE_DEVICES")
     if visible is None:
@@ -30,7 +31,7 @@ def visible_gpu_count(environ: Mapping[str, str] = os.environ, driver_gpus: Path
     named = 0
     for entry in visible.split(","):
         entry = entry.strip()
-        if not entry or entry.startswith("-"):
+        if not entry or entry.startswith("-") or (entry.isdigit() and installed and int(entry) >= installed):
             break
         named += 1
     return min(named, installed) if installed else named

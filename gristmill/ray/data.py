@@ -136,6 +136,11 @@ def engine_gpus(engine: EngineConfig, options: dict, cluster_gpus: float) -> tup
                 f"fraction, to share a GPU), add GPUs to the cluster, or use device='cpu'",
                 param="ray_actor_options")
         return engine, options
+    index = engine.device.partition(":")[2]
+    if index and int(index) >= max(1, int(share)):
+        raise RequestError(
+            f"the engine's device is {engine.device!r}, but an actor sees only the {max(1, int(share))} GPU(s) Ray "
+            f"gives it, as cuda:0 and up: use device='cuda' (Ray picks the GPU)", param="device")
     if share < 1:
         engine = dataclasses.replace(engine, gpu_memory_utilization=engine.gpu_memory_utilization * share)
     return engine, options

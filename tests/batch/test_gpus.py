@@ -26,6 +26,8 @@ def test_visible_gpu_count_reads_the_driver_and_cuda_visible_devices(tmp_path):
     assert visible_gpu_count({"CUDA_VISIBLE_DEVICES": ""}, four) == 0  # none: CUDA sees no GPU
     assert visible_gpu_count({"CUDA_VISIBLE_DEVICES": "0,-1,2"}, four) == 1  # CUDA stops at -1
     assert visible_gpu_count({"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5"}, four) == 4  # not more than there are
+    assert visible_gpu_count({"CUDA_VISIBLE_DEVICES": "0,7,1"}, four) == 1  # CUDA stops at an index past them
+    assert visible_gpu_count({"CUDA_VISIBLE_DEVICES": "4,0"}, four) == 0
 
 
 def test_no_driver_means_no_gpu_unless_named(tmp_path, monkeypatch):
@@ -86,6 +88,10 @@ def test_engine_actors_on_ray_ask_for_a_gpu_and_share_one_by_its_memory():
                                                r"set ray_actor_options=\{'num_gpus': 1\}") as info:
             engine_gpus(cuda, options, gpus)
         assert info.value.param == "ray_actor_options"
+    with pytest.raises(RequestError, match=r"device is 'cuda:1', but an actor sees only the 1 GPU\(s\) Ray gives it, "
+                                           r"as cuda:0 and up: use device='cuda'"):
+        engine_gpus(EngineConfig(device="cuda:1"), {}, cluster_gpus=4)
+    assert engine_gpus(EngineConfig(device="cuda:1"), {"num_gpus": 2}, 4)[1] == {"num_gpus": 2}
 
 
 def core_environ(engine) -> dict[str, str]:
