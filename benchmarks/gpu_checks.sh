@@ -5,6 +5,7 @@
 #   bash .gpu/remote.sh bash benchmarks/gpu_checks.sh tests       # the CUDA tests (~4 min)
 #   bash .gpu/remote.sh bash benchmarks/gpu_checks.sh speed       # throughput vs transformers (~5 min)
 #   bash .gpu/remote.sh bash benchmarks/gpu_checks.sh structured  # masking cost on CUDA (~3 min)
+#   bash .gpu/remote.sh bash benchmarks/gpu_checks.sh defaults    # gristmill batch: engine defaults on CUDA (~3 min)
 #
 # Each part writes its full output under $OUT (or ./gpu-results) and prints its last
 # lines; a part that fails does not stop the next one.
@@ -31,7 +32,28 @@ case "${1:-}" in
     part throughput 560 python3 benchmarks/throughput_cuda.py --model "$model" --json "$out/throughput.json" ;;
   structured)
     part structured 300 python3 benchmarks/structured_output.py --device cuda --model "$model" ;;
+  defaults)
+    # Are max_num_seqs=128 / max_num_batched_tokens=2048 (the defaults, CPU-sized) right on
+    # a GPU? 1,024 rows of 100-1,000 prompt tokens and 128 output tokens through
+    # `gristmill batch`, at the defaults and two larger settings; compare the tok/s lines.
+    python3 - "$out/rows.jsonl" <<'PY'
+import json, random, sys
+rng = random.Random(0)
+words = "the of and a to in is you that it he was for on are as with his they at be this have from".split()
+with open(sys.argv[1], "w") as f:
+    for i in range(1024):
+        text = " ".join(rng.choice(words) for _ in range(rng.randint(100, 1000)))
+        f.write(json.dumps({"prompt": text, "sampling_params": {"max_tokens": 128, "ignore_eos": True}}) + "\n")
+PY
+    n=0
+    for flags in "" "--max-num-seqs 256 --max-num-batched-tokens 8192" "--max-num-seqs 512 --max-num-batched-tokens 16384"; do
+      n=$((n + 1))
+      # shellcheck disable=SC2086
+      part "defaults-$n" 240 python3 -c 'import sys; from gristmill.cli import main; main(sys.argv[1:])' batch \
+          "$out/rows.jsonl" -o "$out/out-$n.jsonl" --model "$model" --device cuda --max-model-len 2048 \
+          --batch-size 256 $flags
+    done ;;
   *)
-    echo "usage: $0 tests|speed|structured" >&2
+    echo "usage: $0 tests|speed|structured|defaults" >&2
     exit 2 ;;
 esac
