@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import socket
 import subprocess
 import sys
@@ -25,7 +24,7 @@ import time
 
 from gristmill import LLM, AsyncEngine, EngineConfig, SamplingParams
 from gristmill.batch import DeploymentProcessorConfig, build_processor, deploy
-from revisions import compare
+from revisions import add_revision_args, measure_or_compare
 
 try:
     from throughput import make_prompts
@@ -148,19 +147,13 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--only", default=",".join(BENCHES), help=f"comma-separated, of: {', '.join(BENCHES)}")
-    parser.add_argument("--before", metavar="REV", help="measure git revision REV too, side by side")
-    parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
+    add_revision_args(parser)
     args = parser.parse_args()
-
-    if args.json:
-        print(json.dumps(measure(args)))
+    results = measure_or_compare(__file__, args, measure, label="tok/s", header=(
+        f"{args.rows} rows, {args.output_len} tokens each, greedy; pipeline batch_size={args.batch_size}, "
+        f"max_concurrent_batches={args.max_concurrent_batches}; max_num_seqs={args.max_num_seqs}"))
+    if results is None:
         return
-    print(f"{args.rows} rows, {args.output_len} tokens each, greedy; pipeline batch_size={args.batch_size}, "
-          f"max_concurrent_batches={args.max_concurrent_batches}; max_num_seqs={args.max_num_seqs}", flush=True)
-    if args.before:
-        compare(__file__, args.before, sys.argv[1:], label="tok/s")
-        return
-    results = measure(args)
     raw = results.get("AsyncEngine") or next(iter(results.values()))
     print(f"{'':>14} {'tok/s':>8} {'/ first':>14}" if "AsyncEngine" not in results else
           f"{'':>14} {'tok/s':>8} {'/ AsyncEngine':>14}")

@@ -18,18 +18,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import resource
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 from gristmill import AsyncEngine, EngineConfig, SamplingParams
 from host_overhead import VOCAB, tiny_model_with_real_tokenizer
-from revisions import compare
+from revisions import add_revision_args, measure_or_compare
 
 
 def core_cpu_seconds(pid: int) -> float:
@@ -89,17 +87,12 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--before", metavar="REV", help="measure git revision REV too, side by side")
-    parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
+    add_revision_args(parser)
     args = parser.parse_args()
-    if args.json:
-        print(json.dumps(measure(args)))
+    figures = measure_or_compare(__file__, args, measure, label="", digits=2, header=(
+        f"{args.requests} requests x {args.steps} tokens, output_kind='final', best of {args.runs}:"))
+    if figures is None:
         return
-    print(f"{args.requests} requests x {args.steps} tokens, output_kind='final', best of {args.runs}:")
-    if args.before:
-        compare(__file__, args.before, sys.argv[1:], label="", digits=2)
-        return
-    figures = measure(args)
     print(f"{'':>14} {'token_times':>12} {'no times':>9} {'no / with':>10}")
     for name in ("tok/s", "client cpu s", "core cpu s"):
         each, end = figures[f"{name}, times"], figures[f"{name}, no times"]

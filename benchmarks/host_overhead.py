@@ -21,7 +21,6 @@ import argparse
 import functools
 import json
 import random
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -30,7 +29,7 @@ import torch
 
 from gristmill import LLM, SamplingParams
 from gristmill.paths import resolve_model
-from revisions import compare
+from revisions import add_revision_args, measure_or_compare
 
 VOCAB = 1024
 
@@ -98,17 +97,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--before", metavar="REV", help="measure git revision REV too, side by side")
-    parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
+    add_revision_args(parser)
     args = parser.parse_args()
-    if args.json:
-        print(json.dumps(measure(args)))
+    figures = measure_or_compare(__file__, args, measure, label="host ms", digits=2, header=(
+        f"host ms per decode step, {args.batch} requests, {args.steps} steps, best of {args.runs}:"))
+    if figures is None:
         return
-    print(f"host ms per decode step, {args.batch} requests, {args.steps} steps, best of {args.runs}:")
-    if args.before:
-        compare(__file__, args.before, sys.argv[1:], label="host ms", digits=2)
-        return
-    figures = measure(args)
     for name, value in figures.items():
         print(f"{name:>18}: {value:.2f}")
     print(f"  ratio async / sync: {figures['async scheduling'] / figures['synchronous']:.2f}")

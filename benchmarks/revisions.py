@@ -12,6 +12,7 @@ build by where its sources are), so a second run reuses them instead of compilin
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -61,3 +62,23 @@ def compare(script: str | Path, rev: str, argv: list[str], label: str, digits: i
     for name in after:
         print(f"{name:>{width}} {before[name]:>12.{digits}f} {after[name]:>12.{digits}f} "
               f"{after[name] / before[name]:>12.2f}x")
+
+
+def add_revision_args(parser: argparse.ArgumentParser) -> None:
+    """`--before REV`, and the hidden `--json` a compare runs each side with."""
+    parser.add_argument("--before", metavar="REV", help="measure git revision REV too, side by side")
+    parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
+
+
+def measure_or_compare(script: str | Path, args, measure, header: str, label: str, digits: int = 1) -> dict | None:
+    """What a benchmark's main does first. With --json (one side of a compare) print
+    `measure(args)` as JSON; else print `header` and, with --before REV, compare REV with
+    this tree. Returns the figures of a plain run, for the benchmark to print; else None."""
+    if args.json:
+        print(json.dumps(measure(args)))
+        return None
+    print(header, flush=True)
+    if args.before:
+        compare(script, args.before, sys.argv[1:], label=label, digits=digits)
+        return None
+    return measure(args)
