@@ -4,7 +4,9 @@ A row is sampled by inverting its distribution's cumulative sum at one uniform d
 taken from the request's own generator when it has a seed, so a seeded request samples
 the same tokens whatever else is in the batch. One draw a row, not one per vocabulary
 entry (an exponential race over Gemma 3's 262k tokens cost 3-12x the whole sampler on a
-CPU).
+CPU). On a CPU a top-k or top-p row is drawn from its most likely tokens only
+(`_from_candidates`): sorting a 262k vocabulary took 20 ms a row there, more than the
+model's step.
 """
 
 from __future__ import annotations
@@ -14,6 +16,10 @@ from dataclasses import dataclass
 import torch
 
 from gristmill.sampling import SamplingParams
+
+#: How many of its most likely tokens a top-k / top-p row is drawn from on a CPU (and its
+#: top_k more); a row whose nucleus reaches past them takes the whole vocabulary's path.
+CANDIDATES = 1024
 
 
 def greedy_tokens(logits: torch.Tensor, pieces: int = 64) -> torch.Tensor:
@@ -77,8 +83,8 @@ class Sampler:
                 index = torch.tensor(greedy, device=logits.device)
                 tokens[index] = greedy_tokens(logits[index])
             index = torch.tensor(random, device=logits.device)
-            probs = self._filtered_probs(logits[index], [rows[i].params for i in random])
-            tokens[index] = self._inverse_cdf(probs, [rows[i].generator for i in random], logits[index])
+            draws = self._draws([rows[i].generator for i in random], logits.device)
+            tokens[index] = self._draw_tokens(logits[index], [rows[i].params for i in random], draws)
         wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
         if not wanted:
             return tokens, PendingSample(tokens, self._host_buffer(tokens), _no_logprobs)
@@ -89,6 +95,36 @@ class Sampler:
         """`sample` for rows that are all greedy and want no logprobs."""
         tokens = argmax if argmax is not None else greedy_tokens(logits)
         return tokens, PendingSample(tokens, self._host_buffer(tokens), _no_logprobs)
+
+    def _draws(self, generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
+        """(rows, 1) uniform draws in [0, 1): from a row's own generator (a seeded
+        request), else all at once from the engine's."""
+        draws = torch.empty(len(generators), 1, device=device)
+        shared = [i for i, g in enumerate(generators) if g is None]
+        if shared:
+            draws[torch.tensor(shared, device=device)] = torch.rand(len(shared), 1, device=device,
+                                                                    generator=self.generator)
+        for i, generator in enumerate(generators):
+            if generator is not None:
+                draws[i] = torch.rand(1, device=device, generator=generator)
+        return draws
+
+    def _draw_tokens(self, logits: torch.Tensor, params: list[SamplingParams], draws: torch.Tensor) -> torch.Tensor:
+        """A token per row of (rows, vocab) float logits, drawn at its uniform draw from
+        its distribution after temperature, top_k, top_p and min_p."""
+        narrow = ([j for j, p in enumerate(params) if p.top_k > 0 or p.top_p < 1.0]
+                  if logits.device.type == "cpu" else [])  # (on CUDA it would wait for the device)
+        if not narrow:
+            return _inverse_cdf(self._filtered_probs(logits, params), draws, logits)
+        tokens = torch.empty(len(params), dtype=torch.long)
+        picked, wide = _from_candidates(logits[narrow], [params[j] for j in narrow], draws[narrow])
+        tokens[narrow] = picked
+        chosen = set(narrow)
+        whole = sorted([j for j in range(len(params)) if j not in chosen] + [narrow[w] for w in wide])
+        if whole:
+            tokens[whole] = _inverse_cdf(self._filtered_probs(logits[whole], [params[j] for j in whole]),
+                                         draws[whole], logits[whole])
+        return tokens
 
     def _filtered_probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         device = logits.device
@@ -115,30 +151,6 @@ class Sampler:
             probs = probs.masked_fill(probs < floor, 0.0)
         return probs
 
-    def _inverse_cdf(self, probs: torch.Tensor, generators, logits: torch.Tensor) -> torch.Tensor:
-        """One token per row of `probs` (rows, vocab), drawn with its probability: the
-        first index whose cumulative sum passes u * total, u uniform in [0, 1). A row
-        whose probabilities are not a distribution (an overflow made them NaN, or nothing
-        is left) takes the argmax of its `logits`: never an id outside the vocabulary."""
-        cdf = probs.cumsum(dim=-1)  # (rows, vocab)
-        total = cdf[:, -1:]
-        draws = torch.empty_like(total)
-        shared = [i for i, g in enumerate(generators) if g is None]
-        if shared:
-            draws[torch.tensor(shared, device=probs.device)] = torch.rand(
-                len(shared), 1, device=probs.device, generator=self.generator)
-        for i, generator in enumerate(generators):
-            if generator is not None:
-                draws[i] = torch.rand(1, device=probs.device, generator=generator)
-        # Strictly below the total, so the token found has a probability above zero
-        # (the cumulative sum rises there) even when u * total rounds up to the total.
-        target = torch.minimum(draws * total, torch.nextafter(total, torch.zeros_like(total)))
-        tokens = torch.searchsorted(cdf, target, right=True)[:, 0].clamp(max=probs.shape[-1] - 1)
-        broken = ~(total[:, 0] > 0) | ~torch.isfinite(total[:, 0])
-        if probs.device.type == "cpu" and not bool(broken.any()):
-            return tokens  # (on CUDA a select on the device instead: no sync)
-        return torch.where(broken, greedy_tokens(logits.nan_to_num(nan=float("-inf"))), tokens)
-
     def _with_logprobs(self, logits: torch.Tensor, rows: list[SamplerRow], tokens: torch.Tensor,
                        wanted: list[int]) -> "PendingSample":
         """Token ids, and for the rows in `wanted` {token: logprob} of the sampled token and
@@ -152,6 +164,61 @@ class Sampler:
         packed = torch.cat([tokens.double(), chosen[:, 0].double(), top_values.double().flatten(),
                             top_ids.double().flatten()])
         return PendingSample(packed, self._host_buffer(packed), lambda values: _unpack_logprobs(values, rows, wanted, k))
+
+
+def _inverse_cdf(probs: torch.Tensor, draws: torch.Tensor, logits: torch.Tensor,
+                 ids: torch.Tensor | None = None) -> torch.Tensor:
+    """One token per row of `probs` (rows, n), drawn with its probability: the first
+    column whose cumulative sum passes draw * total. `ids`: the token id of each column
+    (None: column j is token j). A row whose probabilities are not a distribution (an
+    overflow made them NaN, or nothing is left) takes the argmax of its `logits` (rows,
+    vocab): never an id outside the vocabulary."""
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    # Strictly below the total, so the token found has a probability above zero
+    # (the cumulative sum rises there) even when u * total rounds up to the total.
+    target = torch.minimum(draws * total, torch.nextafter(total, torch.zeros_like(total)))
+    column = torch.searchsorted(cdf, target, right=True).clamp(max=probs.shape[-1] - 1)
+    tokens = (column if ids is None else ids.gather(1, column))[:, 0]
+    broken = ~(total[:, 0] > 0) | ~torch.isfinite(total[:, 0])
+    if probs.device.type == "cpu" and not bool(broken.any()):
+        return tokens  # (on CUDA a select on the device instead: no sync)
+    return torch.where(broken, greedy_tokens(logits.nan_to_num(nan=float("-inf"))), tokens)
+
+
+def _from_candidates(logits: torch.Tensor, params: list[SamplingParams], draws: torch.Tensor
+                     ) -> tuple[torch.Tensor, list[int]]:
+    """Tokens of top-k / top-p rows of (rows, vocab) float logits, drawn from their
+    CANDIDATES (+ top_k) most likely tokens as `Sampler._filtered_probs` and the inverse
+    CDF over the whole vocabulary would draw them: the same tokens kept (all of them
+    are among the candidates), the same cumulative sums in token-id order, the same
+    draw. Also the rows whose nucleus reaches past the candidates: their tokens are
+    left for the whole vocabulary's path."""
+    rows, vocab = logits.shape
+    ks = torch.tensor([p.top_k if 0 < p.top_k < vocab else 0 for p in params])
+    values, ids = logits.topk(min(vocab, int(ks.max()) + CANDIDATES), dim=-1)  # most likely first
+    temps = torch.tensor([p.temperature for p in params])[:, None]
+    scaled = values / temps
+    limited = ks > 0
+    probs = torch.empty_like(scaled)
+    if bool(limited.any()):  # top_k: every token at least as likely as the k-th stays
+        kth = scaled[limited].gather(1, (ks[limited] - 1)[:, None])
+        probs[limited] = scaled[limited].masked_fill(scaled[limited] < kth, float("-inf")).softmax(dim=-1)
+    if not bool(limited.all()):  # else the probabilities of the whole vocabulary, as that path has them
+        whole = ~limited
+        probs[whole] = (logits[whole] / temps[whole]).softmax(dim=-1).gather(1, ids[whole])
+    top_ps = torch.tensor([p.top_p for p in params])[:, None]
+    running = probs.cumsum(dim=-1)
+    # A token ranked after the nucleus is dropped; the most likely stays.
+    drop = running - probs >= top_ps
+    drop[:, 0] = False
+    wide = (~limited & (running[:, -1] < top_ps[:, 0])).nonzero()[:, 0].tolist()
+    probs = probs.masked_fill(drop, 0.0)
+    min_ps = torch.tensor([p.min_p for p in params])[:, None]
+    if bool((min_ps > 0).any()):
+        probs = probs.masked_fill(probs < probs[:, :1] * min_ps, 0.0)
+    order = ids.argsort(dim=-1)
+    return _inverse_cdf(probs.gather(1, order), draws, logits, ids.gather(1, order)), wide
 
 
 class PendingSample:

@@ -57,3 +57,29 @@ def test_a_seeded_row_samples_the_same_tokens_whatever_the_batch():
     alone = run(0)
     assert run(5) == alone == run(2)
     assert len(set(alone)) > 5  # it does sample
+
+
+def test_top_k_and_top_p_rows_draw_from_their_candidates_what_the_whole_vocabulary_would_give():
+    """On a CPU a top-k / top-p row is drawn from its most likely tokens only; at the same
+    draw it gets the token the whole vocabulary's path (softmax, a sort of every token,
+    the inverse CDF in token-id order) gives. A row whose nucleus is wider than the
+    candidates (a flat distribution) takes that path itself."""
+    from gristmill.model.sampler import CANDIDATES, _inverse_cdf
+
+    vocab = 32768
+    generator = torch.Generator().manual_seed(3)
+    sharp = torch.randn(48, vocab, generator=generator) * 4
+    ties = sharp.bfloat16().float()  # bf16 logits: many exact ties
+    flat = torch.randn(8, vocab, generator=generator) * 0.1  # the nucleus reaches far past the candidates
+    params = [SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(temperature=1.3, top_p=0.95, min_p=0.01),
+              SamplingParams(temperature=0.7, top_k=40), SamplingParams(temperature=1.0, top_k=2000, top_p=0.8),
+              SamplingParams(temperature=1.1), SamplingParams(temperature=0.9, top_p=0.5, top_k=5)]
+    sampler = Sampler(seed=0, device=torch.device("cpu"))
+    for logits in (sharp, ties, flat):
+        rows = [params[i % len(params)] for i in range(len(logits))]
+        draws = torch.rand(len(logits), 1, generator=generator)
+        fast = sampler._draw_tokens(logits, rows, draws)
+        whole = _inverse_cdf(sampler._filtered_probs(logits, rows), draws, logits)
+        assert (fast == whole).float().mean() >= 0.98, (fast != whole).nonzero()
+        assert 0 <= int(fast.min()) and int(fast.max()) < vocab
+    assert CANDIDATES < vocab  # (else nothing here took the candidates' path)
