@@ -18,7 +18,8 @@ import torch
 from gristmill.sampling import SamplingParams
 
 #: How many of its most likely tokens a top-k / top-p row is drawn from on a CPU (and its
-#: top_k more); a row whose nucleus reaches past them takes the whole vocabulary's path.
+#: top_k more); a row whose nucleus reaches past them tries 8x as many, then takes the
+#: whole vocabulary's path.
 CANDIDATES = 1024
 
 
@@ -117,10 +118,14 @@ class Sampler:
         if not narrow:
             return _inverse_cdf(self._filtered_probs(logits, params), draws, logits)
         tokens = torch.empty(len(params), dtype=torch.long)
-        picked, wide = _from_candidates(logits[narrow], [params[j] for j in narrow], draws[narrow])
-        tokens[narrow] = picked
-        chosen = set(narrow)
-        whole = sorted([j for j in range(len(params)) if j not in chosen] + [narrow[w] for w in wide])
+        chosen, left = set(narrow), narrow
+        for count in (CANDIDATES, 8 * CANDIDATES):  # (a flat distribution, a high temperature: more)
+            picked, wide = _from_candidates(logits[left], [params[j] for j in left], draws[left], count)
+            tokens[left] = picked
+            left = [left[w] for w in wide]
+            if not left:
+                break
+        whole = sorted([j for j in range(len(params)) if j not in chosen] + left)
         if whole:
             tokens[whole] = _inverse_cdf(self._filtered_probs(logits[whole], [params[j] for j in whole]),
                                          draws[whole], logits[whole])
@@ -186,17 +191,17 @@ def _inverse_cdf(probs: torch.Tensor, draws: torch.Tensor, logits: torch.Tensor,
     return torch.where(broken, greedy_tokens(logits.nan_to_num(nan=float("-inf"))), tokens)
 
 
-def _from_candidates(logits: torch.Tensor, params: list[SamplingParams], draws: torch.Tensor
-                     ) -> tuple[torch.Tensor, list[int]]:
+def _from_candidates(logits: torch.Tensor, params: list[SamplingParams], draws: torch.Tensor,
+                     count: int = CANDIDATES) -> tuple[torch.Tensor, list[int]]:
     """Tokens of top-k / top-p rows of (rows, vocab) float logits, drawn from their
-    CANDIDATES (+ top_k) most likely tokens as `Sampler._filtered_probs` and the inverse
+    `count` (+ top_k) most likely tokens as `Sampler._filtered_probs` and the inverse
     CDF over the whole vocabulary would draw them: the same tokens kept (all of them
     are among the candidates), the same cumulative sums in token-id order, the same
     draw. Also the rows whose nucleus reaches past the candidates: their tokens are
     left for the whole vocabulary's path."""
     rows, vocab = logits.shape
     ks = torch.tensor([p.top_k if 0 < p.top_k < vocab else 0 for p in params])
-    values, ids = logits.topk(min(vocab, int(ks.max()) + CANDIDATES), dim=-1)  # most likely first
+    values, ids = logits.topk(min(vocab, int(ks.max()) + count), dim=-1)  # most likely first
     temps = torch.tensor([p.temperature for p in params])[:, None]
     scaled = values / temps
     limited = ks > 0
