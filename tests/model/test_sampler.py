@@ -80,6 +80,7 @@ def test_top_k_and_top_p_rows_draw_from_their_candidates_what_the_whole_vocabula
         draws = torch.rand(len(logits), 1, generator=generator)
         fast = sampler._draw_tokens(logits, rows, draws)
         whole = _inverse_cdf(sampler._filtered_probs(logits, rows), draws, logits)
-        assert (fast == whole).float().mean() >= 0.98, (fast != whole).nonzero()
+        # (exact here; a tie at the nucleus' edge may order two tokens otherwise than a sort)
+        assert int((fast != whole).sum()) <= 2, (fast != whole).nonzero()
         assert 0 <= int(fast.min()) and int(fast.max()) < vocab
     assert CANDIDATES < vocab  # (else nothing here took the candidates' path)
