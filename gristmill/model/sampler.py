@@ -118,11 +118,19 @@ class Sampler:
         if not narrow:
             return _inverse_cdf(self._filtered_probs(logits, params), draws, logits)
         tokens = torch.empty(len(params), dtype=torch.long)
-        chosen, left = set(narrow), narrow
+        chosen, left, vocab = set(narrow), narrow, logits.shape[-1]
         for count in (CANDIDATES, 8 * CANDIDATES):  # (a flat distribution, a high temperature: more)
-            picked, wide = _from_candidates(logits[left], [params[j] for j in left], draws[left], count)
-            tokens[left] = picked
-            left = [left[w] for w in wide]
+            # Rows grouped by how many candidates each takes, a number of its own: how
+            # `topk` orders tied logits depends on it, so it must not depend on other rows.
+            groups: dict[int, list[int]] = {}
+            for j in left:
+                top_k = params[j].top_k if 0 < params[j].top_k < vocab else 0
+                groups.setdefault(min(vocab, top_k + count), []).append(j)
+            left = []
+            for width, group in groups.items():
+                picked, wide = _from_candidates(logits[group], [params[j] for j in group], draws[group], width)
+                tokens[group] = picked
+                left += [group[w] for w in wide]
             if not left:
                 break
         whole = sorted([j for j in range(len(params)) if j not in chosen] + left)
@@ -192,16 +200,16 @@ def _inverse_cdf(probs: torch.Tensor, draws: torch.Tensor, logits: torch.Tensor,
 
 
 def _from_candidates(logits: torch.Tensor, params: list[SamplingParams], draws: torch.Tensor,
-                     count: int = CANDIDATES) -> tuple[torch.Tensor, list[int]]:
+                     width: int) -> tuple[torch.Tensor, list[int]]:
     """Tokens of top-k / top-p rows of (rows, vocab) float logits, drawn from their
-    `count` (+ top_k) most likely tokens as `Sampler._filtered_probs` and the inverse
+    `width` (> any top_k of theirs) most likely tokens as `Sampler._filtered_probs` and the inverse
     CDF over the whole vocabulary would draw them: the same tokens kept (all of them
     are among the candidates), the same cumulative sums in token-id order, the same
     draw. Also the rows whose nucleus reaches past the candidates: their tokens are
     left for the whole vocabulary's path."""
     rows, vocab = logits.shape
     ks = torch.tensor([p.top_k if 0 < p.top_k < vocab else 0 for p in params])
-    values, ids = logits.topk(min(vocab, int(ks.max()) + count), dim=-1)  # most likely first
+    values, ids = logits.topk(width, dim=-1)  # most likely first
     temps = torch.tensor([p.temperature for p in params])[:, None]
     scaled = values / temps
     limited = ks > 0

@@ -84,3 +84,32 @@ def test_top_k_and_top_p_rows_draw_from_their_candidates_what_the_whole_vocabula
         assert int((fast != whole).sum()) <= 2, (fast != whole).nonzero()
         assert 0 <= int(fast.min()) and int(fast.max()) < vocab
     assert CANDIDATES < vocab  # (else nothing here took the candidates' path)
+
+
+def test_a_seeded_top_p_row_samples_the_same_tokens_beside_a_top_k_row_with_bf16_logits():
+    """`topk` orders tied logits (bf16 gives many) differently at another width, and which
+    of two tied tokens at the nucleus' edge is kept moves the token drawn: a row's
+    candidates are counted from its own top_k, never from the other rows' (the batch's
+    largest top_k + 1,024 changed ~3% of this row's tokens beside a top_k=50 row)."""
+    vocab = 32768
+    source = torch.Generator().manual_seed(1)
+    steps = [(torch.randn(1, vocab, generator=source) * 3).bfloat16().float() for _ in range(200)]
+    others = torch.randn(1, vocab, generator=source) * 3
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=42)
+
+    def run(other: SamplingParams | None) -> list[int]:
+        sampler = Sampler(seed=7, device=torch.device("cpu"))
+        generator = torch.Generator().manual_seed(42)
+        tokens = []
+        for logits in steps:
+            rows = [SamplerRow(seeded, generator)]
+            if other is not None:
+                logits = torch.cat([logits, others])
+                rows.append(SamplerRow(other, None))
+            tokens.append(sampler(logits, rows)[0][0])
+        return tokens
+
+    alone = run(None)
+    assert run(SamplingParams(temperature=1.0, top_p=0.9)) == alone  # (same width: passes)
+    beside_top_k = run(SamplingParams(temperature=1.0, top_k=50))
+    assert beside_top_k == alone, [i for i, (a, b) in enumerate(zip(alone, beside_top_k)) if a != b]
