@@ -26,11 +26,11 @@ class LogitsControls:
         self.device = device
 
     def apply(self, logits: torch.Tensor, items: list[ScheduledRequest], token_buffer: torch.Tensor,
-              rows: dict[str, int] | Callable[[], dict[str, int]]) -> bool:
+              rows: Callable[[], dict[str, int]]) -> bool:
         """Apply every row's controls to `logits` (num_rows, vocab) in place. `items`: the
-        ScheduledRequest of each row; `token_buffer[rows[request_id]]`: the id of a
-        request's pending token (`rows` may be a function giving that dict, called only
-        when a penalty needs it). Returns whether any row asked for one."""
+        ScheduledRequest of each row; `token_buffer[rows()[request_id]]`: the id of a
+        request's pending token (`rows` is called only when a penalty needs it). Returns
+        whether any row asked for one."""
         controlled = [j for j, item in enumerate(items) if item.controlled]
         if not controlled:  # (most steps: one pass over the rows)
             return False
@@ -44,7 +44,7 @@ class LogitsControls:
             self._ban(logits, [(j, items[j]) for j in banned])
         if penalized:
             self._penalize(logits, [items[j] for j in penalized], penalized, token_buffer,
-                           rows() if callable(rows) else rows)
+                           rows())
         return bool(biased or banned or penalized)
 
     def _bias(self, logits: torch.Tensor, biased: list) -> None:

@@ -59,7 +59,7 @@ def test_penalties_equal_transformers_and_openai_formulas():
              dict(), dict(repetition_penalty=0.8, presence_penalty=-1.5, frequency_penalty=2.0)]
     requests = [_request(p, o, **c) for p, o, c in zip(prompts, outputs, cases)]
     got = logits.clone()
-    assert LogitsControls(torch.device("cpu")).apply(got, [_item(r) for r in requests], torch.zeros(4), {})
+    assert LogitsControls(torch.device("cpu")).apply(got, [_item(r) for r in requests], torch.zeros(4), dict)
 
     hf_rep = transformers.RepetitionPenaltyLogitsProcessor
     expected0 = hf_rep(1.3)(torch.tensor([prompts[0] + outputs[0]]), logits[0:1].clone())[0]
@@ -82,8 +82,8 @@ def test_a_pending_token_counts_from_the_device_buffer():
     buffer = torch.tensor([0, 0, 31], dtype=torch.int32)
     controls = LogitsControls(torch.device("cpu"))
     a, b = logits[:1].clone(), logits[:1].clone()
-    controls.apply(a, [_item(known)], buffer, {})
-    controls.apply(b, [_item(pending)], buffer, {pending.request_id: 2})
+    controls.apply(a, [_item(known)], buffer, dict)
+    controls.apply(b, [_item(pending)], buffer, lambda: {pending.request_id: 2})
     assert torch.equal(a, b)
     assert not torch.equal(a, logits[:1])
 
