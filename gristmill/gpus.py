@@ -19,22 +19,26 @@ from gristmill.config import EngineConfig
 DRIVER_GPUS = Path("/proc/driver/nvidia/gpus")
 
 
-def visible_gpu_count(environ: Mapping[str, str] = os.environ, driver_gpus: Path = DRIVER_GPUS) -> int:
-    """The GPUs CUDA will show this process: those `CUDA_VISIBLE_DEVICES` names when it
-    is set (CUDA shows those before the first invalid entry: empty, negative, or an
-    index past the GPUs installed), else every GPU the driver lists (`nvidia-smi -L`
-    where /proc does not say)."""
+def visible_gpus(environ: Mapping[str, str] = os.environ, driver_gpus: Path = DRIVER_GPUS) -> list[str]:
+    """The GPUs CUDA will show this process, as CUDA_VISIBLE_DEVICES names them: its
+    entries when it is set (CUDA shows those before the first invalid one: empty,
+    negative, or an index past the GPUs installed), else 0, 1, ... for every GPU the
+    driver lists (`nvidia-smi -L` where /proc does not say)."""
     installed = _installed_gpus(driver_gpus)
     visible = environ.get("CUDA_VISIBLE_DEVICES")
     if visible is None:
-        return installed
-    named = 0
+        return [str(i) for i in range(installed)]
+    names = []
     for entry in visible.split(","):
         entry = entry.strip()
         if not entry or entry.startswith("-") or (entry.isdigit() and installed and int(entry) >= installed):
             break
-        named += 1
-    return min(named, installed) if installed else named
+        names.append(entry)
+    return names[:installed] if installed else names
+
+
+def visible_gpu_count(environ: Mapping[str, str] = os.environ, driver_gpus: Path = DRIVER_GPUS) -> int:
+    return len(visible_gpus(environ, driver_gpus))
 
 
 def _installed_gpus(driver_gpus: Path) -> int:
@@ -68,36 +72,25 @@ class Placement:
         return None if self.visible_devices is None else {"CUDA_VISIBLE_DEVICES": self.visible_devices}
 
 
-def place_replicas(config: EngineConfig, replicas: int, num_gpus: int,
-                   environ: Mapping[str, str] = os.environ) -> list[Placement]:
+def place_replicas(config: EngineConfig, replicas: int, gpus: list[str]) -> list[Placement]:
     """Where each of `replicas` engines built from `config` runs, on a machine showing
-    `num_gpus` GPUs. On "cuda" or "auto" they go round the GPUs, each core seeing only
+    `gpus` (`visible_gpus`). On "cuda" or "auto" they go round the GPUs, each core seeing only
     its own (CUDA_VISIBLE_DEVICES, as Ray does: "auto" still means the CPU when torch has
     no CUDA); on one named GPU ("cuda:1") they all go there; on CPU nothing changes.
     Replicas that share a GPU split its `gpu_memory_utilization` evenly, so together they
     use what one would (an explicit `kv_cache_memory_gb` or `num_kv_blocks` stays each
     one's own)."""
-    if config.device == "cpu" or (config.device == "auto" and num_gpus == 0):
+    if config.device == "cpu" or (config.device == "auto" and not gpus):
         return [Placement(config)] * replicas
     if config.device in ("auto", "cuda"):
-        names = _visible_names(environ, max(num_gpus, 1))
-        gpus = [names[i % len(names)] for i in range(replicas)]
-        placed = [(gpu, gpu) for gpu in gpus]
+        names = gpus or ["0"]  # (none counted, "cuda" asked: the first)
+        placed = [(names[i % len(names)],) * 2 for i in range(replicas)]
     else:  # "cuda:N": the GPU the user named, for all of them
         placed = [(None, config.device)] * replicas
     sharing = Counter(gpu for _, gpu in placed)
     return [Placement(dataclasses.replace(config, gpu_memory_utilization=config.gpu_memory_utilization / sharing[gpu]),
                       visible, gpu if sharing[gpu] > 1 else None)
             for visible, gpu in placed]
-
-
-def _visible_names(environ: Mapping[str, str], count: int) -> list[str]:
-    """How this process's GPUs are named in CUDA_VISIBLE_DEVICES: its own entries when it
-    is set (indices or UUIDs), else 0, 1, ..."""
-    visible = environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is None:
-        return [str(i) for i in range(count)]
-    return [entry.strip() for entry in visible.split(",")][:count]
 
 
 def start_waves(placements: list[Placement]) -> list[list[int]]:

@@ -62,7 +62,7 @@ class EnginePool:
         loop = asyncio.get_running_loop()
         placements = [gpus.Placement(self.config)] * self.concurrency
         if self.concurrency > 1 and self.config.device != "cpu":
-            placements = gpus.place_replicas(self.config, self.concurrency, gpus.visible_gpu_count())
+            placements = gpus.place_replicas(self.config, self.concurrency, gpus.visible_gpus())
             if placements[0].config is not self.config:
                 logger.info("engine replicas: %s", ", ".join(
                     f"GPU {p.visible_devices or p.config.device} (gpu_memory_utilization="

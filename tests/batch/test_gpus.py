@@ -9,7 +9,7 @@ import os
 import pytest
 
 from gristmill import EngineConfig
-from gristmill.gpus import place_replicas, start_waves, visible_gpu_count
+from gristmill.gpus import place_replicas, start_waves, visible_gpu_count, visible_gpus
 
 
 def driver_dir(tmp_path, gpus: int):
@@ -22,6 +22,8 @@ def test_visible_gpu_count_reads_the_driver_and_cuda_visible_devices(tmp_path):
     four = driver_dir(tmp_path, 4)
     assert visible_gpu_count({}, four) == 4
     assert visible_gpu_count({"CUDA_VISIBLE_DEVICES": "2,3"}, four) == 2
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": " 3, GPU-9f,0,7"}, four) == ["3", "GPU-9f", "0"]  # as named
+    assert visible_gpus({}, four) == ["0", "1", "2", "3"]
     assert visible_gpu_count({"CUDA_VISIBLE_DEVICES": "GPU-1a2b, GPU-3c4d"}, four) == 2  # UUIDs count too
     assert visible_gpu_count({"CUDA_VISIBLE_DEVICES": ""}, four) == 0  # none: CUDA sees no GPU
     assert visible_gpu_count({"CUDA_VISIBLE_DEVICES": "0,-1,2"}, four) == 1  # CUDA stops at -1
@@ -41,7 +43,7 @@ def test_replicas_go_round_the_gpus_and_those_sharing_one_split_its_memory():
     # Each core sees only its GPU (CUDA_VISIBLE_DEVICES, as Ray does), so "auto" still
     # means the CPU where torch has no CUDA.
     config = EngineConfig(device="cuda", gpu_memory_utilization=0.9, max_num_seqs=64)
-    placed = place_replicas(config, 5, num_gpus=2, environ={})
+    placed = place_replicas(config, 5, ["0", "1"])
     assert [p.core_env for p in placed] == [{"CUDA_VISIBLE_DEVICES": gpu} for gpu in "01010"]
     shares = [p.config.gpu_memory_utilization for p in placed]
     assert shares[0] == shares[2] == shares[4] == 0.9 / 3 and shares[1] == shares[3] == 0.9 / 2
@@ -49,20 +51,20 @@ def test_replicas_go_round_the_gpus_and_those_sharing_one_split_its_memory():
     assert start_waves(placed) == [[0, 1], [2, 3], [4]]  # on one GPU, one after another
 
     # The GPUs this process may use, by the names it was given.
-    auto = place_replicas(EngineConfig(), 3, num_gpus=4, environ={"CUDA_VISIBLE_DEVICES": "3,GPU-9f,5,7"})
+    auto = place_replicas(EngineConfig(), 3, ["3", "GPU-9f", "5", "7"])
     assert [p.visible_devices for p in auto] == ["3", "GPU-9f", "5"]
     assert all(p.config.device == "auto" and p.config.gpu_memory_utilization == 0.9 for p in auto)
     assert start_waves(auto) == [[0, 1, 2]]  # a GPU each: all at once
 
-    one = place_replicas(EngineConfig(device="cuda:1"), 2, num_gpus=4, environ={})  # named: both share it
+    one = place_replicas(EngineConfig(device="cuda:1"), 2, ["0", "1", "2", "3"])  # named: both share it
     assert [(p.config.device, p.config.gpu_memory_utilization, p.core_env) for p in one] == \
         [("cuda:1", 0.45, None), ("cuda:1", 0.45, None)]
     assert start_waves(one) == [[0], [1]]
 
 
 def test_on_cpu_nothing_changes_and_every_replica_starts_at_once():
-    for config, gpus in ((EngineConfig(device="cpu"), 2), (EngineConfig(device="auto"), 0)):
-        placed = place_replicas(config, 3, gpus, environ={})
+    for config, gpus in ((EngineConfig(device="cpu"), ["0", "1"]), (EngineConfig(device="auto"), [])):
+        placed = place_replicas(config, 3, gpus)
         assert all(p.config is config and p.core_env is None for p in placed)
         assert start_waves(placed) == [[0, 1, 2]]
 
