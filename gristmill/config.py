@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import Field, dataclass, field, fields
+from dataclasses import Field, dataclass, field, fields, replace
 
 from gristmill.errors import RequestError
 
@@ -35,9 +35,12 @@ class EngineConfig:
         0.9, "Fraction of the GPU's memory the engine may use, weights included; the KV cache gets what "
              "is left of it (CUDA only, when kv_cache_memory_gb and num_kv_blocks are unset).")
     num_kv_blocks: int | None = _field(None, "Exact number of KV cache blocks (overrides kv_cache_memory_gb).")
-    max_num_batched_tokens: int = _field(
-        2048, "Most tokens (prefill chunks + decodes) computed in one engine step.")
-    max_num_seqs: int = _field(128, "Most requests running at once.")
+    max_num_batched_tokens: int | None = _field(
+        None, "Most tokens (prefill chunks + decodes) computed in one engine step. None = 2048 on "
+              "CPU, 8192 on CUDA (and at least max_num_seqs).")
+    max_num_seqs: int | None = _field(
+        None, "Most requests running at once. None = 128 on CPU, 256 on CUDA (at most "
+              "max_num_batched_tokens).")
     enable_prefix_caching: bool = _field(
         True, "Reuse the KV cache blocks of a prompt prefix an earlier request computed (full "
               "blocks only); cached blocks nobody uses are evicted least recently used first.")
@@ -87,11 +90,12 @@ class EngineConfig:
               "gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization!r}")
         check(self.num_kv_blocks is None or _positive_int(self.num_kv_blocks), "num_kv_blocks",
               f"must be a positive integer or None, got {self.num_kv_blocks!r}")
-        check(_positive_int(self.max_num_seqs), "max_num_seqs",
-              f"must be a positive integer, got {self.max_num_seqs!r}")
-        check(_positive_int(self.max_num_batched_tokens), "max_num_batched_tokens",
-              f"must be a positive integer, got {self.max_num_batched_tokens!r}")
-        check(self.max_num_batched_tokens >= self.max_num_seqs, "max_num_batched_tokens",
+        check(self.max_num_seqs is None or _positive_int(self.max_num_seqs), "max_num_seqs",
+              f"must be a positive integer or None, got {self.max_num_seqs!r}")
+        check(self.max_num_batched_tokens is None or _positive_int(self.max_num_batched_tokens),
+              "max_num_batched_tokens", f"must be a positive integer or None, got {self.max_num_batched_tokens!r}")
+        check(None in (self.max_num_seqs, self.max_num_batched_tokens)
+              or self.max_num_batched_tokens >= self.max_num_seqs, "max_num_batched_tokens",
               f"must be >= max_num_seqs ({self.max_num_seqs}) so every running request can "
               f"decode in one step, got {self.max_num_batched_tokens}; raise it or lower max_num_seqs")
         check(self.structured_output_backend in ("llguidance", "xgrammar"), "structured_output_backend",
@@ -115,6 +119,19 @@ class EngineConfig:
             check(_positive_number(value), name,
                   f"must be a number of seconds > 0, got {value!r}")
 
+    def for_device(self, device_type: str) -> "EngineConfig":
+        """This config with the limits left None set for a device of `device_type` ("cpu"
+        or "cuda"): a GPU step is cheap on the host only when it is large (`STEP_LIMITS`).
+        A limit given keeps the other within it."""
+        if None not in (self.max_num_seqs, self.max_num_batched_tokens):
+            return self
+        seqs, tokens = STEP_LIMITS["cuda" if device_type == "cuda" else "cpu"]
+        if self.max_num_seqs is not None:
+            seqs, tokens = self.max_num_seqs, max(tokens, self.max_num_seqs)
+        elif self.max_num_batched_tokens is not None:
+            seqs, tokens = min(seqs, self.max_num_batched_tokens), self.max_num_batched_tokens
+        return replace(self, max_num_seqs=seqs, max_num_batched_tokens=tokens)
+
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
         """Build from keyword arguments, rejecting unknown names with the list of valid ones."""
@@ -124,6 +141,12 @@ class EngineConfig:
             raise RequestError(f"unknown engine option(s) {unknown}; valid options: {sorted(known)}",
                                param=unknown[0])
         return cls(**kwargs)
+
+
+#: (max_num_seqs, max_num_batched_tokens) where the config leaves them None. On CUDA a
+#: decode step of 256 rows costs the host about what one of 128 does, and the H100
+#: figures in docs/performance.md were measured at 256 rows.
+STEP_LIMITS = {"cpu": (128, 2048), "cuda": (256, 8192)}
 
 
 def _positive_number(value) -> bool:

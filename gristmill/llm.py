@@ -49,6 +49,7 @@ class LLM:
         self.core = builder.build_core(self.config, self.model_dir)
         self.tokenizer, eos_token_ids = loading.result()
         self.capacity = self.core.capacity
+        self.config = self.core.config  # (step limits left None: the device's defaults)
         self.inputs = InputProcessor(self.tokenizer, eos_token_ids, self.capacity)
         # generate() hands out outputs only once finished: text is decoded at the end.
         self.outputs = OutputProcessor(self.tokenizer, incremental=False, eos_token_ids=eos_token_ids)

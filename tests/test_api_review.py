@@ -126,6 +126,12 @@ async def _idle(engine, timeout=5.0) -> dict:
         await asyncio.sleep(0.05)
 
 
+def test_async_engine_config_has_the_step_limits_its_core_runs_with(engine):
+    """Left unset, they are the core's device's (here the CPU's), not None."""
+    assert (engine.config.max_num_seqs, engine.config.max_num_batched_tokens) == (128, 2048)
+    assert engine.config.num_kv_blocks == 64 and engine.config.device == "cpu"  # the rest as given
+
+
 def test_async_engine_rejects_wrong_types_before_sending(engine):
     async def run():
         with pytest.raises(RequestError, match="sampling_params must be a SamplingParams"):

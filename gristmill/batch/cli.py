@@ -8,6 +8,7 @@ interrupted job wrote (--resume), job_rows.py turns input rows into processor ro
 from __future__ import annotations
 
 import argparse
+import os
 
 from gristmill import extras
 from gristmill.batch.io import InputError
@@ -56,6 +57,9 @@ def add_batch_command(commands) -> None:
                         help="times a dead engine is restarted during the job (default: 0)")
     parser.add_argument("--deployment-url", metavar="URL", help="send rows to this OpenAI-compatible server "
                         "(e.g. http://127.0.0.1:8000/v1; a URL without a path gets /v1) instead of a local engine")
+    parser.add_argument("--api-key", metavar="KEY", default=os.environ.get("OPENAI_API_KEY"),
+                        help="with --deployment-url: sent as 'Authorization: Bearer KEY' (default: "
+                             "OPENAI_API_KEY when set)")
     parser.add_argument("--runner", choices=("local", *extras.BATCH_RUNNERS), default="local",
                         help="where the job runs: 'local', in this process (default), or 'ray', on Ray Data "
                              "(needs pip install 'gristmill[ray]'; see docs/ray.md)")

@@ -169,7 +169,7 @@ class HttpProcessorConfig(ProcessorConfig):
     max_retries: int = 5
     #: Requests in flight at once.
     concurrency: int = 16
-    #: Longest wait for one response; past it the row is an error row.
+    #: Longest wait for one response; past it the row is an error row (not retried).
     request_timeout_s: float = 120.0
 
     def __post_init__(self):

@@ -5,9 +5,10 @@ busy one. When a replica's engine dies, the rows it had in flight wait while it 
 restarted (within the pool's `max_engine_restarts`), then run again on their own; if
 they kill the engine again they are split in halves and run again, until the row that
 kills it every time is alone: that row ends as an error row and the others complete.
-Deaths while isolating a culprit are not charged to the budget (there are at most about
-2 log2(rows in flight) of them). Past the budget the job fails with EngineDeadError
-naming the rows in flight at each death.
+Deaths while isolating one culprit are not charged to the budget (one half of each split
+dies: about log2(rows in flight) of them); a split whose two halves both die is charged
+(several culprits, or an engine that dies whatever it runs). Past the budget the job
+fails with EngineDeadError naming the rows in flight at each death.
 """
 
 from __future__ import annotations
@@ -202,49 +203,67 @@ class _Replica:
                 f"restarting the engine failed: {type(exc).__name__}: {exc}")
             self.pool.fatal = self.pool.fatal or fatal
             for _, future in suspects + self._suspects:
-                if not future.done():
-                    future.set_exception(self.pool.fatal)
+                _settle(future, error=self.pool.fatal)
         finally:
             self._recovery = None
             self.open.set()
 
     async def _retry_apart(self, rows: list[tuple[RowRequest, asyncio.Future]]) -> None:
-        """Run the rows a death caught in flight again, each half alone."""
-        if len(rows) == 1:
-            await self._retry(rows)
-            return
-        half = len(rows) // 2
-        for part in (rows[:half], rows[half:]):
-            await self._retry(part)
+        """Run the rows a death caught in flight again, each half alone; a half the engine
+        dies on again is split in turn, until the row that kills it alone is set aside.
+        One poison row kills one half of each split. When both halves die, it is not one
+        row (a broken engine, or several poison rows): that death is charged to the
+        budget, so an engine that dies on every step fails the job instead of turning
+        every row into an error row."""
+        parts = [rows] if len(rows) == 1 else [rows[:len(rows) // 2], rows[len(rows) // 2:]]
+        died: list[tuple[list, EngineDeadError]] = []
+        for part in parts:
+            dead, error = await self._run_group(part)
+            if not dead:
+                continue
+            self.pool.record_death(error, [r.row_id for r, _ in dead])
+            if died and not self.pool.take_restart():
+                raise self.pool.fatal
+            await self._restart()
+            died.append((dead, error))
+        for dead, error in died:
+            if len(dead) > 1:
+                await self._retry_apart(dead)
+                continue
+            (request, future), = dead
+            _settle(future, error=RowFailed(EngineDeadError(
+                f"row {request.row_id!r} killed the engine each time it ran, so it was set aside "
+                f"({error.message})")))
 
-    async def _retry(self, group: list[tuple[RowRequest, asyncio.Future]]) -> None:
-        """Run `group` alone and resolve the rows that end; if the engine dies again,
-        split the rows it caught until the one that kills it alone is set aside."""
+    async def _run_group(self, group: list[tuple[RowRequest, asyncio.Future]]) -> tuple[list, EngineDeadError | None]:
+        """Run `group` alone and settle the rows that end; returns the rows the engine's
+        death ended, and that death."""
         results = await asyncio.gather(*(self._run(r) for r, _ in group), return_exceptions=True)
-        dead = []
+        dead, death = [], None
         for (request, future), result in zip(group, results):
             if isinstance(result, EngineDeadError):
                 dead.append((request, future))
+                death = death or result
             elif isinstance(result, BaseException):
-                future.set_exception(result)
+                _settle(future, error=result)
             else:
-                future.set_result(result)
-        if not dead:
-            return
-        error = next(r for r in results if isinstance(r, EngineDeadError))
-        self.pool.record_death(error, [r.row_id for r, _ in dead])
-        await self._restart()
-        if len(group) == 1:
-            request, future = dead[0]
-            future.set_exception(RowFailed(EngineDeadError(
-                f"row {request.row_id!r} killed the engine each time it ran, so it was set aside "
-                f"({error.message})")))
-            return
-        await self._retry_apart(dead)
+                _settle(future, result=result)
+        return dead, death
 
     async def _restart(self) -> None:
         seconds = await restarts.restart(self.engine)
         logger.info("engine restarted in %.1f s", seconds)
+
+
+def _settle(future: asyncio.Future, result=None, error: BaseException | None = None) -> None:
+    """Give a waiting row its result or error, unless it stopped waiting (its job ended
+    and cancelled it): a cancelled row is no failure of the engine."""
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
 
 
 def _ids(row_ids: list) -> str:

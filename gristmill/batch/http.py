@@ -4,9 +4,11 @@ Requests run concurrently (at most `concurrency`, started at most `qps` per seco
 A 429, 408, 5xx or a connection error is retried with exponential backoff and full
 jitter (never sooner than the server's Retry-After); what is left after `max_retries`:
 - a 4xx becomes the row's RequestError ("HTTP 400: <the server's message>");
-- a 429 / 408 / 5xx becomes the row's GenerationError; a request that outlives
-  `request_timeout_s` the row's RequestTimeoutError;
-- a server that stays unreachable is fatal: EngineDeadError stops the job.
+- a 429 / 408 / 5xx becomes the row's GenerationError; a response that does not come
+  within `request_timeout_s` the row's RequestTimeoutError, at once (a retry would only
+  start the generation over);
+- a server that stays unreachable, or refuses the processor itself (401 / 403: the API
+  key; 404: no such API or model at the URL) is fatal: EngineDeadError stops the job.
 
 `generated_tokens` are filled where the server returns token ids (`return_token_ids`, as
 `gristmill serve` and vLLM do); OpenAI's own API returns text only, so there they are [].
@@ -32,6 +34,13 @@ if TYPE_CHECKING:
 _BACKOFF_BASE_S = 0.5
 _BACKOFF_MAX_S = 10.0
 _RETRIED_STATUSES = frozenset({408, 429})
+#: Statuses that say the configuration is wrong (the key, the URL, the model), not the row.
+_FATAL_STATUSES = {401: "the server refused the API key; set api_key (gristmill batch: --api-key or "
+                        "OPENAI_API_KEY)",
+                   403: "the server refused the API key; set api_key (gristmill batch: --api-key or "
+                        "OPENAI_API_KEY) to one allowed to use it",
+                   404: "no such API or model there; the url is the API's base (such as "
+                        "'http://127.0.0.1:8000/v1'), and model one it serves"}
 
 
 class RequestTimeoutError(GenerationError):
@@ -48,6 +57,7 @@ class HttpEngine:
         self._client: httpx.AsyncClient | None = None
         self._slots: asyncio.Semaphore | None = None
         self._pacing = asyncio.Lock()
+        self._discovery: asyncio.Lock | None = None  # one GET /models, not one per row
         self._next_start = 0.0
         #: Ask for the generated token ids (vLLM's and gristmill's `return_token_ids`) until
         #: the server says it does not know the field (OpenAI's API has no token ids).
@@ -81,12 +91,16 @@ class HttpEngine:
                                              timeout=config.request_timeout_s,
                                              limits=httpx.Limits(max_connections=config.concurrency))
             self._slots = asyncio.Semaphore(config.concurrency)
+            self._discovery = asyncio.Lock()
         if self.model is None:
-            data = await self._send("GET", "/models", None)
-            models = [m.get("id") for m in data.get("data", []) if isinstance(m, dict)]
-            if not models:
-                raise EngineDeadError(f"{self.config.url}/models lists no model; set HttpProcessorConfig.model")
-            self.model = models[0]
+            async with self._discovery:
+                if self.model is None:
+                    data = await self._send("GET", "/models", None)
+                    models = [m.get("id") for m in data.get("data", []) if isinstance(m, dict)]
+                    if not models:
+                        raise EngineDeadError(f"{self.config.url}/models lists no model; set "
+                                              f"HttpProcessorConfig.model")
+                    self.model = models[0]
 
     async def _post(self, path: str, body: dict) -> dict:
         return await self._send("POST", path, body)
@@ -100,7 +114,7 @@ class HttpEngine:
                 async with self._slots:
                     response = await self._client.request(method, path, json=body)
             except httpx.TransportError as exc:  # timeouts included
-                if last_try:
+                if last_try or isinstance(exc, httpx.ReadTimeout):
                     raise self._gave_up(exc, f"{method} {url}", attempt + 1) from exc
                 await asyncio.sleep(_backoff(attempt))
                 continue
@@ -111,6 +125,8 @@ class HttpEngine:
                 await asyncio.sleep(max(_backoff(attempt), _retry_after(response)))
                 continue
             message = f"HTTP {status} from {url}: {_server_message(response)}"
+            if status in _FATAL_STATUSES:
+                raise EngineDeadError(f"{message}; {_FATAL_STATUSES[status]}")
             if status in _RETRIED_STATUSES or status >= 500:
                 raise GenerationError(f"{message} (after {attempt + 1} tries)", status=status)
             raise RequestError(message, status=status)

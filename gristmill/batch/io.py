@@ -266,13 +266,19 @@ class ParquetWriter:
 
 # -- what an interrupted job wrote ---------------------------------------------------------
 
-def read_written(path: str, output_format: str, extract: Callable[[dict], tuple]) -> tuple[list | None, list]:
-    """(CSV header or None, `extract(record)` of each complete record) of an output an
-    interrupted job left; a torn last record (a kill in the middle of a write) is cut off."""
+def read_written(path: str, output_format: str, extract: Callable[[dict], tuple]) -> tuple[list | None, list, int]:
+    """(CSV header or None, `extract(record)` of each complete record, the byte offset
+    where they end) of an output an interrupted job left. What follows that offset is a
+    torn last record (a kill in the middle of a write): `cut_at` cuts it off once the job
+    knows the output is its own, never before (a refused --resume leaves the file as it was)."""
+    with open(path, "rb") as f:
+        return (_csv_records if output_format == "csv" else _jsonl_records)(f, path, extract)
+
+
+def cut_at(path: str, end: int) -> None:
+    """Cut `path` to its first `end` bytes (`read_written`'s end of the whole records)."""
     with open(path, "rb+") as f:
-        header, extracted, end = (_csv_records if output_format == "csv" else _jsonl_records)(f, path, extract)
         f.truncate(end)
-    return header, extracted
 
 
 def _jsonl_records(f, path: str, extract):

@@ -20,7 +20,7 @@ from contextlib import closing
 
 from gristmill import extras
 from gristmill.batch import EngineProcessorConfig, HttpProcessorConfig, UserFunctionError, build_processor
-from gristmill.batch.io import CsvWriter, InputError, InputFile, JsonlWriter, ParquetWriter, file_format
+from gristmill.batch.io import CsvWriter, InputError, InputFile, JsonlWriter, ParquetWriter, cut_at, file_format
 from gristmill.batch.openai_batch import batch_output_line, check_batch_line, is_batch_file
 from gristmill.batch.job_rows import INPUT_COLUMN, input_slots, merged
 from gristmill.batch.resume import ROW_ID, RowIds, skip_written, written_rows
@@ -47,6 +47,8 @@ class Job:
                                     types=self.out_format == "parquet" and self.source.format == "jsonl")
         self.ids.seen.clear()  # the run claims them again as it reads the rows
         self.total = survey.count
+        if survey.count and not self.batch_file:
+            self._check_prompt_columns(survey.columns)
         self.columns, self.schema = self._output_columns(survey)
         self.ok = self.failed = self.tokens = self.skipped = self.written = 0
         self.started: float | None = None  # when rows started to run (the engine was up)
@@ -99,7 +101,7 @@ class Job:
         try:
             SamplingParams(**defaults)
             if args.deployment_url:
-                return HttpProcessorConfig(url=_api_url(args.deployment_url), **common)
+                return HttpProcessorConfig(url=_api_url(args.deployment_url), api_key=args.api_key, **common)
             return EngineProcessorConfig(engine=engine_config(args), max_engine_restarts=args.max_engine_restarts,
                                          concurrency=args.concurrency, **common)
         except RequestError as exc:
@@ -112,6 +114,19 @@ class Job:
             check_batch_line(row, where)
         if not self.positional:
             self.ids.claim(row, position, where)
+
+    def _check_prompt_columns(self, columns: list[str]) -> None:
+        """Before the model loads: the input has the column the prompts are read from
+        (else every row would become an error row)."""
+        args, have = self.args, ", ".join(map(repr, columns))
+        for flag, column in (("--prompt-column", args.prompt_column), ("--messages-column", args.messages_column)):
+            if column is not None and column not in columns:
+                raise InputError(f"{flag} {column}: {args.input} has no column {column!r}; its columns are {have}")
+        if args.prompt_column is None and args.messages_column is None and not {
+                "prompt", "messages", "tokenized_prompt"} & set(columns):
+            raise InputError(f"{args.input} has no 'prompt', 'messages' or 'tokenized_prompt' column (its columns "
+                             f"are {have}); name the one holding the prompts with --prompt-column, or the chat "
+                             f"messages with --messages-column")
 
     def _output_columns(self, survey) -> tuple[list[str], object]:
         """The CSV header and Parquet schema: [row id] + input columns + output columns."""
@@ -141,13 +156,20 @@ class Job:
         writer = errors = None
         try:
             resuming = args.resume and os.path.exists(args.output)
-            written = written_rows(args.output, self.ids, self.batch_file, self.columns) if resuming else []
-            errors = JsonlWriter(args.errors) if args.errors else None
+            written, end = written_rows(args.output, self.ids, self.batch_file, self.columns) if resuming \
+                else ([], 0)
             rows = self.source.rows()
-            self.ok, self.failed = skip_written(rows, written, self.ids, args.output, errors)
+            self.ok, failed = skip_written(rows, written, self.ids, args.output)
+            self.failed = len(failed)
             self.skipped = self.written = len(written)
-            # Opened once the output is known to be this input's: a refused --resume leaves it as it was.
+            # Cut and opened once the output is known to be this input's: a refused --resume
+            # leaves both files as they were.
+            if resuming:
+                cut_at(args.output, end)
             writer = self._open_writer(append=resuming)
+            errors = JsonlWriter(args.errors) if args.errors else None
+            for row in failed if errors is not None else ():
+                errors.write(row)
             if self.total is None or self.skipped < self.total:  # else nothing is left: no engine to start
                 processor = self._processor()
                 slots = input_slots(rows, self.skipped, self.ids, self.batch_file, args.prompt_column,

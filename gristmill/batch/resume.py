@@ -59,28 +59,30 @@ class RowIds:
         return row_id
 
 
-def written_rows(output: str, ids: RowIds, batch_file: bool, columns: list[str]) -> list[tuple[str, str]]:
-    """(id key, error) of each row an interrupted job wrote to `output`, whose columns must
-    be this job's `columns`."""
+def written_rows(output: str, ids: RowIds, batch_file: bool, columns: list[str]) -> tuple[list[tuple[str, str]], int]:
+    """((id key, error) of each row an interrupted job wrote to `output`, whose columns must
+    be this job's `columns`; the byte offset where those rows end, after which a torn row
+    may follow: see `io.read_written`)."""
     if batch_file:
         def extract(record):
             return ids.key(record.get("custom_id")), batch_line_error(record)
     else:
         def extract(record):
             return ids.key(record.get(ids.id_column)), record.get(ERROR_COLUMN) or ""
-    header, written = read_written(output, ids.out_format, extract)
+    header, written, end = read_written(output, ids.out_format, extract)
     if header is not None and header != columns:
         raise InputError(f"--resume: the columns of {output} ({header}) are not this job's "
                          f"({columns}); resume with the input and flags that wrote it, or run "
                          f"without --resume to start over")
-    return written
+    return written, end
 
 
-def skip_written(rows: Iterator[dict], written: list[tuple[str, str]], ids: RowIds, output: str,
-                 errors) -> tuple[int, int]:
-    """Take the rows `output` already holds off `rows`, checking their ids; returns (ok, failed)
-    among them. The errors file is written afresh, so it gets their failed rows again."""
-    ok = failed = 0
+def skip_written(rows: Iterator[dict], written: list[tuple[str, str]], ids: RowIds,
+                 output: str) -> tuple[int, list[dict]]:
+    """Take the rows `output` already holds off `rows`, checking their ids; returns (how
+    many succeeded, the input rows that failed, with their error): the errors file is
+    written afresh, so it gets the failed rows again."""
+    ok, failed = 0, []
     for position, (key, error) in enumerate(written):
         original = next(rows, None)
         if original is None:
@@ -93,9 +95,7 @@ def skip_written(rows: Iterator[dict], written: list[tuple[str, str]], ids: RowI
                              f"it, or run without --resume to start over")
         ids.seen[found] = f"input row {position}"
         if error:
-            failed += 1
-            if errors is not None:
-                errors.write({**original, ERROR_COLUMN: error})
+            failed.append({**original, ERROR_COLUMN: error})
         else:
             ok += 1
     return ok, failed

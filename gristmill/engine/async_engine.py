@@ -79,7 +79,10 @@ class AsyncEngine:
         # kept copy), which would hold up seeing a core that dies while it starts.
         self.tokenizer, eos_token_ids = builder.load_tokenizer(model_dir, config.cache_dir)
         self._client, ready = self._start_core()
-        self.capacity = ready.capacity
+        self.capacity = capacity = ready.capacity
+        #: The config as the core runs it: step limits left None are its device's defaults.
+        self.config = dataclasses.replace(config, max_num_seqs=capacity.max_num_seqs,
+                                          max_num_batched_tokens=capacity.max_num_batched_tokens)
         self.inputs = InputProcessor(self.tokenizer, eos_token_ids, self.capacity)
         self.outputs = OutputProcessor(self.tokenizer, eos_token_ids=eos_token_ids)
         self._client.start()

@@ -49,7 +49,8 @@ class EngineCore:
         """`grammars(eos_token_ids)`: builds the structured-output grammar engine
         (gristmill.structured.grammars.Grammars) when a first request asks for one, with
         the end-of-sequence ids its client sent."""
-        self.config = config
+        # (the limits the config leaves None, as the executor set them for its device)
+        self.config = config = config.for_device(getattr(getattr(executor, "device", None), "type", "cpu"))
         self.executor = executor
         self._make_grammars = grammars
         self._grammars = None
@@ -58,7 +59,8 @@ class EngineCore:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, executor.max_model_len)
         self.capacity = Capacity(executor.max_model_len, executor.num_blocks, config.block_size,
-                                 executor.vocab_size)
+                                 executor.vocab_size, config.max_num_seqs,
+                                 config.max_num_batched_tokens)
         self.num_steps = 0
         choice = config.async_scheduling
         self.async_scheduling = hasattr(executor, "launch") and (

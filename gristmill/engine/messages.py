@@ -92,6 +92,9 @@ class Capacity:
     num_total_blocks: int
     block_size: int
     vocab_size: int
+    #: The step limits the core runs with: the config's, or its device's defaults.
+    max_num_seqs: int
+    max_num_batched_tokens: int
 
     @property
     def max_tokens_per_request(self) -> int:

@@ -65,8 +65,9 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: Path | None = None):
-        self.config = config
         self.device = pick_device(config.device)
+        #: The config with the step limits it leaves None set for this device.
+        self.config = config = config.for_device(self.device.type)
         if self.device.type == "cuda":
             self._check_cuda()
         self.dtype = pick_dtype(config.dtype, self.device)

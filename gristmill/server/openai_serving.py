@@ -81,8 +81,7 @@ class OpenAIServing:
             raise EngineDeadError(dead.message)
 
     def _check_limits(self, body) -> None:
-        config = self.engine.config
-        check_common(body, self.limits, config.max_num_seqs, self.engine.max_model_len)
+        check_common(body, self.limits, self.engine.config.max_num_seqs, self.engine.max_model_len)
 
     def _completion_job(self, body: CompletionRequest):
         self._check_model(body.model)

@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from gristmill.batch import ERROR_COLUMN
-from gristmill.batch.io import CsvWriter, read_written
+from gristmill.batch.io import CsvWriter, cut_at, read_written
 from gristmill.cli import build_parser, engine_config
 from tests.harness import core_children, process_gone
 from tests.server.conftest import Server
@@ -240,9 +240,11 @@ def test_resume_reads_csv_records_back_and_cuts_off_a_torn_one(tmp_path):
     whole = open(target, "rb").read()
     with open(target, "a") as f:
         f.write('3,"line one\n')  # killed right after a newline inside a quoted field
-    header, written = read_written(target, "csv", lambda r: (r["__row_id__"], r["generated_text"]))
+    header, written, end = read_written(target, "csv", lambda r: (r["__row_id__"], r["generated_text"]))
     assert header == ["__row_id__", "generated_text", ERROR_COLUMN]
     assert written == [(str(i), f"line one\nline, \"two\" of row {i}") for i in range(3)]
+    assert open(target, "rb").read() != whole  # (reading cuts nothing: the job cuts, once it resumes)
+    cut_at(target, end)
     assert open(target, "rb").read() == whole
 
 
