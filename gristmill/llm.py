@@ -178,7 +178,7 @@ class LLM:
             added.append(request.request_id)
             refused = self.core.add_request(request)
             if refused is not None:
-                self.outputs.fail(request.request_id, GenerationError(f"the engine core refused the request: {refused}"))
+                self.outputs.fail(request.request_id, refused)
         return result
 
 

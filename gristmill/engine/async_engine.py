@@ -378,9 +378,10 @@ class AsyncEngine:
 
     def _on_outputs(self, message: StepOutputs | Rejected) -> None:
         """On the event loop: turn the core's updates into stream outputs."""
+        refused = None
         if isinstance(message, Rejected):
-            error = GenerationError(f"the engine core refused the request: {message.error}")
-            parent = self.outputs.fail(message.request_id, error)
+            refused = rejection_error(message.error, message.param)
+            parent = self.outputs.fail(message.request_id, refused)
             changed, to_finish = ([parent] if parent is not None else []), []
         else:
             changed, to_finish = self.outputs.process(message.updates, message.step)
@@ -401,7 +402,7 @@ class AsyncEngine:
             errors = [c.error for c in output.outputs if c.finish_reason == "error"]
             if errors and output.finished:
                 self.num_errors += 1
-                stream.push(GenerationError(errors[0].split(": ", 1)[-1]))
+                stream.push(refused or GenerationError(errors[0].split(": ", 1)[-1]))
             elif stream.push(pushed):  # its reader fell too far behind
                 self.num_errors += 1
                 self._abort(stream)
@@ -497,3 +498,13 @@ def _resolve(future: asyncio.Future, value) -> None:
 def _fail(future: asyncio.Future, error: BaseException) -> None:
     if not future.done():
         future.set_exception(error)
+
+
+def rejection_error(error: str, param: str | None = None) -> GristmillError:
+    """The error of a request the engine core refused (`Rejected`): a RequestError
+    (naming `param`) when the core found the request invalid, which is the caller's to
+    fix, as if it had been refused where it was made; else a GenerationError."""
+    name, _, text = error.partition(": ")
+    if name == "RequestError":
+        return RequestError(text, param=param)
+    return GenerationError(f"the engine core refused the request: {error}")

@@ -12,7 +12,7 @@ from gristmill.engine.messages import AddRequest, Capacity, RequestUpdate
 from gristmill.engine.processor import check_add_request
 from gristmill.engine.request import Request
 from gristmill.engine.scheduler import Scheduler
-from gristmill.errors import RequestError, error_string
+from gristmill.errors import RequestError
 from gristmill.step import SampledToken, SchedulerOutput, StepTokens
 from gristmill.structured.spec import parse_constraint
 
@@ -110,26 +110,25 @@ class EngineCore:
             if faults.fires("device_error", prompt=prompt, step=self.num_steps):
                 self.executor.make_device_error()
 
-    def add_request(self, message: AddRequest) -> str | None:
-        """Build and queue a Request from a wire message. Returns None, or the error
-        ("<ErrorType>: <message>") that refused it; the core goes on either way.
+    def add_request(self, message: AddRequest) -> RequestError | None:
+        """Build and queue a Request from a wire message. Returns None, or the error that
+        refused it; the core goes on either way.
 
         A message whose id is already in the engine ends that request too: the client
         and the core disagree about it, so neither can be trusted to finish."""
         try:
             check_add_request(message, self.capacity)
         except RequestError as exc:
-            return error_string(exc)
+            return exc
         request_id = message.request_id
         if request_id in self.scheduler.requests:
             self.scheduler.finish_request(request_id, "error")
-            return error_string(RequestError(
-                f"request id {request_id!r} was sent while a request with that id was in the engine; "
-                f"both were ended, send each request under its own id", param="request_id"))
+            return RequestError(f"request id {request_id!r} was sent while a request with that id was in the "
+                                f"engine; both were ended, send each request under its own id", param="request_id")
         try:
             matcher = self._matcher(message.sampling_params, message.eos_token_ids)
         except RequestError as exc:
-            return error_string(exc)
+            return exc
         request = Request(request_id, list(message.prompt_token_ids), message.sampling_params,
                           frozenset(message.eos_token_ids), message.fault_tag, matcher=matcher,
                           bad_words_ids=tuple(tuple(word) for word in message.bad_words_ids),

@@ -97,7 +97,7 @@ class CoreLoop:
         if isinstance(message, AddRequest):
             error = self.core.add_request(message)
             if error is not None:
-                self.outbox.send(Rejected(getattr(message, "request_id", ""), error))
+                self.outbox.send(Rejected(getattr(message, "request_id", ""), error_string(error), error.param))
         elif isinstance(message, Abort):
             self.core.abort(message.request_ids)
         elif isinstance(message, StatsQuery):

@@ -127,6 +127,8 @@ class Rejected:
 
     request_id: str
     error: str
+    #: The request field the error names (`RequestError.param`), when it names one.
+    param: str | None = None
 
 
 @dataclass(slots=True)

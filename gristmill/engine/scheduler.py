@@ -233,4 +233,8 @@ def _constrained(request: Request, token_id: int, reason: str | None) -> tuple[s
         return "error", (f"GenerationError: the structured output constraint allows no token after "
                          f"{request.num_output_tokens - 1} generated tokens; it cannot be satisfied from here"
                          + (f" (grammar engine: {why})" if why else f" (token {token_id} was not allowed)"))
+    if finished and reason is None and request.num_output_tokens < request.sampling_params.min_tokens:
+        return "error", (f"GenerationError: the structured output constraint is complete after "
+                         f"{request.num_output_tokens} generated tokens, before min_tokens "
+                         f"({request.sampling_params.min_tokens}); lower min_tokens or leave it out")
     return ("stop" if finished and reason is None else reason), None

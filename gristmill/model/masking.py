@@ -10,7 +10,7 @@ CPU, where the forward has already run, two shortcuts skip most masks (`argmax_f
   argmax: only rows whose grammar refuses it need a mask. Inside a JSON string, where a
   mask costs most, the model's choice is nearly always allowed; where it is refused
   (punctuation), masks are cheap;
-- sampled rows without top-k / top-p / min-p are sampled unmasked, and only a token the
+- sampled rows without top-k / top-p / min-p or logprobs are sampled unmasked, and only a token the
   grammar refuses is drawn again from the masked row (`resample_refused`)."""
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ class GrammarMasks:
             ids = argmax.tolist()  # (logprobs come from masked logits: rows that want them are masked)
             constrained = [(j, item) for j, item in constrained
                            if rows[j].params.logprobs is not None or not item.matcher.allows(ids[j])]
-        elif self.argmax_first and all(row.params.logprobs is None for row in rows):
+        elif self.argmax_first:  # (per row, so a seeded row draws the same whatever else is in the step)
             deferred = [(j, item) for j, item in constrained if _unfiltered(rows[j].params)]
             constrained = [(j, item) for j, item in constrained if not _unfiltered(rows[j].params)]
         self.stats[0] += 1
@@ -59,7 +59,7 @@ class GrammarMasks:
 
     def resample_refused(self, logits: torch.Tensor, deferred: list, rows: list[SamplerRow],
                          tokens: torch.Tensor, pending):
-        """Sampled constrained rows without top-k / top-p / min-p, sampled unmasked: a
+        """Sampled constrained rows without top-k / top-p / min-p / logprobs, sampled unmasked: a
         token the grammar refuses is drawn again from the masked row. Exact: token t
         comes first with probability p(t) and after a refusal with (1 - Z) p(t) / Z, in
         all p(t) / Z, Z the mass the grammar allows, which is the masked distribution."""
@@ -73,7 +73,7 @@ class GrammarMasks:
         again, _ = self.sampler.sample(logits[index], [rows[j] for j, _ in refused])
         tokens = tokens.clone()
         tokens[index] = again
-        return tokens, PendingSample(tokens, None, lambda values: (values, [None] * len(values)))
+        return tokens, _Redrawn(tokens, pending)
 
     def _apply(self, logits: torch.Tensor, constrained: list) -> None:
         """Fill the masks of (row, ScheduledRequest) pairs, once per grammar state, and
@@ -87,6 +87,17 @@ class GrammarMasks:
         if len(matchers) < len(which):
             bitmask = bitmask[torch.tensor(which)]
         apply_masks(logits, bitmask, [j for j, _ in constrained])
+
+
+class _Redrawn:
+    """A step's sample with some rows drawn again (`resample_refused`): their new tokens,
+    every other row's logprobs as sampled (a row drawn again asked for none)."""
+
+    def __init__(self, tokens: torch.Tensor, first: PendingSample):
+        self.tokens, self.first = tokens, first
+
+    def result(self) -> tuple[list[int], list[dict[int, float] | None]]:
+        return self.tokens.tolist(), self.first.result()[1]
 
 
 def _grammar_states(items: list[ScheduledRequest]) -> tuple[list[int], list]:
@@ -109,5 +120,7 @@ def _grammar_states(items: list[ScheduledRequest]) -> tuple[list[int], list]:
 
 def _unfiltered(params) -> bool:
     """Sampled from the whole distribution: no top-k, top-p or min-p (which would filter
-    the unmasked and the masked logits differently)."""
-    return not params.greedy and params.top_k in (0, -1) and params.top_p == 1.0 and params.min_p == 0.0
+    the unmasked and the masked logits differently), and no logprobs (which come from
+    the masked logits)."""
+    return (not params.greedy and params.top_k in (0, -1) and params.top_p == 1.0 and params.min_p == 0.0
+            and params.logprobs is None)

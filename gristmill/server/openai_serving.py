@@ -97,9 +97,10 @@ class OpenAIServing:
             # OpenAI would return the prompt's logprobs too; the engine computes none.
             raise RequestError("echo with logprobs asks for the prompt's logprobs too, and prompt logprobs "
                                "are not supported; drop echo or logprobs", param="echo")
-        params = self._params(body, body.max_tokens or 16, body.logprobs)
+        params, field = self._params(body, body.max_tokens or 16, body.logprobs)
         job = Job(False, f"cmpl-{uuid.uuid4().hex}", int(time.time()), body.n, body.logprobs is not None,
-                   bool(body.stream_options and body.stream_options.include_usage), body.logprobs or 0)
+                   bool(body.stream_options and body.stream_options.include_usage), body.logprobs or 0,
+                   constraint_field=field)
         job.return_token_ids = body.return_token_ids
         if body.echo:
             job.echo_texts = [self._prompt_text(p) for p in prompts]
@@ -116,9 +117,10 @@ class OpenAIServing:
         # None, as vLLM: whatever room the context leaves (counted where the prompt is tokenized).
         max_tokens = body.max_completion_tokens or body.max_tokens
         top = (body.top_logprobs or 0) if body.logprobs else None
-        params = self._params(body, max_tokens, top)
+        params, field = self._params(body, max_tokens, top)
         job = Job(True, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), body.n, body.logprobs,
-                   bool(body.stream_options and body.stream_options.include_usage), top or 0)
+                   bool(body.stream_options and body.stream_options.include_usage), top or 0,
+                   constraint_field=field)
         job.return_token_ids = body.return_token_ids
         return job, [(text, body.add_special_tokens)], params
 
@@ -126,7 +128,8 @@ class OpenAIServing:
         """The prompt as echo returns it: token ids are decoded as the engine reads them."""
         return prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(prompt)
 
-    def _params(self, body, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _params(self, body, max_tokens: int | None, logprobs: int | None) -> tuple[SamplingParams, str | None]:
+        """The request's SamplingParams, and the field its constraint came from."""
         unsupported = body.unsupported_field()
         if unsupported is not None:
             raise RequestError(f"{unsupported} would change the output and is not supported by this server; "
@@ -143,7 +146,7 @@ class OpenAIServing:
                 frequency_penalty=body.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
                 min_tokens=body.min_tokens or 0, bad_words=body.bad_words or [],
-                skip_special_tokens=body.skip_special_tokens)
+                skip_special_tokens=body.skip_special_tokens), field
         except RequestError as exc:
             raise named_for(exc, field) from None
 
@@ -216,7 +219,10 @@ class OpenAIServing:
                 pass
             return out
 
-        finals = await asyncio.gather(*(final(h) for h in job.streams))
+        try:
+            finals = await asyncio.gather(*(final(h) for h in job.streams))
+        except RequestError as exc:  # the core found it invalid (a grammar its tokenizer refuses)
+            raise named_for(exc, job.constraint_field) from None
         for at, count in sorted(a for out in finals if out.metrics for a in out.metrics.token_arrivals):
             timer.tokens(count, at)
         return finals
@@ -251,7 +257,7 @@ class OpenAIServing:
             timer.finished(overall_reason(finals))
         except Exception as exc:  # noqa: BLE001 - the stream started: one error event, then [DONE]
             timer.failed(exc)
-            yield error_event(exc)
+            yield error_event(named_for(exc, job.constraint_field) if isinstance(exc, RequestError) else exc)
         finally:
             await _close_all(job)
         yield "data: [DONE]\n\n"

@@ -26,6 +26,8 @@ class Job:
     prompt_tokens: int = 0
     #: vLLM's return_token_ids: choices carry their token ids.
     return_token_ids: bool = False
+    #: The request field its structured-output constraint came from, or None.
+    constraint_field: str | None = None
 
 
 class ChoiceStates:
@@ -109,7 +111,7 @@ class ResponseWriter:
         if job.chat:
             def item(token_id, logprob):
                 text = decode(token_id)
-                return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+                return {"token": text, "logprob": finite(logprob), "bytes": list(text.encode())}
             return {"content": [{**item(t, e[t]), "top_logprobs": [item(i, v) for i, v in top(e, k)]}
                                 for t, e in zip(ids, entries)]}
         texts = [decode(t) for t in ids]
@@ -117,12 +119,21 @@ class ResponseWriter:
         for text in texts:
             offsets.append(at)
             at += len(text)
-        return {"tokens": texts, "token_logprobs": [e[t] for t, e in zip(ids, entries)],
-                "top_logprobs": [{decode(i): v for i, v in top(e, k)} for e in entries],
+        return {"tokens": texts, "token_logprobs": [finite(e[t]) for t, e in zip(ids, entries)],
+                "top_logprobs": [{decode(i): finite(v) for i, v in top(e, k)} for e in entries],
                 "text_offset": offsets}
 
     def _token_text(self, token_id: int) -> str:
         return self.decode([token_id])
+
+
+#: What a logprob of -inf (a token a constraint or a ban refused) reads as on the wire:
+#: JSON has no infinities (vLLM sends the same number).
+MIN_LOGPROB = -9999.0
+
+
+def finite(logprob: float) -> float:
+    return logprob if logprob > MIN_LOGPROB else MIN_LOGPROB
 
 
 def top(entry: dict[int, float], k: int):

@@ -88,15 +88,15 @@ def test_two_poison_rows_in_flight_together_are_both_set_aside(before):
     """The two rows die in different halves of the first split: that death is charged to
     the budget (the rule that fails a broken engine fast), the rest of the isolation is
     not, so a budget of 2 (the first death, the split) sets both aside."""
-    rows = rows_of(8)
-    for i in (1, 6):
+    rows = rows_of(4)
+    for i in (0, 2):
         rows[i] = {"id": i, "prompt": f"POISON {i}: once upon a time", "sampling_params": {"max_tokens": 6}}
-    config = EngineProcessorConfig(engine=ENGINE, batch_size=8, max_engine_restarts=2,
+    config = EngineProcessorConfig(engine=ENGINE, batch_size=4, max_engine_restarts=2,
                                    should_continue_on_error=True)
     out = build_processor(config)(rows)
-    assert [row["id"] for row in out] == list(range(8))
+    assert [row["id"] for row in out] == list(range(4))
     errors = {row["id"]: row[ERROR_COLUMN] for row in out if row[ERROR_COLUMN]}
-    assert sorted(errors) == [1, 6]
+    assert sorted(errors) == [0, 2]
     assert all("killed the engine each time it ran" in e for e in errors.values())
     assert all(row["num_generated_tokens"] == 6 for row in out if not row[ERROR_COLUMN])
     assert own_cores(before) == set()

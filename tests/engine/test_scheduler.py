@@ -17,6 +17,7 @@ from gristmill.engine.kv_blocks import blocks_needed
 from gristmill.engine.messages import AddRequest
 from gristmill.engine.request import Request, RequestStatus
 from gristmill.engine.scheduler import Scheduler
+from gristmill.errors import RequestError
 from gristmill.sampling import SamplingParams
 from gristmill.step import SampledToken
 from tests.engine.harness import EOS, VOCAB, Harness, prompt
@@ -196,7 +197,8 @@ def test_duplicate_live_request_id_ends_both_and_the_core_goes_on():
     h.step()
     refused = h.core.add_request(AddRequest("a", [1, 2], SamplingParams(max_tokens=2, temperature=0),
                                             frozenset()))
-    assert refused.startswith("RequestError: request id 'a' was sent while a request with that id")
+    assert isinstance(refused, RequestError) and refused.param == "request_id"
+    assert str(refused).startswith("request id 'a' was sent while a request with that id")
     assert first.is_finished and first.finish_reason == "error" and first.block_ids == []
     assert "a" not in h.sched.requests
     h.check_invariants()
@@ -219,7 +221,7 @@ def test_malformed_add_request_is_refused_and_the_core_goes_on(message, says):
     h = Harness()
     h.add("ok", prompt(3, 5), max_tokens=3)
     refused = h.core.add_request(message)
-    assert refused is not None and says in refused
+    assert isinstance(refused, RequestError) and says in str(refused)
     assert set(h.sched.requests) == {"ok"}
     h.check_invariants()
     h.run()

@@ -16,7 +16,7 @@ from gristmill.sampling import SamplingParams
 
 SCRIPT = textwrap.dedent("""
     import asyncio, threading
-    from gristmill import AsyncEngine, GenerationError, SamplingParams
+    from gristmill import AsyncEngine, RequestError, SamplingParams
 
     class Mine(SamplingParams):  # lives in this __main__ only: the core cannot unpickle it
         pass
@@ -33,7 +33,7 @@ SCRIPT = textwrap.dedent("""
             async for out in engine.generate("Hello there", params):
                 pass
             return f"OK {out.finish_reason} {len(out.token_ids)}"
-        except GenerationError as exc:
+        except RequestError as exc:
             return f"ERROR {exc}"
 
     async def main():
@@ -52,10 +52,10 @@ def test_requests_that_cannot_cross_to_the_core_end_with_an_error_and_the_engine
     assert run.returncode == 0, run.stderr[-3000:]
     lines = run.stdout.strip().splitlines()
     assert len(lines) == 3, run.stdout
-    assert lines[0].startswith("ERROR the engine core refused the request: RequestError: the engine core could "
-                               "not read the request (AttributeError: Can't get attribute 'Mine'"), lines[0]
-    assert lines[1].startswith("ERROR the engine core refused the request: RequestError: the request could not "
-                               "be sent to the engine core (TypeError: cannot pickle '_thread.lock' object)"), lines[1]
+    assert lines[0].startswith("ERROR the engine core could not read the request (AttributeError: Can't get "
+                               "attribute 'Mine'"), lines[0]
+    assert lines[1].startswith("ERROR the request could not be sent to the engine core (TypeError: cannot pickle "
+                               "'_thread.lock' object)"), lines[1]
     assert lines[2] == "OK length 3"
 
 
