@@ -134,7 +134,7 @@ class SamplingParams:
                   f"logit_bias must be a dict of at most {MAX_LOGIT_BIAS} token id -> bias entries, "
                   f"got {short(self.logit_bias)}")
             try:
-                self.logit_bias = {_token_id(k): float(v) for k, v in self.logit_bias.items()}
+                self.logit_bias = {_token_id(k): _bias(v) for k, v in self.logit_bias.items()}
             except (TypeError, ValueError):
                 check(False, "logit_bias", f"logit_bias keys must be token ids and values numbers, got "
                                            f"{short(self.logit_bias)}")
@@ -191,9 +191,16 @@ def _token_id(key) -> int:
     OpenAI sends them, are strings); never a float or a bool cut down to one."""
     if isinstance(key, numbers.Integral) and not isinstance(key, bool):  # numpy's integers too
         return int(key)
-    if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+    if isinstance(key, str) and key.strip().lstrip("-").isdigit() and key.isascii():
         return int(key)
     raise ValueError(f"not a token id: {key!r}")
+
+
+def _bias(value) -> float:
+    """A logit_bias value: a number, never a bool or a numeric string."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool) or type(value).__name__ == "bool_":
+        raise ValueError(f"not a number: {value!r}")
+    return float(value)
 
 
 def _is_int(value) -> bool:

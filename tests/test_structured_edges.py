@@ -9,6 +9,7 @@ loaded once for offline use and once behind an in-process server."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 
@@ -152,3 +153,17 @@ def test_min_tokens_is_not_silently_dropped_by_a_finished_grammar(llm):
     assert out.finish_reason == "error", (out.text, out.finish_reason, out.token_ids)
     assert out.error.startswith("GenerationError: the structured output constraint is complete after")
     assert "before min_tokens (4)" in out.error
+
+
+# -- values refused where SamplingParams are built ------------------------------------
+
+@pytest.mark.parametrize("fields,says", [
+    ({"structured_output": {"json": True}}, 'for any JSON object send {"json_object": true}'),
+    ({"logit_bias": {"5": True}}, "values numbers"),
+    ({"logit_bias": {"5": "3"}}, "values numbers"),
+    ({"logit_bias": {"\u0665": 1}}, "keys must be token ids"),  # an Arabic-Indic 5: not a token id
+])
+def test_values_a_client_did_not_mean_are_refused(fields, says):
+    with pytest.raises(RequestError, match=re.escape(says)) as caught:
+        SamplingParams(**fields)
+    assert caught.value.param == next(iter(fields))

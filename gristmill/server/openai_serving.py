@@ -131,6 +131,9 @@ class OpenAIServing:
     def _params(self, body, max_tokens: int | None, logprobs: int | None) -> tuple[SamplingParams, str | None]:
         """The request's SamplingParams, and the field its constraint came from."""
         unsupported = body.unsupported_field()
+        if unsupported == "extra_body":
+            raise RequestError("extra_body is the openai client's keyword argument, not a field: send its fields "
+                               "(structured_outputs, top_k, ...) at the top level of the body", param="extra_body")
         if unsupported is not None:
             raise RequestError(f"{unsupported} would change the output and is not supported by this server; "
                                f"leave it out", param=unsupported)

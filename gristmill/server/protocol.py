@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, model_validator
 
 COMPLETIONS_PATH, CHAT_PATH = "/v1/completions", "/v1/chat/completions"
 
@@ -50,7 +50,7 @@ class _SamplingFields(BaseModel):
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     #: OpenAI: {"token id": bias in [-100, 100]}.
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, StrictInt | StrictFloat] | None = None  # (not "5" or true)
     #: OpenAI: {"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema", "strict"}}.
     response_format: dict | None = None
     #: vLLM's extra-body field: exactly one of json, json_object, regex, choice, grammar.
@@ -84,7 +84,9 @@ UNSUPPORTED = {"best_of": 1, "suffix": "", "tools": [], "functions": [], "use_be
                "guided_json": {}, "guided_regex": "", "guided_choice": [], "guided_grammar": "",
                "guided_whitespace_pattern": "", "prompt_embeds": ("", []),
                "return_tokens_as_token_ids": False, "tool_choice": ("none", "auto"), "function_call": ("none", "auto"),
-               "reasoning_effort": (), "chat_template": "", "documents": [], "echo": False, "modalities": (["text"],)}
+               "reasoning_effort": (), "chat_template": "", "documents": [], "echo": False, "modalities": (["text"],),
+               # the openai client's keyword, sent as a field (curl): its fields belong at the top level
+               "extra_body": {}}
 
 
 class CompletionRequest(_SamplingFields):

@@ -45,9 +45,9 @@ def parse_constraint(value) -> Constraint | None:
                 spec = json.loads(spec)
             except ValueError as exc:
                 raise RequestError(f"{PARAM}.json is not valid JSON: {exc}", param=PARAM) from None
-        if not isinstance(spec, (dict, bool)):
-            raise RequestError(f"{PARAM}.json must be a JSON schema (an object), got {short(spec)}",
-                               param=PARAM)
+        if not isinstance(spec, dict):  # (a schema `true` / `false` too: the grammar engine takes objects)
+            raise RequestError(f"{PARAM}.json must be a JSON schema (an object), got {short(spec)}; for any "
+                               f"JSON object send {{\"json_object\": true}}", param=PARAM)
         return Constraint("json", json.dumps(spec, separators=(",", ":")))  # property order kept
     if kind == "json_object":
         if spec is not True:
