@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import pickle
+import re
 import tempfile
 from pathlib import Path
 
@@ -141,7 +142,9 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
     if bad_roles:
         raise RequestError(f"each message's role must be a non-empty string such as 'system', 'user' or "
                            f"'assistant', got {bad_roles[0]!r}", param="messages")
-    flat = [{"role": m["role"], "content": _text_content(m["content"])} for m in messages]
+    # OpenAI's developer messages are its newer name for system messages; templates know only those.
+    flat = [{"role": "system" if m["role"] == "developer" else m["role"], "content": _text_content(m["content"])}
+            for m in messages]
     kwargs = dict(template_kwargs or {})
     reserved = sorted(set(kwargs) & {"conversation", "messages", "tokenize", "add_generation_prompt",
                                      "continue_final_message", "chat_template", "tools", "documents"})
@@ -167,8 +170,43 @@ def _text_content(content) -> str:
     if isinstance(content, list) and all(isinstance(p, dict) for p in content):
         if any(p.get("type") != "text" for p in content):
             raise RequestError("only text content parts are supported", param="messages")
-        return "".join(str(p.get("text", "")) for p in content)
+        texts = [p.get("text") for p in content]
+        if not all(isinstance(text, str) for text in texts):
+            bad = next(text for text in texts if not isinstance(text, str))
+            raise RequestError(f"a text content part's text must be a string, got {bad!r:.80}", param="messages")
+        return "".join(texts)
     raise RequestError("message content must be a string or a list of text parts", param="messages")
+
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def token_bytes(tokenizer, token_id: int) -> bytes:
+    """A token's own bytes (OpenAI's logprobs `bytes`), also where it is part of a
+    character and decodes alone to U+FFFD: a byte-fallback piece `<0xF0>` is that byte,
+    a SentencePiece piece its text with "▁" as a space, a byte-level BPE piece (GPT-2's
+    alphabet) the bytes its characters stand for; any other token, its text in UTF-8."""
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    if isinstance(piece, str) and (match := _BYTE_PIECE.fullmatch(piece)):
+        return bytes([int(match.group(1), 16)])
+    if isinstance(piece, str) and "\u2581" in piece and token_id not in tokenizer.all_special_ids:
+        return piece.replace("\u2581", " ").encode()  # a SentencePiece piece: decoding it alone may drop its space
+    text = tokenizer.decode([token_id])
+    if "\ufffd" in text and isinstance(piece, str) and piece and all(c in _BYTE_LEVEL for c in piece):
+        return bytes(_BYTE_LEVEL[c] for c in piece)
+    return text.encode()
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's stand-ins for bytes: printable Latin-1 bytes stand for themselves,
+    the others (controls, space, ...) in order for the characters from U+0100 on."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
 
 
 def eos_token_ids(tokenizer, model_dir: Path, config: dict) -> frozenset[int]:

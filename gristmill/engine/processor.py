@@ -139,12 +139,17 @@ def check_fits(num_prompt: int, max_tokens: int, capacity: Capacity) -> None:
     """Raise PromptTooLongError unless prompt + max_tokens fit the context and the KV cache."""
     total = num_prompt + max_tokens
     max_model_len = capacity.max_model_len
+    if num_prompt >= max_model_len:  # (whatever max_tokens, given or not)
+        raise PromptTooLongError(
+            f"prompt ({num_prompt} tokens) + at least one generated token exceeds max_model_len "
+            f"({max_model_len}); shorten the prompt to at most {max_model_len - 1} tokens",
+            param="prompt", num_prompt_tokens=num_prompt, max_model_len=max_model_len)
     if total > max_model_len:
         raise PromptTooLongError(
             f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) = {total} tokens "
             f"exceeds max_model_len ({max_model_len}); shorten the prompt or lower max_tokens "
-            f"to at most {max(max_model_len - num_prompt, 0)}",
-            param="max_tokens" if num_prompt < max_model_len else "prompt",
+            f"to at most {max_model_len - num_prompt}",
+            param="max_tokens",
             num_prompt_tokens=num_prompt, max_model_len=max_model_len)
     if blocks_needed(total, capacity.block_size) > capacity.num_total_blocks:
         tokens = capacity.num_total_blocks * capacity.block_size

@@ -146,7 +146,7 @@ class Sampler:
         top_ks = [p.top_k for p in params]
         if any(k > 0 for k in top_ks):
             vocab = logits.shape[-1]
-            ks = torch.tensor([k if k > 0 else vocab for k in top_ks], device=device)
+            ks = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_ks], device=device)
             kth = logits.sort(dim=-1, descending=True).values.gather(1, (ks - 1).clamp(max=vocab - 1)[:, None])
             logits = logits.masked_fill(logits < kth, float("-inf"))
         probs = logits.softmax(dim=-1)

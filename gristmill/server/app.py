@@ -16,7 +16,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gristmill.engine.async_engine import AsyncEngine
 from gristmill.errors import EngineDeadError, GristmillError, RequestError
-from gristmill.server.errors import error_response, exception_response, validation_param
+from gristmill.server.errors import (ModelNotFoundError, error_response, exception_response, validation_message,
+                                     validation_param)
 from gristmill.server.gate import Gate, Traffic
 from gristmill.server.limits import ServerLimits
 from gristmill.server.metrics import ServerMetrics
@@ -69,10 +70,20 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await serving.chat(body, request)
 
+    def model_card() -> dict:
+        return {"id": model_name, "object": "model", "created": created, "owned_by": "gristmill",
+                "max_model_len": engine.max_model_len}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "gristmill", "max_model_len": engine.max_model_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str):
+        if model != model_name:
+            raise ModelNotFoundError(f"the model {model!r} does not exist; this server serves {model_name!r}",
+                                     param="model")
+        return model_card()
 
     @app.get("/health")
     async def health():
@@ -100,7 +111,12 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
             return error_response(400, "the request body is not valid JSON; send a JSON object",
                                   "invalid_request_error")
         first = errors[0] if errors else {}
-        message = "; ".join(f"{validation_param(e.get('loc', ())) or 'body'}: {e.get('msg')}" for e in errors)
+        content_type = request.headers.get("content-type", "")
+        if first.get("loc") == ("body",) and "json" not in content_type:  # (curl -d, requests' data=)
+            return error_response(400, f"the body was not read as JSON: its Content-Type is "
+                                       f"{content_type or 'missing'}; send the header Content-Type: "
+                                       f"application/json", "invalid_request_error")
+        message = validation_message(errors)
         return error_response(400, f"invalid request: {message or 'the body is not valid JSON'}",
                               "invalid_request_error", validation_param(first.get("loc", ())))
 

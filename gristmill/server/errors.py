@@ -58,6 +58,25 @@ def error_event(exc: BaseException) -> str:
 
 
 def validation_param(loc: tuple) -> str | None:
-    """The request field a pydantic error location points at ('body', 'messages', 0, ...)."""
-    parts = [str(p) for p in loc if p != "body"]
+    """The request field a pydantic error location points at ('body', 'messages', 0, ...),
+    without the union branch it was tried as ('prompt', 'list[int]')."""
+    parts = [str(p) for p in loc if p != "body" and not _is_branch(p)]
     return ".".join(parts) if parts else None
+
+
+def validation_message(errors: list[dict]) -> str:
+    """pydantic's errors, one per field: a value no branch of a union takes is said once."""
+    by_field: dict[str, list[dict]] = {}
+    for error in errors:
+        by_field.setdefault(validation_param(error.get("loc", ())) or "body", []).append(error)
+    return "; ".join(f"{field}: {found[0].get('msg')}" if len(found) == 1 else
+                     f"{field}: {str(found[0].get('input'))[:60]!r} is none of the types it takes"
+                     for field, found in by_field.items())
+
+
+_BRANCH_NAMES = {"str", "int", "float", "bool", "dict", "list", "none", "bytes"}
+
+
+def _is_branch(part) -> bool:
+    """A location part that names a type pydantic tried, not a field ('list[int]', 'str')."""
+    return isinstance(part, str) and ("[" in part or part in _BRANCH_NAMES)

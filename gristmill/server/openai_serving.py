@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from gristmill.engine.async_engine import AsyncEngine, RequestStream
 from gristmill.errors import EngineDeadError, RequestError
 from gristmill.structured.spec import named_for, openai_constraint
-from gristmill.tokenizer import render_chat
+from gristmill.tokenizer import render_chat, token_bytes
 from gristmill.outputs import RequestOutput
 from gristmill.sampling import SamplingParams
 from gristmill.server.errors import ModelNotFoundError, error_event, exception_response
@@ -39,7 +39,8 @@ class OpenAIServing:
                  supervisor: EngineSupervisor | None = None, limits: ServerLimits | None = None):
         self.engine = engine
         self.model_name = model_name
-        self.writer = ResponseWriter(model_name, lambda ids: self.engine.tokenizer.decode(ids))
+        self.writer = ResponseWriter(model_name, lambda ids: self.engine.tokenizer.decode(ids),
+                                     lambda token_id: token_bytes(self.engine.tokenizer, token_id))
         self.metrics = metrics
         self.supervisor = supervisor
         self.limits = limits or ServerLimits()
@@ -100,7 +101,7 @@ class OpenAIServing:
         params, field = self._params(body, body.max_tokens or 16, body.logprobs)
         job = Job(False, f"cmpl-{uuid.uuid4().hex}", int(time.time()), body.n, body.logprobs is not None,
                    bool(body.stream_options and body.stream_options.include_usage), body.logprobs or 0,
-                   constraint_field=field)
+                   constraint_field=field, continuous_usage=_continuous_usage(body))
         job.return_token_ids = body.return_token_ids
         if body.echo:
             job.echo_texts = [self._prompt_text(p) for p in prompts]
@@ -120,7 +121,7 @@ class OpenAIServing:
         params, field = self._params(body, max_tokens, top)
         job = Job(True, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), body.n, body.logprobs,
                    bool(body.stream_options and body.stream_options.include_usage), top or 0,
-                   constraint_field=field)
+                   constraint_field=field, continuous_usage=_continuous_usage(body))
         job.return_token_ids = body.return_token_ids
         return job, [(text, body.add_special_tokens)], params
 
@@ -233,14 +234,20 @@ class OpenAIServing:
     async def _stream(self, job: Job, timer: RequestTimer):
         finals: list[RequestOutput] = []
         completion_tokens = 0
+
+        def event(chunk: dict) -> str:
+            if job.continuous_usage:
+                chunk["usage"] = usage(job, completion_tokens)
+            return sse(chunk)
+
         try:
             if job.chat:
                 for i in range(job.n):
-                    yield sse(self.writer.chunk(job, i, {"role": "assistant", "content": ""}, None, None))
+                    yield event(self.writer.chunk(job, i, {"role": "assistant", "content": ""}, None, None))
             if job.echo_texts is not None:  # the prompt opens each choice's text
                 for prompt_index, text in enumerate(job.echo_texts):
                     for i in range(job.n):
-                        yield sse(self.writer.chunk(job, prompt_index * job.n + i, text, None, None))
+                        yield event(self.writer.chunk(job, prompt_index * job.n + i, text, None, None))
             choices = ChoiceStates(len(job.streams), job.n)
             # "delta" outputs (only what is new) of all the prompts, as they come: every
             # prompt generates at once, so none may wait for another's end.
@@ -251,7 +258,7 @@ class OpenAIServing:
                         timer.tokens(len(c.token_ids))
                         chunk = self.writer.delta_chunk(job, prompt_index, c, choices)
                         if chunk is not None:
-                            yield sse(chunk)
+                            yield event(chunk)
                     if out.finished:
                         finals.append(out)
             if job.include_usage:
@@ -264,6 +271,7 @@ class OpenAIServing:
         finally:
             await _close_all(job)
         yield "data: [DONE]\n\n"
+
 
 class JobStreamingResponse(StreamingResponse):
     """Closes the job's engine streams even if the body never started (the client left
@@ -336,3 +344,9 @@ async def _wait_for_disconnect(request: Request) -> None:
         if message["type"] == "http.disconnect":
             return
 
+
+def _continuous_usage(body) -> bool:
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries the usage so far
+    (with include_usage, as vLLM has it)."""
+    options = body.stream_options
+    return bool(options and options.include_usage and options.continuous_usage_stats)

@@ -9,13 +9,25 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, field_validator, model_validator
 
 COMPLETIONS_PATH, CHAT_PATH = "/v1/completions", "/v1/chat/completions"
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # (an option it does not know would be ignored)
+
     include_usage: bool = False
+    #: vLLM's: every chunk carries the usage so far (include_usage: the last one too).
+    continuous_usage_stats: bool = False
+
+
+def _no_booleans(value):
+    """A JSON true / false where a number (or a list of them) goes is a client's mistake,
+    not 1 / 0 (pydantic's lax mode would take it so)."""
+    if isinstance(value, bool) or (isinstance(value, list) and any(isinstance(v, bool) for v in value)):
+        raise ValueError(f"expected a number, got {str(value).lower()}")
+    return value
 
 
 #: Fields whose explicit null means their default (OpenAI documents them "or null", and
@@ -34,6 +46,10 @@ class _SamplingFields(BaseModel):
             return {k: v for k, v in data.items() if not (v is None and k in _NULL_MEANS_DEFAULT
                                                           and k in cls.model_fields)}
         return data
+
+    _sampling_numbers = field_validator("temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "n",
+                               "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
+                               mode="before")(_no_booleans)
 
     model: str | None = None
     temperature: float | None = Field(default=None, ge=0, le=2)
@@ -97,6 +113,22 @@ class CompletionRequest(_SamplingFields):
     #: vLLM's extra-body field: the tokenizer's special tokens (BOS) open the prompt.
     add_special_tokens: bool = True
 
+    _completion_numbers = field_validator("max_tokens", mode="before")(_no_booleans)
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _token_ids_are_not_booleans(cls, value):
+        if isinstance(value, list):
+            for item in value:
+                _no_booleans(item)
+        return _no_booleans(value)
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _logprobs_off(cls, value):
+        """`logprobs: false` (chat's way to say none) means none here too; true is not a count."""
+        return None if value is False else _no_booleans(value)
+
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
@@ -119,3 +151,6 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False
     chat_template_kwargs: dict | None = None
     add_special_tokens: bool = False
+
+    _chat_numbers = field_validator("max_tokens", "max_completion_tokens", "top_logprobs",
+                                    mode="before")(_no_booleans)

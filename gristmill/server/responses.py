@@ -28,6 +28,8 @@ class Job:
     return_token_ids: bool = False
     #: The request field its structured-output constraint came from, or None.
     constraint_field: str | None = None
+    #: Every streamed chunk carries the usage so far (`_continuous_usage`).
+    continuous_usage: bool = False
 
 
 class ChoiceStates:
@@ -42,11 +44,13 @@ class ChoiceStates:
 
 
 class ResponseWriter:
-    """Formats the responses of one server: `decode(ids)` gives a token's text."""
+    """Formats the responses of one server: `decode(ids)` gives a token's text,
+    `token_bytes(id)` its own bytes."""
 
-    def __init__(self, model_name: str, decode: Callable[[list[int]], str]):
+    def __init__(self, model_name: str, decode: Callable[[list[int]], str], token_bytes: Callable[[int], bytes]):
         self.model_name = model_name
         self.decode = decode
+        self.token_bytes = token_bytes
 
     def delta_chunk(self, job: Job, prompt_index: int, c, choices: ChoiceStates) -> dict | None:
         """The chunk of a "delta" completion output, or None when it brings nothing to send."""
@@ -111,7 +115,7 @@ class ResponseWriter:
         if job.chat:
             def item(token_id, logprob):
                 text = decode(token_id)
-                return {"token": text, "logprob": finite(logprob), "bytes": list(text.encode())}
+                return {"token": text, "logprob": finite(logprob), "bytes": list(self.token_bytes(token_id))}
             return {"content": [{**item(t, e[t]), "top_logprobs": [item(i, v) for i, v in top(e, k)]}
                                 for t, e in zip(ids, entries)]}
         texts = [decode(t) for t in ids]

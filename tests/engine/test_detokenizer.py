@@ -94,3 +94,24 @@ def test_a_sequence_the_stream_refuses_falls_back_to_the_two_decode_text(tokeniz
             assert detok.text == _text(tokenizer, prompt, output, stop=stop, stream=False)[0], (output, chunk)
             assert len(detok.text) >= 8  # nothing dropped on the way
             assert detok.num_tokens == len(output)
+
+
+@pytest.mark.parametrize("vocab", ["bundled", "gpt2", "llama"])
+def test_token_bytes_rebuild_the_text_where_tokens_split_a_character(vocab, tmp_path, request):
+    """OpenAI's logprobs `bytes`: each token's own bytes, also for a token that is part of
+    a character (and decodes alone to U+FFFD): byte-fallback pieces (Gemma's, SentencePiece
+    vocabularies), byte-level BPE pieces (GPT-2's). Their concatenation is the text's UTF-8
+    (after the leading space a SentencePiece vocabulary puts before the first word)."""
+    from gristmill import LLM
+    from gristmill.tokenizer import token_bytes
+    from tests.model.test_loader import write_tiny_gguf
+
+    if vocab == "bundled":
+        tokenizer = request.getfixturevalue("default_llm").tokenizer
+    else:
+        tokenizer = LLM(model=str(write_tiny_gguf(tmp_path / "t.gguf", "llama", vocab)), device="cpu").tokenizer
+    text = "naïve 日本 🙂 \U00013000\U0001F9FF ok"  # (an Egyptian hieroglyph: bytes even in Gemma's vocabulary)
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    pieces = [token_bytes(tokenizer, i) for i in ids]
+    assert any(len(p) == 1 and p[0] >= 0x80 for p in pieces)  # some token is one byte of a character
+    assert b"".join(pieces).decode() == (" " + text if vocab == "llama" else text)
