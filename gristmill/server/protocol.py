@@ -102,7 +102,9 @@ UNSUPPORTED = {"best_of": 1, "suffix": "", "tools": [], "functions": [], "use_be
                "return_tokens_as_token_ids": False, "tool_choice": ("none", "auto"), "function_call": ("none", "auto"),
                "reasoning_effort": (), "chat_template": "", "documents": [], "echo": False, "modalities": (["text"],),
                # the openai client's keyword, sent as a field (curl): its fields belong at the top level
-               "extra_body": {}}
+               "extra_body": {},
+               # chat's name for max_tokens: on /v1/completions, not taken (never ignored)
+               "max_completion_tokens": ()}
 
 
 class CompletionRequest(_SamplingFields):
@@ -135,6 +137,15 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "developer"]
     content: str | list[dict] | None = None
+
+    @model_validator(mode="after")
+    def _no_tool_calls(self):
+        """An assistant turn's tool calls would be part of the prompt; tools are not supported."""
+        extra = self.model_extra or {}
+        for name in ("tool_calls", "function_call"):
+            if extra.get(name):
+                raise ValueError(f"{name} in a message is not supported (no tools here); leave it out")
+        return self
 
 
 class ChatCompletionRequest(_SamplingFields):

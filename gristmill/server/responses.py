@@ -124,7 +124,9 @@ class ResponseWriter:
             offsets.append(at)
             at += len(text)
         return {"tokens": texts, "token_logprobs": [finite(e[t]) for t, e in zip(ids, entries)],
-                "top_logprobs": [{decode(i): finite(v) for i, v in top(e, k)} for e in entries],
+                # (with the sampled token's, as OpenAI's legacy completions: up to logprobs + 1)
+                "top_logprobs": [{decode(i): finite(v) for i, v in [*top(e, k), (t, e[t])]}
+                                 for t, e in zip(ids, entries)],
                 "text_offset": offsets}
 
     def _token_text(self, token_id: int) -> str:

@@ -90,8 +90,9 @@ def openai_constraint(response_format, structured_outputs) -> tuple[dict | None,
         return structured_outputs, "structured_outputs"
     if response_format is None:
         return None, None
-    if kind == "json_object":
-        return {"json_object": True}, "response_format"
+    if kind == "json_object":  # (with a "schema", as some OpenAI-compatible services take it: that schema)
+        schema = response_format.get("schema")
+        return ({"json_object": True} if schema is None else {"json": schema}), "response_format"
     if kind == "json_schema":
         spec = response_format.get("json_schema")
         if not isinstance(spec, dict) or "schema" not in spec:

@@ -131,6 +131,35 @@ def test_a_literal_extra_body_field_is_refused(server, auth):
     assert "at the top level of the body" in refused(response, "extra_body")["message"]
 
 
+def test_fields_that_would_be_ignored_are_refused(server, auth):
+    """An assistant turn's `tool_calls` (tools are not supported) and chat's
+    `max_completion_tokens` sent to /v1/completions would change the output: 400s."""
+    tool_turn = [*HI, {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function"}]}, *HI]
+    refused(post(server, auth, "chat/completions", {"messages": tool_turn, "max_tokens": 2}), "messages.1")
+    refused(post(server, auth, "completions", {"prompt": "Hi", "max_completion_tokens": 2}), "max_completion_tokens")
+
+
+def test_json_object_with_a_schema_follows_the_schema(server, auth):
+    """`{"type": "json_object", "schema": {...}}` (as some OpenAI-compatible services take
+    it) follows that schema, not any JSON object."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    response = post(server, auth, "chat/completions", {"messages": HI, "max_tokens": 12, "temperature": 0,
+                                                       "response_format": {"type": "json_object", "schema": schema}})
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and set(json.loads(choice["message"]["content"])) == {"ok"}
+
+
+def test_completion_top_logprobs_hold_the_sampled_token(server, auth):
+    """OpenAI's legacy completions return the sampled token's logprob among the top ones
+    (up to logprobs + 1 entries), also when it is not among the most likely."""
+    response = post(server, auth, "completions", {"prompt": "Hi", "max_tokens": 8, "temperature": 2.0, "seed": 3,
+                                                  "logprobs": 1})
+    logprobs = response.json()["choices"][0]["logprobs"]
+    assert all(token in top and 1 <= len(top) <= 2 for token, top in zip(logprobs["tokens"], logprobs["top_logprobs"]))
+    assert any(len(top) == 2 for top in logprobs["top_logprobs"])  # (temperature 2: some token is not the likeliest)
+
+
 # -- routes and the wire ------------------------------------------------------------------
 
 
