@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import random
 from dataclasses import Field, dataclass, field, fields, replace
 
 from gristmill.errors import RequestError
@@ -62,8 +64,9 @@ class EngineConfig:
     structured_output_backend: str = _field(
         "llguidance", 'Grammar engine of structured output: "llguidance" (the default) or "xgrammar" '
                       "(pip install xgrammar; see docs/structured_output.md).")
-    seed: int = _field(
-        0, "Seed of the engine's random stream, used by requests without a seed of their own.")
+    seed: int | None = _field(
+        0, "Seed of the engine's random stream, used by requests without a seed of their own; "
+           "None = a random one.")
     cache_dir: str | None = _field(
         None, "Where converted GGUF models and int8 weights are cached; None = ~/.cache/gristmill.")
     max_waiting_requests: int | None = _field(
@@ -80,6 +83,17 @@ class EngineConfig:
             if not ok:
                 raise RequestError(f"EngineConfig.{name}: {message}", param=name)
 
+        check(self.model is None or isinstance(self.model, (str, os.PathLike)), "model",
+              f"must be a model directory or GGUF file path (a str), got {self.model!r}")
+        if isinstance(self.model, os.PathLike):
+            self.model = os.fspath(self.model)
+        if type(self.device).__name__ == "device":  # a torch.device
+            self.device = str(self.device)
+        if self.seed is None:
+            self.seed = random.randrange(2**63)
+        check(_is_int(self.seed) and -2**63 <= self.seed < 2**64, "seed",
+              f"must be an integer in [-2**63, 2**64) or None, got {self.seed!r}")
+        check(isinstance(self.enforce_eager, bool), "enforce_eager", f"must be True or False, got {self.enforce_eager!r}")
         check(self.max_model_len is None or _positive_int(self.max_model_len), "max_model_len",
               f"must be a positive integer or None, got {self.max_model_len!r}")
         check(_positive_int(self.block_size) and self.block_size & (self.block_size - 1) == 0,
@@ -104,7 +118,7 @@ class EngineConfig:
               f"must be True, False or None, got {self.async_scheduling!r}")
         check(isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching",
               f"must be True or False, got {self.enable_prefix_caching!r}")
-        check(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
+        check(isinstance(self.device, str) and (self.device in ("auto", "cpu") or self.device.startswith("cuda")),
               "device", f"must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         check(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
               f"must be 'auto', 'float32', 'bfloat16' or 'float16', got {self.dtype!r}")
@@ -151,6 +165,10 @@ STEP_LIMITS = {"cpu": (128, 2048), "cuda": (256, 8192)}
 
 def _positive_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _positive_int(value) -> bool:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import itertools
-import numbers
 import threading
 import time
 from collections.abc import Sequence
@@ -16,6 +15,7 @@ from gristmill.engine.output_processor import OutputProcessor
 from gristmill.engine.processor import InputProcessor
 from gristmill.errors import EngineDeadError, GenerationError, RequestError, error_string
 from gristmill.outputs import CompletionOutput, RequestOutput
+from gristmill.prompts import is_token_ids, prompt_item
 from gristmill.sampling import SamplingParams
 
 Prompt = str | list[int]
@@ -75,30 +75,42 @@ class LLM:
         if prompts is None:
             raise RequestError("prompts is None; pass a prompt (a string or a list of token ids) or a list of "
                                "prompts", param="prompt")
-        if isinstance(prompts, (str, bytes, dict)) or _is_token_ids(prompts):
+        if isinstance(prompts, (str, bytes, dict)) or is_token_ids(prompts):
             prompts = [prompts]
-        return self._run([_prompt_item(p) for p in prompts], sampling_params, use_tqdm)
+        return self._run([prompt_item(p) for p in prompts], sampling_params, use_tqdm)
 
     def chat(self, conversations: list[dict] | Sequence[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True, add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template: str | None = None, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """Generate a reply to each conversation (a list of {"role", "content"} messages),
-        rendered with the model's chat template."""
+        rendered with the model's chat template (or `chat_template`, a Jinja text), as vLLM's
+        LLM.chat: `continue_final_message` continues the last (assistant) message, left
+        open (with add_generation_prompt=False); `chat_template_kwargs` are more variables
+        for the template."""
         if isinstance(conversations, (str, bytes, dict)) or (
                 conversations and isinstance(conversations[0], dict)):
             conversations = [conversations]  # one conversation (a str is one, malformed)
         items = []
         for messages in conversations:
             try:
-                text = self.apply_chat_template(messages, add_generation_prompt)
+                text = self.apply_chat_template(messages, add_generation_prompt, continue_final_message,
+                                                chat_template, chat_template_kwargs)
                 items.append((text, None))
             except RequestError as exc:
                 items.append((None, exc))
         return self._run(items, sampling_params, use_tqdm, add_special_tokens=False)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False, chat_template: str | None = None,
+                            chat_template_kwargs: dict | None = None) -> str:
         from gristmill.tokenizer import render_chat
-        return render_chat(self.tokenizer, messages, add_generation_prompt)
+        return render_chat(self.tokenizer, messages, add_generation_prompt, continue_final_message,
+                           chat_template_kwargs, chat_template)
+
+    def get_tokenizer(self):
+        """The tokenizer (a transformers tokenizer), as vLLM's LLM.get_tokenizer()."""
+        return self.tokenizer
 
     def max_new_tokens(self, prompt: str | list[int] | int) -> int:
         """Most tokens a request with this prompt can generate (context length and KV
@@ -180,41 +192,6 @@ class LLM:
             if refused is not None:
                 self.outputs.fail(request.request_id, refused)
         return result
-
-
-def _is_token_id(t) -> bool:
-    # numpy and other integer types count (vLLM users pass them), bools do not.
-    return type(t) is int or (isinstance(t, numbers.Integral) and not isinstance(t, bool)
-                              and type(t).__name__ != "bool_")
-
-
-def _is_token_ids(prompt) -> bool:
-    if type(prompt).__name__ == "ndarray":  # (numpy is not imported here for this)
-        return prompt.ndim == 1 and prompt.size > 0 and _is_token_id(prompt.reshape(-1)[0])
-    return isinstance(prompt, (list, tuple)) and bool(prompt) and all(_is_token_id(t) for t in prompt)
-
-
-_DICT_PROMPT_KEYS = ("prompt", "prompt_token_ids")
-
-
-def _prompt_item(prompt) -> tuple[object, RequestError | None]:
-    """(the prompt as a str or a list of int token ids, None), or (None, why it is invalid)."""
-    if isinstance(prompt, dict):  # vLLM's TextPrompt / TokensPrompt
-        given = [k for k in _DICT_PROMPT_KEYS if k in prompt]
-        other = sorted(map(str, set(prompt) - set(_DICT_PROMPT_KEYS)))
-        if len(given) != 1 or other:
-            return None, RequestError(
-                f"a prompt dict must have exactly one of the keys 'prompt' (text) or 'prompt_token_ids' "
-                f"(token ids), got keys {sorted(map(str, prompt))}"
-                + (f"; {other} are not supported" if other else ""), param="prompt")
-        prompt = prompt[given[0]]
-    if isinstance(prompt, bytes):
-        return None, RequestError("prompt is bytes; pass text (decode it, e.g. prompt.decode('utf-8')) or a list "
-                                  "of token ids", param="prompt")
-    if not isinstance(prompt, str) and _is_token_ids(prompt):
-        return (prompt if type(prompt) is list and all(type(t) is int for t in prompt)
-                else [int(t) for t in prompt]), None
-    return prompt, None
 
 
 def _params_per_prompt(sampling_params, count: int) -> list[SamplingParams]:

@@ -39,7 +39,8 @@ class SamplingParams:
     #: Seed of this request's own random stream: same seed, same output, whatever
     #: else is in the batch. None draws from the engine's stream.
     seed: int | None = None
-    #: Strings that end generation; the returned text never contains them.
+    #: Strings that end generation; the returned text never contains them (unless
+    #: include_stop_str_in_output).
     stop: list[str] = field(default_factory=list)
     #: Token ids that end generation (in addition to the model's end-of-sequence ids).
     stop_token_ids: list[int] = field(default_factory=list)
@@ -74,6 +75,8 @@ class SamplingParams:
     #: Words the completion must not contain: each is tokenized (alone and after a space),
     #: and the last token of each form is banned wherever the completion ends with the rest.
     bad_words: list[str] = field(default_factory=list)
+    #: vLLM's: the text ends with the stop string that ended it.
+    include_stop_str_in_output: bool = False
     #: `validate()` passed and no field was assigned since: the engine's client does not
     #: check it again (a list or dict changed in place is not seen; the core checks
     #: every request it receives anyway).
@@ -94,13 +97,6 @@ class SamplingParams:
         object.__setattr__(self, "_valid", False)
 
     def __post_init__(self):
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        if isinstance(self.bad_words, str):
-            self.bad_words = [self.bad_words]
-        self.bad_words = list(self.bad_words or [])
         self.structured_output = given_kinds(self.structured_output)
         self.validate()
 
@@ -108,6 +104,16 @@ class SamplingParams:
         def check(ok: bool, param: str, message: str):
             if not ok:
                 raise RequestError(message, param=param)
+
+        # Lists however given, also assigned after construction: one string is one entry, None none.
+        for name in ("stop", "stop_token_ids", "bad_words"):
+            value = getattr(self, name)
+            value = [value] if isinstance(value, (str, int)) and not isinstance(value, bool) else value
+            check(value is None or isinstance(value, (list, tuple)), name,
+                  f"{name} must be a list (or None), got {short(value)}")
+            object.__setattr__(self, name, list(value or []))
+        check(isinstance(self.include_stop_str_in_output, bool), "include_stop_str_in_output",
+              f"include_stop_str_in_output must be true or false, got {self.include_stop_str_in_output!r}")
 
         check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens",
               f"max_tokens must be an integer >= 1 (or None: the room left after the prompt), "

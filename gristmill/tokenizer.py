@@ -124,11 +124,12 @@ def _write_atomically(path: Path, data: bytes) -> None:
 
 
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
-                continue_final_message: bool = False, template_kwargs: dict | None = None) -> str:
-    """A conversation rendered with the tokenizer's chat template; RequestError when the
-    messages are malformed or the template rejects them. `continue_final_message`: the
-    last message (the assistant's) is left open for the model to continue;
-    `template_kwargs`: more variables for the template."""
+                continue_final_message: bool = False, template_kwargs: dict | None = None,
+                chat_template: str | None = None) -> str:
+    """A conversation rendered with the tokenizer's chat template (or `chat_template`, a
+    Jinja text); RequestError when the messages are malformed or the template rejects
+    them. `continue_final_message`: the last message (the assistant's) is left open for
+    the model to continue; `template_kwargs`: more variables for the template."""
     from gristmill.errors import RequestError
 
     if not isinstance(messages, list) or not messages or not all(
@@ -145,6 +146,9 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
     # OpenAI's developer messages are its newer name for system messages; templates know only those.
     flat = [{"role": "system" if m["role"] == "developer" else m["role"], "content": _text_content(m["content"])}
             for m in messages]
+    if template_kwargs is not None and not isinstance(template_kwargs, dict):
+        raise RequestError(f"chat_template_kwargs must be a dict, got {type(template_kwargs).__name__}",
+                           param="chat_template_kwargs")
     kwargs = dict(template_kwargs or {})
     reserved = sorted(set(kwargs) & {"conversation", "messages", "tokenize", "add_generation_prompt",
                                      "continue_final_message", "chat_template", "tools", "documents"})
@@ -152,6 +156,10 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
         raise RequestError(f"chat_template_kwargs may not set {reserved}", param="chat_template_kwargs")
     if continue_final_message:
         kwargs["continue_final_message"] = True
+    if chat_template is not None:
+        if not isinstance(chat_template, str) or not chat_template.strip():
+            raise RequestError("chat_template must be a Jinja template text", param="chat_template")
+        kwargs["chat_template"] = chat_template
     try:
         return tokenizer.apply_chat_template(flat, tokenize=False, add_generation_prompt=add_generation_prompt,
                                              **kwargs)

@@ -17,6 +17,7 @@ import logging
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Callable, Mapping
 
 from gristmill import faults, startup
@@ -30,6 +31,7 @@ from gristmill.engine.stream import OUTPUT_KINDS, RequestStream
 from gristmill.errors import (EngineDeadError, EngineOverloadedError, GenerationError, GristmillError,
                              RequestError)
 from gristmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from gristmill.prompts import prompt_item
 from gristmill.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -91,7 +93,12 @@ class AsyncEngine:
         startup.logger.info("engine ready in %.1f s", self.start_seconds)
 
     def _start_core(self) -> tuple[CoreClient, Ready]:
-        client = CoreClient(self._core_config, self._on_core_message, self._on_core_death, self._core_env)
+        # The client's threads hold the engine weakly: an engine nobody holds any more (a
+        # script that forgot shutdown(), a notebook cell run again) is collected, and its
+        # core process shut down with it.
+        client = CoreClient(self._core_config, _weakly(self._on_core_message), _weakly(self._on_core_death),
+                            self._core_env)
+        weakref.finalize(self, client.shutdown)
         try:
             return client, client.wait_ready()
         except BaseException:
@@ -169,6 +176,9 @@ class AsyncEngine:
         if request_id is not None and not isinstance(request_id, str):
             raise RequestError(f"request_id must be a string (or None for a generated one), got "
                                f"{type(request_id).__name__} {request_id!r}", param="request_id")
+        prompt, invalid = prompt_item(prompt)  # (also vLLM's prompt dicts)
+        if invalid is not None:
+            raise invalid
         return self._open(prompt, sampling_params or SamplingParams(), request_id, add_special_tokens,
                           max_buffered, output_kind, prompt_token_ids, token_times)
 
@@ -508,3 +518,15 @@ def rejection_error(error: str, param: str | None = None) -> GristmillError:
     if name == "RequestError":
         return RequestError(text, param=param)
     return GenerationError(f"the engine core refused the request: {error}")
+
+
+def _weakly(method):
+    """`method` (bound) called through a weak reference to its object: nothing once the
+    object is gone."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args):
+        bound = ref()
+        if bound is not None:
+            bound(*args)
+    return call

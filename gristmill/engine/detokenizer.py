@@ -45,10 +45,12 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str],
-                 skip_special_tokens: bool = True, incremental: bool = True, min_tokens: int = 0):
+                 skip_special_tokens: bool = True, incremental: bool = True, min_tokens: int = 0,
+                 include_stop: bool = False):
         """`incremental=False`: nobody reads the text before the end (offline generate), so
         without stop strings the tokens are held and decoded once, when `text` is read.
-        `min_tokens`: stop strings count only from that many tokens on."""
+        `min_tokens`: stop strings count only from that many tokens on. `include_stop`: the
+        text ends with the stop string that ended it (vLLM's include_stop_str_in_output)."""
         self.tokenizer = tokenizer
         self.stop = stop
         self.skip_special_tokens = skip_special_tokens
@@ -61,6 +63,7 @@ class IncrementalDetokenizer:
         self.stopped = False
         self.num_tokens = 0
         self.min_tokens = min_tokens
+        self.include_stop = include_stop
         self._holdback = max((len(s) for s in stop), default=1) - 1
         self._decode = _decoder(tokenizer, skip_special_tokens)
         self._step = _stream(tokenizer, skip_special_tokens, self.ids)
@@ -138,9 +141,10 @@ class IncrementalDetokenizer:
         self._text += new_text
         if self.num_tokens < self.min_tokens:
             return
-        hits = [at for stop in self.stop if (at := self._text.find(stop, start)) != -1]
+        hits = [(at, -len(stop)) for stop in self.stop if (at := self._text.find(stop, start)) != -1]
         if hits:
-            self._text = self._text[:min(hits)]
+            at, minus_length = min(hits)
+            self._text = self._text[:at - minus_length if self.include_stop else at]
             self.stopped = True
 
     def take_delta(self, finished: bool) -> str:

@@ -56,7 +56,7 @@ class OutputProcessor:
                 detok = IncrementalDetokenizer(self.tokenizer, parent.prompt_token_ids, params.stop,
                                                params.skip_special_tokens,
                                                self.incremental if incremental is None else incremental,
-                                               params.min_tokens)
+                                               params.min_tokens, params.include_stop_str_in_output)
             except Exception as exc:  # noqa: BLE001 - per-request isolation
                 raise GenerationError(f"setting up the detokenizer failed: {exc}") from exc
             completions[child_id] = _Completion(parent, output, detok, stop_tokens)

@@ -17,6 +17,7 @@ import torch
 
 from gristmill import startup
 from gristmill.config import EngineConfig
+from gristmill.errors import RequestError
 from gristmill.faults import InjectedFault
 from gristmill.model.backends import pick_backend
 from gristmill.model.context import forward_context
@@ -80,6 +81,10 @@ class ModelRunner:
         self.model_dir = model_dir or resolve_model(config.model, config.cache_dir)
         self.hf_config = load_config(self.model_dir)
         self.max_model_len = config.max_model_len or self.hf_config.max_position_embeddings
+        if self.max_model_len > self.hf_config.max_position_embeddings:  # (positions it was never trained on)
+            raise RequestError(f"EngineConfig.max_model_len: {self.max_model_len} is more than the "
+                               f"{self.hf_config.max_position_embeddings} positions {self.model_dir.name} "
+                               f"supports; lower it or leave it out", param="max_model_len")
         self.vocab_size = self.hf_config.vocab_size
         self.quantization = quant.resolve_quantization(config.quantization, self.device)
         self.backend = pick_backend(self.device, self.dtype)

@@ -150,7 +150,8 @@ class OpenAIServing:
                 frequency_penalty=body.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
                 min_tokens=body.min_tokens or 0, bad_words=body.bad_words or [],
-                skip_special_tokens=body.skip_special_tokens), field
+                skip_special_tokens=body.skip_special_tokens,
+                include_stop_str_in_output=body.include_stop_str_in_output), field
         except RequestError as exc:
             raise named_for(exc, field) from None
 

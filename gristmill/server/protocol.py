@@ -76,6 +76,8 @@ class _SamplingFields(BaseModel):
     min_tokens: int | None = Field(default=None, ge=0)
     bad_words: list[str] | None = None
     skip_special_tokens: bool = True
+    #: vLLM's extra-body field: the text ends with the stop string that ended it.
+    include_stop_str_in_output: bool = False
     #: vLLM's extra-body field: each choice also carries its `token_ids` (and the prompt's
     #: `prompt_token_ids`: on each choice of a completion, on a chat response).
     return_token_ids: bool = False
@@ -95,7 +97,7 @@ def _neutral(value) -> tuple:
 #: value (or a tuple of the values) that changes nothing: any other value is refused.
 UNSUPPORTED = {"best_of": 1, "suffix": "", "tools": [], "functions": [], "use_beam_search": False,
                "length_penalty": 1.0, "prompt_logprobs": 0, "allowed_token_ids": [], "logits_processors": [],
-               "include_stop_str_in_output": False, "truncate_prompt_tokens": 0, "typical_p": 1.0,
+               "truncate_prompt_tokens": 0, "typical_p": 1.0,
                "prediction": {}, "audio": {}, "spaces_between_special_tokens": True,
                "guided_json": {}, "guided_regex": "", "guided_choice": [], "guided_grammar": "",
                "guided_whitespace_pattern": "", "prompt_embeds": ("", []),
