@@ -160,6 +160,20 @@ def test_completion_top_logprobs_hold_the_sampled_token(server, auth):
     assert any(len(top) == 2 for top in logprobs["top_logprobs"])  # (temperature 2: some token is not the likeliest)
 
 
+def test_include_stop_str_in_output(server, auth):
+    """vLLM's extra field keeps the stop string at the end of the text, streamed or not."""
+    body = {"prompt": "Hi", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    text = post(server, auth, "completions", body).json()["choices"][0]["text"]
+    stop = text[6:9]
+    kept = {**body, "stop": [stop], "include_stop_str_in_output": True}
+    plain = post(server, auth, "completions", kept).json()["choices"][0]
+    with httpx.stream("POST", f"{server.url}/v1/completions", headers=auth, json={**kept, "stream": True},
+                      timeout=60) as response:
+        events = [e[6:] for e in response.read().decode().split("\n\n") if e.startswith("data: {")]
+    streamed = "".join(json.loads(e)["choices"][0]["text"] for e in events)
+    assert plain["finish_reason"] == "stop" and plain["text"] == text[:text.find(stop) + len(stop)] == streamed
+
+
 # -- routes and the wire ------------------------------------------------------------------
 
 
