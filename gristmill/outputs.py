@@ -20,6 +20,11 @@ class CompletionOutput:
     delta_text: str = ""
     #: "<ErrorType>: <message>" when finish_reason is "error".
     error: str | None = None
+    #: As vLLM's: the stop string or `stop_token_ids` entry that ended it (None for EOS,
+    #: a length limit, a complete grammar).
+    stop_reason: str | int | None = None
+    #: The sum of its tokens' logprobs, when it asked for logprobs.
+    cumulative_logprob: float | None = None
 
     @property
     def finished(self) -> bool:

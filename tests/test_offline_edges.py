@@ -225,3 +225,20 @@ def test_a_torch_device_is_taken_as_its_name():
     import torch
 
     assert EngineConfig(device=torch.device("cpu")).device == "cpu"
+
+
+def test_stop_reason_and_cumulative_logprob(llm):
+    """vLLM's CompletionOutput.stop_reason: the stop string or stop_token_ids entry that
+    ended it (None for a length limit); cumulative_logprob: the sum of its tokens'
+    logprobs when it asked for them."""
+    [full] = llm.generate("Hello world", SamplingParams(max_tokens=20, logprobs=0, **GREEDY), use_tqdm=False)
+    out = full.outputs[0]
+    assert out.stop_reason is None and out.cumulative_logprob == pytest.approx(
+        sum(entry[t] for t, entry in zip(out.token_ids, out.logprobs)))
+    stop = full.text[5:8]
+    [by_string] = llm.generate("Hello world", SamplingParams(max_tokens=20, stop=[stop], **GREEDY), use_tqdm=False)
+    assert by_string.outputs[0].stop_reason == stop and by_string.outputs[0].cumulative_logprob is None
+    token = out.token_ids[3]
+    [by_token] = llm.generate("Hello world", SamplingParams(max_tokens=20, stop_token_ids=[token], **GREEDY),
+                              use_tqdm=False)
+    assert by_token.finish_reason == "stop" and by_token.outputs[0].stop_reason == token

@@ -61,6 +61,8 @@ class IncrementalDetokenizer:
         self.held: list[int] | None = None if incremental or stop else []
         self.emitted = 0
         self.stopped = False
+        #: The stop string that ended the text, once one did.
+        self.stop_string: str | None = None
         self.num_tokens = 0
         self.min_tokens = min_tokens
         self.include_stop = include_stop
@@ -141,10 +143,10 @@ class IncrementalDetokenizer:
         self._text += new_text
         if self.num_tokens < self.min_tokens:
             return
-        hits = [(at, -len(stop)) for stop in self.stop if (at := self._text.find(stop, start)) != -1]
+        hits = [(at, -len(stop), stop) for stop in self.stop if (at := self._text.find(stop, start)) != -1]
         if hits:
-            at, minus_length = min(hits)
-            self._text = self._text[:at - minus_length if self.include_stop else at]
+            at, _, self.stop_string = min(hits)
+            self._text = self._text[:at + len(self.stop_string) if self.include_stop else at]
             self.stopped = True
 
     def take_delta(self, finished: bool) -> str:

@@ -21,6 +21,8 @@ class _Completion:
     #: Tokens that end it (EOS unless ignore_eos, stop_token_ids): the one that ends it
     #: stays in its token ids but not in its text, as in vLLM.
     stop_tokens: frozenset[int]
+    #: Its stop_token_ids (a stop_reason when one ends it; EOS is none).
+    stop_token_ids: frozenset[int] = frozenset()
 
 
 class OutputProcessor:
@@ -59,7 +61,7 @@ class OutputProcessor:
                                                params.min_tokens, params.include_stop_str_in_output)
             except Exception as exc:  # noqa: BLE001 - per-request isolation
                 raise GenerationError(f"setting up the detokenizer failed: {exc}") from exc
-            completions[child_id] = _Completion(parent, output, detok, stop_tokens)
+            completions[child_id] = _Completion(parent, output, detok, stop_tokens, frozenset(params.stop_token_ids))
         self._live.update(completions)
 
     @property
@@ -132,6 +134,7 @@ class OutputProcessor:
                 output.finish_reason = finish_reason
                 if finish_reason == "error":
                     output.error = update.error
+                _ended(output, live, stopped)
                 del self._live[update.request_id]
 
     def fail(self, request_id: str, exc: BaseException) -> RequestOutput | None:
@@ -169,3 +172,15 @@ def _add_arrivals(arrivals: list[tuple[float, int]], times: list[float]) -> None
     for at in times:
         merged[at] = merged.get(at, 0) + 1
     arrivals[:] = sorted(merged.items())
+
+
+def _ended(output: CompletionOutput, live: _Completion, stopped: bool) -> None:
+    """vLLM's stop_reason (the stop string or stop_token_ids entry that ended it; None for
+    EOS, a length limit or a complete grammar) and cumulative_logprob (with logprobs)."""
+    if output.finish_reason == "stop":
+        if stopped:
+            output.stop_reason = live.detokenizer.stop_string
+        elif output.token_ids and output.token_ids[-1] in live.stop_token_ids:
+            output.stop_reason = output.token_ids[-1]
+    if output.logprobs is not None:
+        output.cumulative_logprob = sum(entry[t] for t, entry in zip(output.token_ids, output.logprobs))

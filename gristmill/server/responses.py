@@ -87,7 +87,7 @@ class ResponseWriter:
         for prompt_index, out in enumerate(finals):
             for c in out.outputs:
                 choice = {"index": prompt_index * job.n + c.index, "finish_reason": c.finish_reason,
-                          "logprobs": self.logprobs(job, c, 0)}
+                          "stop_reason": c.stop_reason, "logprobs": self.logprobs(job, c, 0)}
                 if job.chat:
                     choice["message"] = {"role": "assistant", "content": c.text}
                 else:
