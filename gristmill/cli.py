@@ -5,13 +5,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
 from gristmill.batch.cli import add_batch_command
 # engine_config and engine_options are public names of this module too (callers import them from here).
-from gristmill.engine_flags import add_engine_args, engine_config, engine_options, run_figures  # noqa: F401
+from gristmill.engine_flags import (add_engine_args, engine_config, engine_options,  # noqa: F401
+                                     model_load_error, run_figures)
 from gristmill.errors import EngineDeadError, RequestError, error_string
 from gristmill.outputs import CompletionOutput, RequestOutput
 
@@ -42,22 +44,53 @@ def _sampling_params(args):
 def _read_rows(args) -> list[dict]:
     rows = [{"prompt": p} for p in args.prompts]
     if args.input:
-        with open(args.input) as f:
-            for number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise SystemExit(f"{args.input}:{number}: not valid JSON ({exc}); "
-                                     f"each line must be an object with 'prompt' or 'messages'") from None
-                if not isinstance(row, dict) or ("prompt" not in row and "messages" not in row):
-                    raise SystemExit(f"{args.input}:{number}: each line must be a JSON object with a "
-                                     f"'prompt' string or a 'messages' list")
-                rows.append(row)
+        rows += _input_rows(args.input)
     if not rows:
         raise SystemExit("no prompts: pass prompts as arguments or --input FILE.jsonl")
     return rows
+
+
+def _input_rows(path: str) -> list[dict]:
+    """The rows of a --input JSONL file; a file that cannot be read stops the command, naming it."""
+    try:
+        with open(path, "rb") as f:
+            lines = f.readlines()
+    except OSError as exc:
+        raise SystemExit(f"error: --input {path}: {exc.strerror}; pass a JSONL file") from None
+    rows = []
+    for number, raw in enumerate(lines, 1):
+        try:
+            line = raw.decode("utf-8-sig" if number == 1 else "utf-8")  # a BOM opens some files
+        except UnicodeDecodeError as exc:
+            raise SystemExit(f"error: {path}:{number}: not UTF-8 text (byte {raw[exc.start]:#04x} at column "
+                             f"{exc.start + 1}); JSONL is UTF-8: save the file as UTF-8") from None
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise SystemExit(f"{path}:{number}: not valid JSON ({exc}); "
+                             f"each line must be an object with 'prompt' or 'messages'") from None
+        if not isinstance(row, dict) or ("prompt" not in row and "messages" not in row):
+            raise SystemExit(f"{path}:{number}: each line must be a JSON object with a "
+                             f"'prompt' string or a 'messages' list")
+        rows.append(row)
+    return rows
+
+
+def _check_output(path: str | None) -> None:
+    """Before the model loads: the -o file can be written, so no generated row is lost."""
+    if path is None:
+        return
+    folder = Path(path).absolute().parent
+    if Path(path).is_dir():
+        raise SystemExit(f"error: --output {path} is a directory; name a file in it (such as "
+                         f"{Path(path) / 'out.jsonl'})")
+    if not folder.is_dir():
+        raise SystemExit(f"error: --output {path}: the directory {folder} does not exist; create it or name "
+                         f"a file in one that does")
+    if not os.access(path if Path(path).exists() else folder, os.W_OK):
+        raise SystemExit(f"error: --output {path}: permission denied; name a file you can write")
 
 
 def _row_error(row: dict) -> RequestError | None:
@@ -131,15 +164,14 @@ def cmd_generate(args) -> int:
     config = engine_config(args)
     rows = _read_rows(args)
     params = _sampling_params(args)
+    _check_output(args.output)
     startup.show_messages()
     try:
         llm = LLM(**dataclasses.asdict(config))
     except RequestError as exc:
         raise SystemExit(f"error: {exc}") from None
     except Exception as exc:  # noqa: BLE001 - a model that cannot load: say why, not a traceback
-        raise SystemExit(f"error: the model could not be loaded from {config.model or 'the bundled default'}: "
-                         f"{error_string(exc)}; check that the model directory or file is complete "
-                         f"(re-download or re-convert it)") from None
+        raise SystemExit(f"error: {model_load_error(config.model, exc)}") from None
     began = time.monotonic()
     try:
         results = generate_rows(llm, rows, params)
@@ -185,6 +217,8 @@ def cmd_serve(args) -> int:
         engine = AsyncEngine(config)
     except (RequestError, EngineDeadError) as exc:
         raise SystemExit(f"error: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - a model that cannot load: say why, not a traceback
+        raise SystemExit(f"error: {model_load_error(config.model, exc)}") from None
     exit_code = 0
     server: DrainingServer | None = None
 
@@ -212,6 +246,17 @@ def cmd_serve(args) -> int:
     return exit_code
 
 
+def _port(text: str) -> int:
+    """--port: a number in 0..65535 (uvicorn would take 70000 as 70000 - 65536)."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port: give a number in 0..65535")
+    return port
+
+
 def build_parser() -> argparse.ArgumentParser:
     from gristmill.server.limits import ServerLimits
 
@@ -232,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Serve /v1/completions, /v1/chat/completions, /v1/models, "
                                             "/health and /metrics over one engine.")
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=_port, default=8000, help="0..65535 (default: 8000)")
     serve.add_argument("--served-model-name", default=None, help="model name clients send (default: --model)")
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
     serve.add_argument("--max-engine-restarts", type=int, default=3,

@@ -6,9 +6,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import typing
+from pathlib import Path
 
 from gristmill.config import EngineConfig, field_doc
-from gristmill.errors import RequestError
+from gristmill.errors import RequestError, error_string
 
 # `generate` has a sampling --seed already; the engine's seed needs a name of its own.
 _FLAG_NAMES = {"seed": "engine-seed"}
@@ -74,3 +75,11 @@ def _flag_help(config_field: dataclasses.Field) -> str:
     parts = [field_doc(config_field), f"(default: {config_field.default})", _FLAG_NOTES.get(config_field.name)]
     # argparse %-formats help strings; a literal % in a doc would break --help.
     return " ".join(p for p in parts if p).replace("%", "%%")
+
+
+def model_load_error(model: str | None, exc: BaseException) -> str:
+    """What `generate`, `serve` and `batch` say when the engine could not load `model`."""
+    if model is not None and not Path(model).expanduser().exists():
+        return str(exc)  # the loader's own "model ... not found: pass ..."
+    return (f"the model could not be loaded from {model or 'the bundled default'}: {error_string(exc)}; "
+            f"check that the model directory or file is complete (re-download or re-convert it)")

@@ -70,8 +70,7 @@ class InputFile:
         import pyarrow as pa
 
         if self.format == "parquet":
-            import pyarrow.parquet as pq
-            meta = pq.ParquetFile(self.path)
+            meta = self._parquet()
             return Survey(meta.metadata.num_rows, meta.schema_arrow.names, meta.schema_arrow)
         if self.format == "csv":
             count, schema = 0, pa.schema([pa.field(name, pa.string()) for name in self._csv_header()])
@@ -115,10 +114,20 @@ class InputFile:
         if self.format == "csv":
             batches = self._csv_batches()
         else:
-            import pyarrow.parquet as pq
-            batches = pq.ParquetFile(self.path).iter_batches(batch_size=_SCAN_ROWS)
+            batches = self._parquet().iter_batches(batch_size=_SCAN_ROWS)
         for batch in batches:
             yield from batch.to_pylist()
+
+    def _parquet(self):
+        """The Parquet file, opened (its footer read): a file cut short or empty is refused."""
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        try:
+            return pq.ParquetFile(self.path)
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise InputError(f"input {self.path} is not a readable Parquet file ({exc}); it may be cut short "
+                             f"or empty (an interrupted copy): write or copy it again") from None
 
     def _csv_header(self) -> list[str]:
         """The CSV's column names (its first record)."""
@@ -293,6 +302,10 @@ def _jsonl_records(f, path: str, extract):
                 raise InputError(f"{path}:{number}: not valid JSON, so it was not written by gristmill batch "
                                  f"or was edited; fix or delete the line, or run without --resume to start "
                                  f"over") from None
+            if not isinstance(record, dict):
+                raise InputError(f"{path}:{number}: not a JSON object (a row), so it was not written by "
+                                 f"gristmill batch or was edited; fix or delete the line, or run without "
+                                 f"--resume to start over")
             extracted.append(extract(record))
         end += len(line)
     return None, extracted, end
@@ -307,7 +320,13 @@ def _csv_records(f, path: str, extract):
         # so the record so far holds an even number of them.
         if not line.endswith(b"\n") or pending.count(b'"') % 2:
             continue
-        cells = next(csv.reader(io.StringIO(pending.decode("utf-8"), newline="")), [])
+        try:
+            text = pending.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InputError(f"{path}: not UTF-8 text (byte {pending[exc.start]:#04x}), so it was not written "
+                             f"by gristmill batch; name another output, or run without --resume to "
+                             f"overwrite it") from None
+        cells = next(csv.reader(io.StringIO(text, newline="")), [])
         pending = b""
         if header is None:
             header = cells

@@ -26,7 +26,7 @@ from gristmill.batch.job_rows import INPUT_COLUMN, input_slots, merged
 from gristmill.batch.resume import ROW_ID, RowIds, skip_written, written_rows
 from gristmill.batch.rows import ERROR_COLUMN, OUTPUT_COLUMNS
 from gristmill.batch.tables import arrow_types
-from gristmill.engine_flags import engine_config, engine_flag, engine_options, run_figures
+from gristmill.engine_flags import engine_config, engine_flag, engine_options, model_load_error, run_figures
 from gristmill.errors import GristmillError, RequestError, error_string
 from gristmill.sampling import SamplingParams
 
@@ -53,6 +53,7 @@ class Job:
         self.ok = self.failed = self.tokens = self.skipped = self.written = 0
         self.started: float | None = None  # when rows started to run (the engine was up)
         self.processor = None
+        self.writer = self.errors = None  # opened once the engine is up: see _open_outputs
 
     # -- set-up ---------------------------------------------------------------------------
 
@@ -76,6 +77,9 @@ class Job:
         if len(set(paths)) != len(paths):
             raise InputError("INPUT, --output and --errors must be three different files; writing one would "
                              "overwrite another")
+        for flag, path in (("--output", args.output), ("--errors", args.errors)):
+            if path:
+                _check_writable(flag, path)
         if args.address and args.runner != "ray":
             raise InputError("--address names a Ray cluster, which only --runner ray uses; add --runner ray or "
                              "leave out --address")
@@ -153,7 +157,6 @@ class Job:
 
     def run(self) -> int:
         args = self.args
-        writer = errors = None
         try:
             resuming = args.resume and os.path.exists(args.output)
             written, end = written_rows(args.output, self.ids, self.batch_file, self.columns) if resuming \
@@ -162,30 +165,37 @@ class Job:
             self.ok, failed = skip_written(rows, written, self.ids, args.output)
             self.failed = len(failed)
             self.skipped = self.written = len(written)
-            # Cut and opened once the output is known to be this input's: a refused --resume
-            # leaves both files as they were.
-            if resuming:
-                cut_at(args.output, end)
-            writer = self._open_writer(append=resuming)
-            errors = JsonlWriter(args.errors) if args.errors else None
-            for row in failed if errors is not None else ():
-                errors.write(row)
-            if self.total is None or self.skipped < self.total:  # else nothing is left: no engine to start
+            open_outputs = functools.partial(self._open_outputs, end if resuming else None, failed)
+            if self.total is None or self.skipped < self.total:
                 processor = self._processor()
                 slots = input_slots(rows, self.skipped, self.ids, self.batch_file, args.prompt_column,
                                     args.messages_column)
-                self._write_all(processor, merged(processor, slots), writer, errors)
+                self._write_all(processor, merged(processor, slots), open_outputs)
+            else:  # nothing is left: no engine to start
+                open_outputs()
         except KeyboardInterrupt:
-            self._close(writer, errors)
-            print(f"interrupted{self._where(writer)}", file=sys.stderr)
+            self._close()
+            print(f"interrupted{self._where()}", file=sys.stderr)
             return 130
         except (InputError, OSError, GristmillError, UserFunctionError) as exc:
-            self._close(writer, errors)
+            self._close()
             message = str(exc) if isinstance(exc, (InputError, OSError)) else error_string(exc)
-            raise SystemExit(f"error: {message}{self._where(writer)}") from None
-        self._close(writer, errors)
+            raise SystemExit(f"error: {message}{self._where()}") from None
+        self._close()
         self._summary()
         return 0
+
+    def _open_outputs(self, resume_end: int | None, failed: list[dict]) -> None:
+        """Cut and open the output and the errors file, once the engine is up (a job that
+        cannot start, or a refused --resume, leaves both as they were). `resume_end`: where
+        the rows kept by --resume end; `failed`: the kept rows that failed."""
+        if self.args.errors:
+            self.errors = JsonlWriter(self.args.errors)
+            for row in failed:
+                self.errors.write(row)
+        if resume_end is not None:
+            cut_at(self.args.output, resume_end)
+        self.writer = self._open_writer(append=resume_end is not None)
 
     def _processor(self):
         """What runs the rows: the processor, or (--runner ray) Ray Data running it."""
@@ -207,14 +217,15 @@ class Job:
             return ParquetWriter(self.args.output, self.schema)
         return JsonlWriter(self.args.output, append)
 
-    def _write_all(self, processor, stream, writer, errors) -> None:
+    def _write_all(self, processor, stream, open_outputs) -> None:
         from tqdm import tqdm
 
         bar = None
 
-        def rows_start():  # the engine is up: the bar and the clock start with the rows
+        def rows_start():  # the engine is up: the clock starts, the files open, the bar starts
             nonlocal bar
             self.started = time.monotonic()
+            open_outputs()
             bar = tqdm(total=self.total, initial=self.skipped, unit="row", desc="gristmill batch",
                        file=sys.stderr, dynamic_ncols=True)
 
@@ -226,32 +237,39 @@ class Job:
         try:
             with closing(stream):
                 for out in stream:
-                    self._write_one(out, writer, errors)
+                    self._write_one(out)
                     elapsed = max(time.monotonic() - self.started, 1e-9)
                     bar.set_postfix_str(f"{self.tokens / elapsed:.1f} tok/s, {self.failed} errors", refresh=False)
                     bar.update(1)
+        except (InputError, OSError, GristmillError, UserFunctionError):
+            raise
+        except Exception as exc:
+            if self.started is not None or self.args.deployment_url:
+                raise
+            # The engine did not start: its model could not be loaded (a file cut short, say).
+            raise InputError(model_load_error(self.config.engine.model, exc)) from exc
         finally:
             if bar is not None:
                 bar.close()
 
-    def _write_one(self, out: dict, writer, errors) -> None:
+    def _write_one(self, out: dict) -> None:
         if out[ERROR_COLUMN] and self.args.fail_fast:
             raise InputError(f"row {out[self.id_column]!r}: {out[ERROR_COLUMN]}\n--fail-fast stopped the "
                              f"job at this row; fix it, or leave out --fail-fast to write error rows "
                              f"and go on")
-        writer.write(self._record(out))
+        self.writer.write(self._record(out))
         if out[ERROR_COLUMN]:
             self.failed += 1
-            if errors is not None:
-                errors.write({**out[INPUT_COLUMN], ERROR_COLUMN: out[ERROR_COLUMN]})
+            if self.errors is not None:
+                self.errors.write({**out[INPUT_COLUMN], ERROR_COLUMN: out[ERROR_COLUMN]})
         else:
             self.ok += 1
             self.tokens += out["num_generated_tokens"]
         self.written += 1
         if (self.written - self.skipped) % self.config.batch_size == 0:
-            writer.flush()
-            if errors is not None:
-                errors.flush()
+            self.writer.flush()
+            if self.errors is not None:
+                self.errors.flush()
 
     def _record(self, out: dict) -> dict:
         if self.batch_file:
@@ -261,15 +279,14 @@ class Job:
         record.update({column: out[column] for column in OUTPUT_COLUMNS})
         return record
 
-    @staticmethod
-    def _close(*files) -> None:
-        for f in files:
+    def _close(self) -> None:
+        for f in (self.writer, self.errors):
             if f is not None:
                 f.close()
 
-    def _where(self, writer) -> str:
-        """Where a stopped job left its output, and how to go on; nothing if it wrote none."""
-        if writer is None:
+    def _where(self) -> str:
+        """Where a stopped job left its output, and how to go on; nothing if it never opened it."""
+        if self.writer is None:
             return ""
         rows = f"{self.written} row{'' if self.written == 1 else 's'}"
         if self.out_format == "parquet":
@@ -286,6 +303,16 @@ class Job:
         print(f"gristmill batch: {self.ok} rows ok, {self.failed} rows with errors{resumed}; "
               f"{run_figures(run_rows, self.tokens, run_time, start)}; "
               f"output written to {self.args.output}{failed}", file=sys.stderr)
+
+
+def _check_writable(flag: str, path: str) -> None:
+    """Before the model loads: `path` can be written (its directory exists, it is no directory)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise InputError(f"{flag} {path} is a directory; name a file in it")
+    if not os.path.isdir(folder):
+        raise InputError(f"{flag} {path}: the directory {folder} does not exist; create it or name a file "
+                         f"in one that does")
 
 
 def _read_schema(path: str) -> dict:

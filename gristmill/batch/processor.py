@@ -32,6 +32,7 @@ from gristmill.batch.rows import (ERROR_COLUMN, TEMPLATE_ERROR_COLUMN, TEMPLATED
 from gristmill.batch.stages import RowEngine
 from gristmill.batch.tables import from_rows, to_rows
 from gristmill.errors import GristmillError, RequestError, is_fatal
+from gristmill.prompts import is_token_ids
 
 Row = dict
 
@@ -203,6 +204,10 @@ class Processor:
             raise RequestError("a row needs 'prompt', 'messages' or 'tokenized_prompt'", param="prompt")
         if method == "chat":  # the messages are what every row sends, not token ids it brings too
             token_ids = None
+        if token_ids is not None and not is_token_ids(token_ids):  # (lists, numpy arrays from Ray Data)
+            raise RequestError(f"'tokenized_prompt' must be a list of token ids (integers), got "
+                               f"{_shown(token_ids)}; in a CSV cell write it as JSON, such as [1, 2, 3]",
+                               param="tokenized_prompt")
         templated = bool(row.get(TEMPLATED_COLUMN))  # rendered by a stage before this one
         if messages is not None and not templated and needs_template(row, config):
             return engine.stages.chat(RowRequest(row_id, None, messages, token_ids, params), config)
@@ -211,6 +216,12 @@ class Processor:
         # A rendered chat holds its own special tokens.
         request = RowRequest(row_id, prompt, None, token_ids, params, add_special_tokens=not templated)
         return engine.stages.tokenize(request, config)
+
+
+def _shown(value) -> str:
+    """A value as a row holds it, cut short: `str '[1, 2'`."""
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 40 else text[:37] + '...'}"
 
 
 def row_id_of(config: ProcessorConfig, row: Row, position):

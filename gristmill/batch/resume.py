@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 from gristmill.batch.io import InputError, id_key, read_written
 from gristmill.batch.openai_batch import batch_line_error
-from gristmill.batch.rows import ERROR_COLUMN
+from gristmill.batch.rows import ERROR_COLUMN, OUTPUT_COLUMNS
 
 #: The id column of a job without --id-column: each row's input position.
 ROW_ID = "__row_id__"
@@ -67,7 +67,11 @@ def written_rows(output: str, ids: RowIds, batch_file: bool, columns: list[str])
         def extract(record):
             return ids.key(record.get("custom_id")), batch_line_error(record)
     else:
+        jsonl = ids.out_format == "jsonl"
+
         def extract(record):
+            if jsonl:  # each JSONL row names its own columns; a CSV header is checked below
+                _check_columns(record, output, columns, ids.id_column)
             return ids.key(record.get(ids.id_column)), record.get(ERROR_COLUMN) or ""
     header, written, end = read_written(output, ids.out_format, extract)
     if header is not None and header != columns:
@@ -75,6 +79,22 @@ def written_rows(output: str, ids: RowIds, batch_file: bool, columns: list[str])
                          f"({columns}); resume with the input and flags that wrote it, or run "
                          f"without --resume to start over")
     return written, end
+
+
+def _check_columns(record: dict, output: str, columns: list[str], id_column: str) -> None:
+    """A JSONL row of `output` has this job's id and output columns, and no other columns
+    than this job's (a row lacks the input columns its input row lacked)."""
+    other = [c for c in record if c not in columns]
+    missing = [c for c in (id_column, *OUTPUT_COLUMNS) if c not in record]
+    if other or missing:
+        found = f"has {_columns(other)}" if other else f"lacks {_columns(missing)}"
+        raise InputError(f"--resume: a row of {output} {found}, so it is not the output of this job, whose "
+                         f"columns are {columns}; resume with the input and flags that wrote it, or run "
+                         f"without --resume to start over")
+
+
+def _columns(names: list[str]) -> str:
+    return ("the column " if len(names) == 1 else "the columns ") + ", ".join(map(repr, names))
 
 
 def skip_written(rows: Iterator[dict], written: list[tuple[str, str]], ids: RowIds,

@@ -2,18 +2,31 @@
 appears on row 2, ids with leading zeros, numbers as prompts, bytes that are not UTF-8,
 an OpenAI batch line without max_tokens. Input that cannot run is refused before the
 model loads, naming the line and what to change; input that can runs as it was written.
+
+Then the files and flags a command cannot use, for `batch`, `generate` and `serve`
+alike: an input or output that cannot be read, an output that is not this job's, a
+model file cut short, a port out of range. Each is one `error:` line that names the file
+or flag, never a traceback, and a job that never ran leaves an existing output as it was.
 """
 
 from __future__ import annotations
 
 import csv
 import json
+import os
+import socket
+import subprocess
+import sys
+import time
 
+import httpx
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
 from gristmill.batch import ERROR_COLUMN
 from tests.batch.test_cli_batch import batch_cli, read_jsonl, write_jsonl
+from tests.model.test_loader import write_tiny_gguf
 
 
 def _batch_line(custom_id, prompt="Hello", **body):
@@ -73,23 +86,30 @@ def test_jsonl_with_a_bom_and_a_late_column_runs_to_parquet(tmp_path):
 
 
 def test_csv_cells_are_text_as_written_and_a_refused_resume_leaves_the_output(tmp_path):
+    """Also: a tokenized_prompt cell that is not a list of integers (`[1, 2` cut short, or
+    text) makes an error row, a RequestError naming tokenized_prompt; such a cell was once
+    generated from as text and came back as a success row."""
     source = tmp_path / "in.csv"
     with open(source, "w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["qid", "prompt", "note"])
-        writer.writerows([["007", "12345", "2024-01-01"], ["7", "67890", "true"], ["010", "", "1e3"]])
+        writer.writerow(["qid", "prompt", "note", "tokenized_prompt"])
+        writer.writerows([["007", "12345", "2024-01-01", ""], ["7", "67890", "true", ""], ["010", "", "1e3", ""],
+                          ["t1", "", "", "[1, 2"], ["t2", "", "", "abc"], ["t3", "", "", "[1, 2]"]])
     target = tmp_path / "out.csv"
     result = batch_cli(source, "-o", target, "--id-column", "qid", "--temperature", "0", "--max-tokens", "2",
                        "--device", "cpu")
     assert result.returncode == 0, result.stderr
     with open(target, newline="") as f:
         out = list(csv.DictReader(f))
-    assert [row["qid"] for row in out] == ["007", "7", "010"]  # "007" and "7" are two rows
-    assert [row["note"] for row in out] == ["2024-01-01", "true", "1e3"]
-    assert [row["prompt"] for row in out] == ["12345", "67890", ""]
+    assert [row["qid"] for row in out] == ["007", "7", "010", "t1", "t2", "t3"]  # "007" and "7" are two rows
+    assert [row["note"] for row in out] == ["2024-01-01", "true", "1e3", "", "", ""]
+    assert [row["prompt"] for row in out] == ["12345", "67890", "", "", "", ""]
     assert out[0][ERROR_COLUMN] == "" and out[0]["generated_text"] and int(out[0]["num_input_tokens"]) > 0
     assert out[1][ERROR_COLUMN] == ""
     assert out[2][ERROR_COLUMN].startswith("RequestError: prompt is empty")
+    for row in out[3:5]:
+        assert row[ERROR_COLUMN].startswith("RequestError") and "tokenized_prompt" in row[ERROR_COLUMN], row
+    assert out[5][ERROR_COLUMN] == "" and out[5]["num_input_tokens"] == "2"  # real token ids run as they are
     # --resume against another input's output is refused and the output is left as it was.
     before = target.read_bytes()
     other = tmp_path / "other.csv"
@@ -148,3 +168,184 @@ def test_parquet_rows_with_json_schemas_of_different_shapes_each_get_their_own(t
     assert list(json.loads(named)) == ["name"] and len(json.loads(named)["name"]) <= 12
     assert 1900 <= json.loads(when) <= 2100 and isinstance(json.loads(when), int)
     assert answer in ("yes", "no")
+
+
+# -- files and flags a command cannot use ---------------------------------------------------
+
+def cli(*args, timeout=120) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "GRISTMILL_FAULTS"}
+    return subprocess.run([sys.executable, "-m", "gristmill.cli", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def refused_cleanly(result: subprocess.CompletedProcess, *says: str) -> None:
+    assert result.returncode not in (0, None), result.stderr[-2000:]
+    assert "Traceback" not in result.stderr, result.stderr[-2000:]
+    for part in says:
+        assert part in result.stderr, (part, result.stderr[-2000:])
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny_gguf(tmp_path_factory.mktemp("models") / "tiny.gguf", "llama", "gpt2")
+
+
+@pytest.fixture(scope="module")
+def corrupt(tiny, tmp_path_factory):
+    """The tiny GGUF cut short, as an interrupted download leaves it."""
+    path = tmp_path_factory.mktemp("corrupt") / "cut.gguf"
+    path.write_bytes(tiny.read_bytes()[:3000])
+    return path
+
+
+def test_a_truncated_or_empty_parquet_input_is_refused_without_a_traceback(tmp_path):
+    """A Parquet input cut short (an interrupted copy) or 0 bytes is refused with one
+    `error:` line naming the file, as the CSV and JSONL readers refuse theirs, and no
+    output is created. It once died with pyarrow's "ArrowInvalid: Parquet magic bytes not
+    found in footer" traceback."""
+    whole = tmp_path / "whole.parquet"
+    pq.write_table(pa.table({"prompt": ["a", "b"]}), whole)
+    (tmp_path / "cut.parquet").write_bytes(whole.read_bytes()[:whole.stat().st_size // 2])
+    (tmp_path / "empty.parquet").write_bytes(b"")
+    for name in ("cut.parquet", "empty.parquet"):
+        result = cli("batch", tmp_path / name, "-o", tmp_path / f"{name}.out.jsonl", "--device", "cpu", timeout=60)
+        refused_cleanly(result, name, "not a readable Parquet file")
+        assert not (tmp_path / f"{name}.out.jsonl").exists()
+
+
+def test_resume_onto_a_jsonl_output_whose_line_is_not_an_object_is_refused_without_a_traceback(tmp_path):
+    """`--resume` onto a JSONL output with a line that is JSON but not an object (`[1, 2]`,
+    `"text"`: a file gristmill did not write) is refused as a non-JSON line is, naming
+    --resume, and leaves the file as it was. It once died with "AttributeError: 'list'
+    object has no attribute 'get'"."""
+    source = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "a"}])
+    for i, line in enumerate(('[1, 2]\n', '"just text"\n')):
+        target = tmp_path / f"out{i}.jsonl"
+        target.write_text(line)
+        result = cli("batch", source, "-o", target, "--resume", "--device", "cpu", timeout=60)
+        refused_cleanly(result, f"out{i}.jsonl:1", "--resume")
+        assert target.read_text() == line
+
+
+def test_resume_onto_a_csv_output_that_is_not_utf8_is_refused_without_a_traceback(tmp_path):
+    """`--resume` onto a CSV output that is not UTF-8 (a Latin-1 file of the user's, named by
+    mistake) is refused with one `error:` line naming the file, and leaves it as it was. It
+    once died with "UnicodeDecodeError: 'utf-8' codec can't decode byte 0xe9"."""
+    source = tmp_path / "in.csv"
+    source.write_text("prompt\nhello\n")
+    target = tmp_path / "mine.csv"
+    target.write_bytes(b"name,city\nJos\xe9,M\xe1laga\n")
+    result = cli("batch", source, "-o", target, "--resume", "--device", "cpu", timeout=60)
+    refused_cleanly(result, "mine.csv", "not UTF-8", "--resume")
+    assert target.read_bytes() == b"name,city\nJos\xe9,M\xe1laga\n"
+
+
+def test_resume_onto_a_jsonl_output_with_other_columns_is_refused(tmp_path):
+    """`--resume` onto a JSONL output whose rows have other columns than this job's (another
+    job's output: column `prompt` where this input has `question`) is refused, naming the
+    column, and leaves the output as it was, as for a CSV header. It was once accepted
+    ("2 rows ok (2 of them kept from before --resume)"), keeping the other job's rows as
+    this input's answers."""
+    target = tmp_path / "out.jsonl"
+    written = "".join(json.dumps({"__row_id__": i, "prompt": p, "generated_text": "x", "generated_tokens": [1],
+                                  "num_input_tokens": 1, "num_generated_tokens": 1, "finish_reason": "length",
+                                  "time_taken_llm": 0.1, "__inference_error__": ""}) + "\n"
+                      for i, p in enumerate("ab"))
+    target.write_text(written)  # what a job over [{"prompt": "a"}, {"prompt": "b"}] wrote
+    other = write_jsonl(tmp_path / "questions.jsonl", [{"question": "What is 2+2?"}, {"question": "Name a color."}])
+    result = cli("batch", other, "-o", target, "--prompt-column", "question", "--resume", "--device", "cpu",
+                 timeout=60)
+    refused_cleanly(result, "--resume", "'prompt'")
+    assert target.read_text() == written
+
+
+def test_a_job_that_cannot_start_does_not_empty_the_existing_output(tmp_path):
+    """A job refused before it runs (a --model path that does not exist, an --errors file in
+    a directory that does not exist) leaves an existing output as it was: the output is
+    overwritten only once the engine is up. Such a job once left the previous results
+    file at 0 bytes."""
+    source = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "a"}])
+    target = tmp_path / "out.jsonl"
+    before = json.dumps({"__row_id__": 0, "prompt": "a", "generated_text": "hours of work"}) + "\n"
+    for flags, says in ((["--model", tmp_path / "no-such-model.gguf"], "not found"),
+                        (["--errors", tmp_path / "no-dir" / "errors.jsonl"], "--errors")):
+        target.write_text(before)
+        result = cli("batch", source, "-o", target, "--device", "cpu", *flags, timeout=60)
+        refused_cleanly(result, says)
+        assert target.read_text() == before, (flags, result.stderr[-500:])
+
+
+def test_batch_with_a_corrupt_gguf_says_what_to_do_not_a_traceback(tmp_path, corrupt):
+    """`batch --model cut.gguf` (a download cut short) gives the one `error:` line that
+    `generate` gives ("the model could not be loaded from ...; check that the model
+    directory or file is complete"), not the loader's ValueError traceback, and leaves no
+    output."""
+    source = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "a"}])
+    result = cli("batch", source, "-o", tmp_path / "out.jsonl", "--model", corrupt, "--device", "cpu")
+    refused_cleanly(result, "cut.gguf", "not a readable GGUF file", "could not be loaded")
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_serve_with_a_missing_or_corrupt_model_says_what_to_do_not_a_traceback(tmp_path, corrupt):
+    """`serve --model` with a path that does not exist, or a GGUF cut short, exits with one
+    `error:` line naming the path, as `batch` and `generate` do; it once died with a
+    FileNotFoundError or ValueError traceback."""
+    for model, says in ((tmp_path / "nope.gguf", "not found"), (corrupt, "not a readable GGUF file")):
+        result = cli("serve", "--model", model, "--device", "cpu", "--port", "0")
+        refused_cleanly(result, str(model), says)
+
+
+def test_serve_refuses_a_port_outside_0_to_65535(tiny):
+    """`serve --port 70000` (a typo for 7000) exits non-zero at once, naming --port; it once
+    served on port 70000 - 65536 = 4464, where no client would look."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "GRISTMILL_FAULTS"}
+    process = subprocess.Popen([sys.executable, "-m", "gristmill.cli", "serve", "--port", str(65536 + free),
+                                "--model", str(tiny), "--device", "cpu"], env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    served = False
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and process.poll() is None:
+            try:
+                served = httpx.get(f"http://127.0.0.1:{free}/health", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                pass
+            if served:
+                break
+            time.sleep(0.3)
+    finally:
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+    output = process.stdout.read()
+    assert not served, f"--port {65536 + free} was served on port {free}"
+    assert process.returncode != 0 and "--port" in output and "0..65535" in output, output[-1500:]
+
+
+def test_generate_input_that_cannot_be_read_is_refused_without_a_traceback(tmp_path):
+    """`generate --input` with a file that does not exist, or with a byte that is not UTF-8,
+    exits with one `error:` line naming the file (and for the byte, the line); it once died
+    with a FileNotFoundError or UnicodeDecodeError traceback."""
+    result = cli("generate", "--input", tmp_path / "missing.jsonl", "--device", "cpu", timeout=60)
+    refused_cleanly(result, "missing.jsonl")
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"prompt": "a"}\n{"prompt": "caf\xe9"}\n')
+    result = cli("generate", "--input", tmp_path / "latin1.jsonl", "--device", "cpu", timeout=60)
+    refused_cleanly(result, "latin1.jsonl:2", "UTF-8")
+
+
+def test_generate_output_to_a_directory_is_refused_before_generating(tmp_path, tiny):
+    """`generate -o results`, where `results` is a directory, is refused with one `error:`
+    line naming it before the model loads. It once generated every prompt, then died with
+    IsADirectoryError, losing every result."""
+    (tmp_path / "results").mkdir()
+    result = cli("generate", "hello", "--model", tiny, "--device", "cpu", "--max-tokens", "2",
+                 "-o", tmp_path / "results")
+    refused_cleanly(result, "results", "is a directory")
+    assert "engine ready" not in result.stderr, result.stderr[-1000:]
