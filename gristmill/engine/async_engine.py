@@ -98,7 +98,7 @@ class AsyncEngine:
         # core process shut down with it.
         client = CoreClient(self._core_config, _weakly(self._on_core_message), _weakly(self._on_core_death),
                             self._core_env)
-        weakref.finalize(self, client.shutdown)
+        weakref.finalize(self, client.abandon)
         try:
             return client, client.wait_ready()
         except BaseException:

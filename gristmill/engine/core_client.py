@@ -226,6 +226,14 @@ class CoreClient:
             self.process.kill()
         self.process.wait()
 
+    def abandon(self) -> None:
+        """Stop the core at once, waiting for nothing: its owner is gone (a finalizer, run
+        in whatever thread collected the owner, must not block it)."""
+        self._stopping = True
+        if self.process.poll() is None:
+            self.process.kill()
+        self._outgoing.put(None)
+
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stop the core (Shutdown, then SIGKILL after `timeout`) and every thread."""
         self._stopping = True
