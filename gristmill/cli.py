@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -80,17 +79,13 @@ def _input_rows(path: str) -> list[dict]:
 
 def _check_output(path: str | None) -> None:
     """Before the model loads: the -o file can be written, so no generated row is lost."""
-    if path is None:
-        return
-    folder = Path(path).absolute().parent
-    if Path(path).is_dir():
-        raise SystemExit(f"error: --output {path} is a directory; name a file in it (such as "
-                         f"{Path(path) / 'out.jsonl'})")
-    if not folder.is_dir():
-        raise SystemExit(f"error: --output {path}: the directory {folder} does not exist; create it or name "
-                         f"a file in one that does")
-    if not os.access(path if Path(path).exists() else folder, os.W_OK):
-        raise SystemExit(f"error: --output {path}: permission denied; name a file you can write")
+    from gristmill.batch.io import InputError, check_writable
+
+    if path is not None:
+        try:
+            check_writable("--output", path)
+        except InputError as exc:
+            raise SystemExit(f"error: {exc}") from None
 
 
 def _row_error(row: dict) -> RequestError | None:

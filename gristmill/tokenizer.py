@@ -189,17 +189,18 @@ def _text_content(content) -> str:
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
-def token_bytes(tokenizer, token_id: int) -> bytes:
+def token_bytes(tokenizer, token_id: int, text: str | None = None) -> bytes:
     """A token's own bytes (OpenAI's logprobs `bytes`), also where it is part of a
     character and decodes alone to U+FFFD: a byte-fallback piece `<0xF0>` is that byte,
     a SentencePiece piece its text with "▁" as a space, a byte-level BPE piece (GPT-2's
-    alphabet) the bytes its characters stand for; any other token, its text in UTF-8."""
+    alphabet) the bytes its characters stand for; any other token, its text in UTF-8.
+    `text`: the token decoded alone, when the caller has it."""
     piece = tokenizer.convert_ids_to_tokens(token_id)
     if isinstance(piece, str) and (match := _BYTE_PIECE.fullmatch(piece)):
         return bytes([int(match.group(1), 16)])
     if isinstance(piece, str) and "\u2581" in piece and token_id not in tokenizer.all_special_ids:
         return piece.replace("\u2581", " ").encode()  # a SentencePiece piece: decoding it alone may drop its space
-    text = tokenizer.decode([token_id])
+    text = tokenizer.decode([token_id]) if text is None else text
     if "\ufffd" in text and isinstance(piece, str) and piece and all(c in _BYTE_LEVEL for c in piece):
         return bytes(_BYTE_LEVEL[c] for c in piece)
     return text.encode()

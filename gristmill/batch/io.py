@@ -25,6 +25,19 @@ class InputError(Exception):
     """A problem with a file or flag the user can fix; the message says how."""
 
 
+def check_writable(flag: str, path: str) -> None:
+    """Before the model loads: the file `flag` names can be written (its directory
+    exists, it is no directory, it or its directory is writable), so no row is lost."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise InputError(f"{flag} {path} is a directory; name a file in it")
+    if not os.path.isdir(folder):
+        raise InputError(f"{flag} {path}: the directory {folder} does not exist; create it or name a file "
+                         f"in one that does")
+    if not os.access(path if os.path.exists(path) else folder, os.W_OK):
+        raise InputError(f"{flag} {path}: permission denied; name a file you can write")
+
+
 def file_format(path: str, role: str) -> str:
     suffix = Path(path).suffix.lower()
     if suffix not in _FORMATS:

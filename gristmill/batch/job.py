@@ -20,7 +20,8 @@ from contextlib import closing
 
 from gristmill import extras
 from gristmill.batch import EngineProcessorConfig, HttpProcessorConfig, UserFunctionError, build_processor
-from gristmill.batch.io import CsvWriter, InputError, InputFile, JsonlWriter, ParquetWriter, cut_at, file_format
+from gristmill.batch.io import (CsvWriter, InputError, InputFile, JsonlWriter, ParquetWriter, check_writable,
+                                cut_at, file_format)
 from gristmill.batch.openai_batch import batch_output_line, check_batch_line, is_batch_file
 from gristmill.batch.job_rows import INPUT_COLUMN, input_slots, merged
 from gristmill.batch.resume import ROW_ID, RowIds, skip_written, written_rows
@@ -79,7 +80,7 @@ class Job:
                              "overwrite another")
         for flag, path in (("--output", args.output), ("--errors", args.errors)):
             if path:
-                _check_writable(flag, path)
+                check_writable(flag, path)
         if args.address and args.runner != "ray":
             raise InputError("--address names a Ray cluster, which only --runner ray uses; add --runner ray or "
                              "leave out --address")
@@ -303,16 +304,6 @@ class Job:
         print(f"gristmill batch: {self.ok} rows ok, {self.failed} rows with errors{resumed}; "
               f"{run_figures(run_rows, self.tokens, run_time, start)}; "
               f"output written to {self.args.output}{failed}", file=sys.stderr)
-
-
-def _check_writable(flag: str, path: str) -> None:
-    """Before the model loads: `path` can be written (its directory exists, it is no directory)."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        raise InputError(f"{flag} {path} is a directory; name a file in it")
-    if not os.path.isdir(folder):
-        raise InputError(f"{flag} {path}: the directory {folder} does not exist; create it or name a file "
-                         f"in one that does")
 
 
 def _read_schema(path: str) -> dict:

@@ -33,6 +33,7 @@ from gristmill.batch.stages import RowEngine
 from gristmill.batch.tables import from_rows, to_rows
 from gristmill.errors import GristmillError, RequestError, is_fatal
 from gristmill.prompts import is_token_ids
+from gristmill.structured.spec import short
 
 Row = dict
 
@@ -206,7 +207,8 @@ class Processor:
             token_ids = None
         if token_ids is not None and not is_token_ids(token_ids):  # (lists, numpy arrays from Ray Data)
             raise RequestError(f"'tokenized_prompt' must be a list of token ids (integers), got "
-                               f"{_shown(token_ids)}; in a CSV cell write it as JSON, such as [1, 2, 3]",
+                               f"{type(token_ids).__name__} {short(token_ids)}; in a CSV cell write it as "
+                               f"JSON, such as [1, 2, 3]",
                                param="tokenized_prompt")
         templated = bool(row.get(TEMPLATED_COLUMN))  # rendered by a stage before this one
         if messages is not None and not templated and needs_template(row, config):
@@ -216,12 +218,6 @@ class Processor:
         # A rendered chat holds its own special tokens.
         request = RowRequest(row_id, prompt, None, token_ids, params, add_special_tokens=not templated)
         return engine.stages.tokenize(request, config)
-
-
-def _shown(value) -> str:
-    """A value as a row holds it, cut short: `str '[1, 2'`."""
-    text = repr(value)
-    return f"{type(value).__name__} {text if len(text) <= 40 else text[:37] + '...'}"
 
 
 def row_id_of(config: ProcessorConfig, row: Row, position):

@@ -40,7 +40,7 @@ class OpenAIServing:
         self.engine = engine
         self.model_name = model_name
         self.writer = ResponseWriter(model_name, lambda ids: self.engine.tokenizer.decode(ids),
-                                     lambda token_id: token_bytes(self.engine.tokenizer, token_id))
+                                     lambda token_id, text: token_bytes(self.engine.tokenizer, token_id, text))
         self.metrics = metrics
         self.supervisor = supervisor
         self.limits = limits or ServerLimits()

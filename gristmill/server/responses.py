@@ -45,9 +45,10 @@ class ChoiceStates:
 
 class ResponseWriter:
     """Formats the responses of one server: `decode(ids)` gives a token's text,
-    `token_bytes(id)` its own bytes."""
+    `token_bytes(id, text)` its own bytes."""
 
-    def __init__(self, model_name: str, decode: Callable[[list[int]], str], token_bytes: Callable[[int], bytes]):
+    def __init__(self, model_name: str, decode: Callable[[list[int]], str],
+                 token_bytes: Callable[[int, str], bytes]):
         self.model_name = model_name
         self.decode = decode
         self.token_bytes = token_bytes
@@ -115,7 +116,7 @@ class ResponseWriter:
         if job.chat:
             def item(token_id, logprob):
                 text = decode(token_id)
-                return {"token": text, "logprob": finite(logprob), "bytes": list(self.token_bytes(token_id))}
+                return {"token": text, "logprob": finite(logprob), "bytes": list(self.token_bytes(token_id, text))}
             return {"content": [{**item(t, e[t]), "top_logprobs": [item(i, v) for i, v in top(e, k)]}
                                 for t, e in zip(ids, entries)]}
         texts = [decode(t) for t in ids]
