@@ -54,6 +54,9 @@ class EngineConfig:
                 "included, in int8: weights and each token's activations in blocks of 32 channels), "
                 '"q4" (4-bit weights, the LM head int8: fewer bytes a step, more quality lost, see '
                 'docs/performance.md) or None / "none" (the exact float path).')
+    load_format: str = _field(
+        "auto", '"auto" (the weights of the checkpoint) or "dummy" (random weights made on the device, '
+                "no weight file read: for benchmarks of a model's shape from its config.json alone).")
     enforce_eager: bool = _field(
         False, "CUDA: run every step eagerly instead of replaying decode steps from CUDA graphs "
                "(captured at start for batch sizes up to max_num_seqs).")
@@ -122,6 +125,8 @@ class EngineConfig:
               "device", f"must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         check(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
               f"must be 'auto', 'float32', 'bfloat16' or 'float16', got {self.dtype!r}")
+        check(self.load_format in ("auto", "dummy"), "load_format",
+              f"must be 'auto' or 'dummy', got {self.load_format!r}")
         if isinstance(self.quantization, str) and self.quantization.lower() == "none":
             self.quantization = None
         check(self.quantization in (None, "auto", "int8", "q4"), "quantization",

@@ -55,6 +55,23 @@ def _tie_weights(model: torch.nn.Module) -> None:
         model.lm_head.weight = model.model.embed_tokens.weight
 
 
+@torch.no_grad()
+def random_weights(model: torch.nn.Module, seed: int) -> None:
+    """Fill a model's weights in place, on their device, as `load_format="dummy"` asks:
+    matrices normal with std 0.02, biases zero, norms the identity (weight + offset = 1).
+    The values matter only in that they are finite and the same for the same seed."""
+    generator = torch.Generator(device=next(model.parameters()).device)
+    generator.manual_seed(seed % 2**63)
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if param.ndim >= 2:
+                param.normal_(0.0, 0.02, generator=generator)
+            elif name == "weight" and hasattr(module, "offset"):
+                param.fill_(1.0 - float(module.offset))
+            else:
+                param.zero_()
+
+
 @dataclass
 class StepInputs:
     input_ids: torch.Tensor       # (num_tokens,)
@@ -92,7 +109,7 @@ class ModelRunner:
         weights = self.quantization or str(self.dtype).removeprefix("torch.")
         with startup.phase(f"loading {self.model_dir.name} ({weights}) on {self.device}"):
             self.model = self._build_model()
-        self.backend.prepare(self.model)
+        self.backend.prepare(self.model, self.max_model_len)
         self.block_size = config.block_size
         self.num_blocks = self._num_kv_blocks(free_at_start)
         self._allocate_kv_cache()
@@ -129,24 +146,27 @@ class ModelRunner:
 
     def _build_model(self) -> torch.nn.Module:
         clear_rotary_cache()
-        if self.quantization is not None:
+        dummy = self.config.load_format == "dummy"
+        cache_file = None
+        if self.quantization is not None and not dummy:
             cache_file = quant.cache_file_for(self.model_dir, cache_root(self.config.cache_dir), self.quantization)
             model = self._load_quantized(cache_file)
             if model is not None:
                 return model
+        # Built where it runs, in the dtype it runs in: an 8B model on a GPU never passes
+        # through host memory, and random weights are made on the device.
         with torch.device("meta"):
             model = model_class(self.hf_config)(self.hf_config, self.max_model_len)
-        model = model.to_empty(device="cpu")
-        for module in model.modules():
+        model = model.to(dtype=self.dtype).to_empty(device=self.device)
+        for module in model.modules():  # rotary tables stay float32 whatever the dtype
             if isinstance(module, RotaryEmbedding):
                 module.reset()
         _tie_weights(model)
-        load_weights(model, self.model_dir, q8_0=self.quantization is not None)
-        model = model.to(device=self.device, dtype=self.dtype).eval()
-        _tie_weights(model)
-        for module in model.modules():  # rotary tables stay float32 whatever the dtype
-            if isinstance(module, RotaryEmbedding):
-                module.cos, module.sin = module.cos.float(), module.sin.float()
+        if dummy:
+            random_weights(model, self.config.seed)
+        else:
+            load_weights(model, self.model_dir, q8_0=self.quantization is not None)
+        model.eval()
         if self.quantization is not None:
             quant.quantize_model(model, self.quantization, cache_file)
         for param in model.parameters():  # a GGUF's Q8_0 blocks, kept by load_weights for quantizing

@@ -63,14 +63,19 @@ def test_parity_with_preemption(family, dtype):
 
 
 @needs_gpu_model
-def test_graph_replay_equals_eager():
-    prompts = [_prompt(n, seed=n) for n in (3, 9, 14, 22, 5)]
+@pytest.mark.parametrize("lengths,max_model_len", [((3, 9, 14, 22, 5), 256),
+                                                   # decodes past 512 keys: split (flash-decoding) graphs
+                                                   ((600, 9, 1100, 1500), 2048)])
+def test_graph_replay_equals_eager(lengths, max_model_len):
+    prompts = [_prompt(n, seed=n) for n in lengths]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
     outs = {}
     for eager in (False, True):
-        llm = LLM(GPU_MODEL, device="cuda", dtype="float32", max_model_len=256, max_num_seqs=8,
+        llm = LLM(GPU_MODEL, device="cuda", dtype="float32", max_model_len=max_model_len, max_num_seqs=8,
                   enforce_eager=eager, gpu_memory_utilization=0.3)
         assert (llm.core.executor.graphs is None) == eager
+        if not eager:
+            assert llm.core.executor.graphs.splits == (1 if max_model_len <= 512 else max_model_len // 512)
         outs[eager] = llm.generate(prompts, params, use_tqdm=False)
     for graph, eager in zip(outs[False], outs[True]):
         assert graph.token_ids == eager.token_ids

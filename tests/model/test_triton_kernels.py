@@ -157,6 +157,71 @@ def test_paged_attention_mixed_step(heads, kv_heads, head_dim, window):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=lambda m: f"{what}: {m}")
 
 
+def _long_context_step(shape, heads, kv_heads, head_dim, window=None, block_size=16, seed=0):
+    """A step of `shape` [(cached tokens, new tokens)] over a random paged cache, with its
+    layer, queries, keys and values."""
+    torch.manual_seed(seed)
+    lens = [cached + new for cached, new in shape]
+    num_blocks = sum(-(-n // block_size) for n in lens) + 4
+    tables = _scattered_tables(lens, block_size, num_blocks, seed=seed)
+    host = build_host_step([([0] * new, cached, table, True) for (cached, new), table in zip(shape, tables)],
+                           block_size)
+    layer = PagedAttention(heads, kv_heads, head_dim, head_dim ** -0.5, sliding_window=window)
+    caches = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, device=DEVICE)
+    n = host.num_tokens
+    qkv = (torch.randn(n, heads, head_dim, device=DEVICE), torch.randn(n, kv_heads, head_dim, device=DEVICE),
+           torch.randn(n, kv_heads, head_dim, device=DEVICE))
+    return host, layer, caches, qkv
+
+
+def _attend(backend, host, layer, caches, qkv, splits=None):
+    layer.k_cache, layer.v_cache = caches[0].clone(), caches[1].clone()
+    _, _, md, _ = backend.upload(host)
+    if splits is not None:
+        md.extras["decode_splits"] = splits
+    return backend.attention(layer, *qkv, md)
+
+
+@pytest.mark.parametrize("window", [None, 700])
+def test_split_decode_over_long_contexts(window):
+    """Decodes over up to 2,100 keys, split into partitions of 512 (flash-decoding), give
+    the reference's outputs; a sequence's result depends on its own length alone: the
+    same in a launch of more partitions (a graph captured for max_model_len), and bit for
+    bit the unsplit launch's where it fits one partition."""
+    heads, kv_heads, head_dim = 4, 2, 128
+    backend = _backend(heads, kv_heads, head_dim)
+    backend.shape = triton_kernels.AttentionShape(heads, kv_heads, head_dim, torch.float32, max_model_len=4096)
+    assert backend.shape.partition == 512
+    assert [backend.shape.decode_splits(n) for n in (1, 512, 513, 2100, 4096)] == [1, 1, 2, 5, 8]
+    shape = [(0, 1), (300, 1), (511, 1), (900, 1), (2099, 1)]
+    host, layer, caches, qkv = _long_context_step(shape, heads, kv_heads, head_dim, window)
+    want = _attend(REFERENCE, host, layer, caches, qkv)
+    split = _attend(backend, host, layer, caches, qkv)
+    torch.testing.assert_close(split, want, rtol=1e-4, atol=1e-4)
+    assert torch.equal(_attend(backend, host, layer, caches, qkv, splits=8), split)  # the graph's launch
+    unsplit = _attend(backend, host, layer, caches, qkv, splits=1)
+    assert torch.equal(unsplit[:3], split[:3])  # one partition: the unsplit numbers exactly
+    torch.testing.assert_close(unsplit, want, rtol=1e-4, atol=1e-4)
+
+
+def test_split_decode_partitions_grow_with_max_model_len():
+    """At most 32 partitions a sequence, so the partials stay small at 128k contexts."""
+    sizes = {n: triton_kernels.AttentionShape(32, 8, 128, torch.bfloat16, n).partition
+             for n in (2048, 16384, 32768, 131072)}
+    assert sizes == {2048: 512, 16384: 512, 32768: 1024, 131072: 4096}
+
+
+def test_prefill_chunk_at_8k_context():
+    """A 96-token prefill chunk after 8,096 cached tokens (prefill at an 8k context), with
+    GQA, beside a decode: the reference's outputs."""
+    heads, kv_heads, head_dim = 4, 1, 64
+    host, layer, caches, qkv = _long_context_step([(3000, 1), (8096, 96)], heads, kv_heads, head_dim)
+    backend = _backend(heads, kv_heads, head_dim)
+    backend.shape = triton_kernels.AttentionShape(heads, kv_heads, head_dim, torch.float32, max_model_len=8192)
+    torch.testing.assert_close(_attend(backend, host, layer, caches, qkv),
+                               _attend(REFERENCE, host, layer, caches, qkv), rtol=1e-4, atol=1e-4)
+
+
 def test_prefill_programs_cover_every_query_block():
     # decodes (sequences 0, 1) are not in the prefill launch; 33 tokens in blocks of 16 -> 3.
     seqs, blocks = triton_kernels.prefill_programs(np.array([0, 1, 2, 35, 36, 52]), 2, 16)

@@ -34,12 +34,13 @@ class CudaBackend(Backend):
         self._staging: torch.Tensor | None = None
         self._copied: torch.cuda.Event | None = None
 
-    def prepare(self, model: torch.nn.Module) -> None:
+    def prepare(self, model: torch.nn.Module, max_model_len: int = 0) -> None:
         """Fit the model to this backend once, before the first step: q/k/v and gate/up
         fused into one matmul each."""
         fuse_projections(model)
         attn = next(m for m in model.modules() if isinstance(m, PagedAttention))
-        self.shape = self.kernels.AttentionShape(attn.num_heads, attn.num_kv_heads, attn.head_dim, self.dtype)
+        self.shape = self.kernels.AttentionShape(attn.num_heads, attn.num_kv_heads, attn.head_dim, self.dtype,
+                                                 max_model_len)
 
     # -- inputs: one pinned buffer, one copy ----------------------------------------
 
@@ -79,11 +80,13 @@ class CudaBackend(Backend):
         self.copied()
         ids, positions, slots, query_start, seq_lens, samples, tables, seqs, blocks = (
             part[:size] for part, size in zip(flat.split(spans), sizes))
+        longest = int(step.seq_lens[:step.num_decodes].max()) if step.num_decodes else 0
         metadata = StepMetadata(
             slot_mapping=slots, query_start=query_start, seq_lens=seq_lens,
             block_tables=tables.view(step.block_tables.shape), num_decodes=step.num_decodes,
             block_size=step.block_size, query_start_host=step.query_start.tolist(),
-            seq_lens_host=step.seq_lens.tolist(), extras={"programs": (seqs, blocks) if len(prog_seq) else None})
+            seq_lens_host=step.seq_lens.tolist(), extras={"programs": (seqs, blocks) if len(prog_seq) else None,
+                                                          "decode_splits": self.shape.decode_splits(longest)})
         return ids, positions, metadata, samples
 
     # -- ops ------------------------------------------------------------------------
@@ -120,7 +123,8 @@ class CudaBackend(Backend):
         out = torch.empty_like(q)
         common = (md.query_start, md.seq_lens, md.block_tables, layer.scale, layer.sliding_window, self.shape)
         if md.num_decodes:
-            kernels.paged_attention(q, layer.k_cache, layer.v_cache, out, *common, md.num_decodes)
+            kernels.paged_attention(q, layer.k_cache, layer.v_cache, out, *common, md.num_decodes,
+                                    splits=md.extras.get("decode_splits", 1))
         programs = md.extras.get("programs")
         if programs is not None:
             kernels.paged_attention(q, layer.k_cache, layer.v_cache, out, *common, md.num_seqs, programs)

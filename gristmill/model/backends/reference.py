@@ -24,7 +24,7 @@ class Backend:
         self.device = torch.device(device)
         self.dtype = dtype
 
-    def prepare(self, model: nn.Module) -> None:
+    def prepare(self, model: nn.Module, max_model_len: int = 0) -> None:
         """Fit the model to this backend once, before the first step (nothing here)."""
 
     # -- inputs ---------------------------------------------------------------------

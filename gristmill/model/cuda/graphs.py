@@ -5,7 +5,9 @@ captured once per batch size of a ladder up to max_num_seqs, reading its inputs 
 static device buffers. A decode-only step of n sequences is padded to the next size of
 the ladder: padding rows write no KV (slot -1) and attend to nothing (length 0). Each
 step then costs two copies into the buffers and one graph launch, instead of hundreds of
-kernel launches from Python.
+kernel launches from Python. Where max_model_len passes the attention's partition, each
+size is captured twice: its decodes unsplit, and split into partitions (flash-decoding,
+see triton_kernels), replayed when a sequence of the step is longer than one partition.
 """
 
 from __future__ import annotations
@@ -71,10 +73,11 @@ class StaticInputs:
         host[5 * span:5 * span + max_rows] = self.own_sources
         self.device_buffer.copy_(self.host_buffer)
 
-    def metadata(self, rows: int, block_size: int) -> StepMetadata:
+    def metadata(self, rows: int, block_size: int, splits: int = 1) -> StepMetadata:
         return StepMetadata(slot_mapping=self.slot_mapping[:rows], query_start=self.query_start[:rows + 1],
                             seq_lens=self.seq_lens[:rows], block_tables=self.block_tables[:rows],
-                            num_decodes=rows, block_size=block_size, extras={"programs": None})
+                            num_decodes=rows, block_size=block_size,
+                            extras={"programs": None, "decode_splits": splits})
 
     def ids(self, rows: int) -> torch.Tensor:
         """The input ids of the first `rows` rows: the host's, or the last step's sampled ones."""
@@ -112,7 +115,9 @@ class CudaGraphs:
         self.sizes = graph_batch_sizes(max_num_seqs)
         max_blocks = -(-max_model_len // block_size)
         self.inputs = StaticInputs(self.sizes[-1], max_blocks, backend.device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
+        #: Partitions of a split decode: as many as the longest sequence can fill (1: never split).
+        self.splits = backend.shape.decode_splits(max_model_len)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
         self._copied: torch.cuda.Event | None = None
 
     def _forward(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,15 +130,18 @@ class CudaGraphs:
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         torch.cuda.synchronize()
+        variants = sorted({1, self.splits}, reverse=True)
         for rows in reversed(self.sizes):  # the largest first: the smaller reuse its memory
-            with forward_context(self.inputs.metadata(rows, self.block_size), self.backend):
-                self._forward(rows)  # compiles kernels, picks cuBLAS algorithms
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    outputs = self._forward(rows)
-            self.graphs[rows] = (graph, outputs)
+            for splits in variants:
+                with forward_context(self.inputs.metadata(rows, self.block_size, splits), self.backend):
+                    self._forward(rows)  # compiles kernels, picks cuBLAS algorithms
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        outputs = self._forward(rows)
+                self.graphs[rows, splits] = (graph, outputs)
         torch.cuda.synchronize()
-        logger.info("captured CUDA graphs for decode batch sizes %s in %.1f s", self.sizes,
+        logger.info("captured CUDA graphs for decode batch sizes %s%s in %.1f s", self.sizes,
+                    f", unsplit and in {self.splits} partitions" if self.splits > 1 else "",
                     time.perf_counter() - start)
 
     def can_run(self, step: HostStep) -> bool:
@@ -149,6 +157,8 @@ class CudaGraphs:
         self.inputs.fill(step, rows, source)
         self._copied = torch.cuda.Event()
         self._copied.record()
-        graph, (logits, greedy) = self.graphs[rows]
+        longest = int(step.seq_lens.max())
+        splits = 1 if self.backend.shape.decode_splits(longest) == 1 else self.splits
+        graph, (logits, greedy) = self.graphs[rows, splits]
         graph.replay()
         return logits[:step.num_tokens], greedy[:step.num_tokens]

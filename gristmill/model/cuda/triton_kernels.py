@@ -10,6 +10,11 @@ them against the torch reference (tests/model/test_triton_kernels.py).
 - `paged_attention`: causal attention of a step's queries over the paged cache, with
   sliding window and GQA; one launch for all decodes (a program per sequence and KV
   head), one for all prefill chunks (a program per block of queries, KV head).
+  Decodes over long contexts are split by key position (flash-decoding): a program per
+  sequence, KV head and partition of `AttentionShape.partition` keys, then a launch that
+  combines the partitions. A sequence's partitions depend on its own length alone, and
+  one partition gives the unsplit launch's numbers exactly, so which launch runs never
+  changes a result.
 """
 
 from __future__ import annotations
@@ -217,16 +222,17 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 # 16, pointers 16-byte aligned or not. Arguments that change from step to step are not
 # specialized (and the step's index buffers are uploaded 16-byte aligned), so a new
 # batch never stalls on a compile mid-run.
-@triton.jit(do_not_specialize=["stride_bt", "window"])
+@triton.jit(do_not_specialize=["stride_bt", "window", "num_splits"])
 def _paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_ptr, seq_lens_ptr, block_tables_ptr,
-        prog_seq_ptr, prog_block_ptr, scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
-        num_kv_heads, window, HAS_WINDOW: tl.constexpr,
+        prog_seq_ptr, prog_block_ptr, part_out_ptr, part_lse_ptr, scale, stride_qt, stride_qh, stride_ot,
+        stride_oh, stride_bt, num_kv_heads, window, num_splits, HAS_WINDOW: tl.constexpr,
         GROUP: tl.constexpr, GROUP_P: tl.constexpr, DIM: tl.constexpr, DIM_P: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, DECODE: tl.constexpr,
-        IEEE: tl.constexpr):
+        PARTITION: tl.constexpr, IEEE: tl.constexpr):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     if DECODE:  # program i: sequence i, its one query token
         seq = pid
         q_block = 0
@@ -257,6 +263,9 @@ def _paged_attention_kernel(
     if HAS_WINDOW:
         lo = tl.maximum(prior + q_block * BLOCK_Q - window + 1, 0)
         lo = (lo // BLOCK_N) * BLOCK_N
+    if PARTITION:  # this program's keys: those of partition `split` (an empty range past the end)
+        lo = tl.maximum(lo, split * PARTITION)
+        hi = tl.minimum(hi, split * PARTITION + PARTITION)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -289,14 +298,48 @@ def _paged_attention_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    if PARTITION:  # float32 partials of (sequence, head, split), and each row's log-sum-exp
+        part = (seq.to(tl.int64) * (num_kv_heads * GROUP) + head) * num_splits + split
+        tl.store(part_out_ptr + part[:, None] * DIM + d[None, :], out, mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(part_lse_ptr + part, m_i + tl.log(l_i), mask=row_ok)
+    else:
+        tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _combine_splits_kernel(part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr, stride_ot, stride_oh, num_heads,
+                           num_splits, PARTITION: tl.constexpr, DIM: tl.constexpr, DIM_P: tl.constexpr):
+    """out[seq, head] from the partitions its keys fill, weighted by their sums of exp."""
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    d = tl.arange(0, DIM_P)
+    d_ok = d < DIM
+    used = tl.cdiv(tl.load(seq_lens_ptr + seq), PARTITION)
+    base = (seq * num_heads + head) * num_splits
+    m = tl.full([], float("-inf"), tl.float32)
+    total = tl.full([], 0.0, tl.float32)
+    acc = tl.zeros([DIM_P], tl.float32)
+    for split in range(0, used):
+        lse = tl.load(part_lse_ptr + base + split)
+        part = tl.load(part_out_ptr + (base + split) * DIM + d, mask=d_ok, other=0.0)
+        m_new = tl.maximum(m, lse)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        weight = tl.exp(lse - m_safe)
+        total = total * alpha + weight
+        acc = acc * alpha + weight * part
+        m = m_new
+    out = acc / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
 class AttentionShape:
     """The launch parameters of one model's attention (every layer shares them)."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 max_model_len: int = 0):
+        self.num_heads = num_heads
         self.group = num_heads // num_kv_heads
         self.group_p = _pow2(self.group)
         self.dim, self.dim_p = head_dim, _pow2(head_dim, 16)
@@ -308,6 +351,14 @@ class AttentionShape:
         self.prefill_block_n = 32 if self.dim_p >= 256 else 64
         self.ieee = dtype == torch.float32
         self.num_warps = 8 if self.dim_p >= 256 else 4
+        # Decodes over more keys than this are split (flash-decoding), in partitions of it:
+        # 512 keys, more for long max_model_len, so that a sequence has at most 32.
+        self.partition = max(512, _pow2(-(-max_model_len // 32)))
+
+    def decode_splits(self, longest: int) -> int:
+        """Partitions of a decode launch whose longest sequence has `longest` keys: 1 (the
+        unsplit launch) up to `partition` keys."""
+        return 1 if longest <= self.partition else -(-longest // self.partition)
 
 
 def prefill_programs(query_start: np.ndarray, num_decodes: int, block_q: int) -> tuple[np.ndarray, np.ndarray]:
@@ -321,23 +372,34 @@ def prefill_programs(query_start: np.ndarray, num_decodes: int, block_q: int) ->
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                     query_start: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                     scale: float, window: int | None, shape: AttentionShape, num_seqs: int,
-                    programs: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                    programs: tuple[torch.Tensor, torch.Tensor] | None = None, splits: int = 1) -> None:
     """Attention of q (tokens, heads, dim) over the paged cache into `out`. programs=None:
-    a decode launch, sequence i's one token is q[i]; else the (sequence, query block) of
-    each program of a prefill launch (see prefill_programs)."""
+    a decode launch, sequence i's one token is q[i], its keys in `splits` partitions
+    (AttentionShape.decode_splits); else the (sequence, query block) of each program of a
+    prefill launch (see prefill_programs)."""
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     decode = programs is None
-    grid = (num_seqs if decode else programs[0].shape[0], num_kv_heads)
+    split = decode and splits > 1
+    grid = (num_seqs if decode else programs[0].shape[0], num_kv_heads, splits if split else 1)
     if grid[0] == 0:
         return
     prog_seq, prog_block = programs if programs is not None else (seq_lens, seq_lens)
+    part_out = part_lse = out
+    if split:
+        part_out = torch.empty(num_seqs, shape.num_heads, splits, shape.dim, device=q.device, dtype=torch.float32)
+        part_lse = torch.empty(num_seqs, shape.num_heads, splits, device=q.device, dtype=torch.float32)
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out, query_start, seq_lens, block_tables, prog_seq, prog_block, scale,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), num_kv_heads, window or 0, HAS_WINDOW=bool(window),
+        q, k_cache, v_cache, out, query_start, seq_lens, block_tables, prog_seq, prog_block, part_out, part_lse,
+        scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), num_kv_heads,
+        window or 0, splits, HAS_WINDOW=bool(window),
         GROUP=shape.group, GROUP_P=shape.group_p, DIM=shape.dim, DIM_P=shape.dim_p, BLOCK_SIZE=block_size,
         BLOCK_Q=shape.decode_block_q if decode else shape.prefill_block_q,
         BLOCK_N=shape.decode_block_n if decode else shape.prefill_block_n, DECODE=decode,
-        IEEE=shape.ieee, num_warps=4 if decode else shape.num_warps)
+        PARTITION=shape.partition if split else 0, IEEE=shape.ieee, num_warps=4 if decode else shape.num_warps)
+    if split:
+        _combine_splits_kernel[(num_seqs, shape.num_heads)](
+            part_out, part_lse, seq_lens, out, out.stride(0), out.stride(1), shape.num_heads, splits,
+            PARTITION=shape.partition, DIM=shape.dim, DIM_P=shape.dim_p)
 
 
 @triton.jit
