@@ -57,9 +57,9 @@ case "${1:-}" in
     }
     # 1. Tests, two processes at once (the kernels' and the engine's), failing fast.
     tests_box=$((budget / 4))
-    timeout "$tests_box" python3 -m pytest -q -x -p no:cacheprovider tests/cuda > "$work/tests-cuda.txt" 2>&1 &
+    timeout "$tests_box" python3 -m pytest -q --maxfail=3 -p no:cacheprovider tests/cuda > "$work/tests-cuda.txt" 2>&1 &
     cuda_pid=$!
-    timeout "$tests_box" python3 -m pytest -q -x -p no:cacheprovider tests/model/test_triton_kernels.py \
+    timeout "$tests_box" python3 -m pytest -q --maxfail=3 -p no:cacheprovider tests/model/test_triton_kernels.py \
         tests/model/test_logits_controls.py tests/engine/test_async_scheduling.py tests/batch/test_gpus.py \
         > "$work/tests-rest.txt" 2>&1
     echo "tests (kernels, logits controls, async scheduling, GPUs): exit $?" > "$work/tests-exit.txt"
