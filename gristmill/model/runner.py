@@ -93,7 +93,7 @@ class ModelRunner:
             # The build's imports (setuptools, distutils, packaging) come first, here: the
             # model load imports packaging too (transformers), and an engine core whose two
             # threads imported it at once failed to start ("No module named 'packaging'").
-            import torch.utils.cpp_extension  # noqa: F401
+            import torch.utils.cpp_extension as _cpp_extension  # noqa: F401 (binds no local `torch`)
             kernels.build_in_background(q4=config.quantization == "q4")
         self.model_dir = model_dir or resolve_model(config.model, config.cache_dir)
         self.hf_config = load_config(self.model_dir)

@@ -95,3 +95,12 @@ def test_unknown_load_format_is_refused():
     with pytest.raises(RequestError, match="load_format: must be 'auto' or 'dummy', got 'npz'") as info:
         EngineConfig(load_format="npz")
     assert info.value.param == "load_format"
+
+
+def test_the_runner_reads_torch_as_the_module():
+    """A function-level `import torch.x` makes `torch` a local name of the whole function,
+    unbound on the paths that skip it: ModelRunner's CUDA path failed so on a GPU."""
+    import inspect
+
+    for name, member in inspect.getmembers(ModelRunner, inspect.isfunction):
+        assert "torch" not in member.__code__.co_varnames, name
