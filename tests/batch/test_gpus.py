@@ -75,6 +75,7 @@ def test_this_machine_is_counted_as_cuda_counts_it():
 
 
 def test_engine_actors_on_ray_ask_for_a_gpu_and_share_one_by_its_memory():
+    pytest.importorskip("ray", reason="Ray is not installed (the GPU machine has none)")
     from gristmill.errors import RequestError
     from gristmill.ray.data import engine_gpus
 
@@ -101,6 +102,7 @@ def core_environ(engine) -> dict[str, str]:
     return dict(entry.decode().split("=", 1) for entry in raw if b"=" in entry)
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs torch without CUDA (a CPU machine)")
 def test_a_pool_on_a_machine_with_two_gpus_gives_each_core_its_own(monkeypatch):
     """Two GPUs named, torch without CUDA (this machine): each replica's core sees its own
     GPU, "auto" still runs on the CPU there, both generate; a restarted core sees the

@@ -189,3 +189,17 @@ def test_a_pool_of_two_engines_shares_one_gpu():
         assert all(len(r.in_flight) == 0 for r in pool.replicas)
     finally:
         runtime.call(pool.close())
+
+
+@needs_gpu_model
+def test_the_graphs_hold_one_logits_buffer():
+    """Every captured size (unsplit and split) writes its logits into one buffer: before,
+    each held its own, rows x vocab apiece, and 512 rows ran out of memory mid-job."""
+    llm = LLM(GPU_MODEL, device="cuda", max_model_len=2048, max_num_seqs=256, gpu_memory_utilization=0.3)
+    graphs = llm.core.executor.graphs
+    assert graphs.splits > 1 and len(graphs.graphs) == 2 * len(graphs.sizes)
+    one_buffer = 256 * llm.core.capacity.vocab_size * 2
+    assert graphs.memory < 1.2 * one_buffer + 64 * 2**20, (graphs.memory, one_buffer)
+    outs = llm.generate([_prompt(n, seed=n) for n in (700, 20, 300)],
+                        SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert [len(o.token_ids) for o in outs] == [8, 8, 8]

@@ -118,18 +118,26 @@ class CudaGraphs:
         #: Partitions of a split decode: as many as the longest sequence can fill (1: never split).
         self.splits = backend.shape.decode_splits(max_model_len)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.logits: torch.Tensor | None = None
+        self.memory = 0
         self._copied: torch.cuda.Event | None = None
 
     def _forward(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         inputs = self.inputs
         hidden = self.model(inputs.ids(rows), inputs.positions[:rows])
-        logits = self.model.compute_logits(hidden)
+        # Every graph writes its logits into the one buffer (a step's are read before the
+        # next step's graph runs, in stream order): one graph's output held apiece was
+        # rows x vocab for each size of the ladder, GBs at 512 rows, past the KV sizing.
+        logits = self.model.compute_logits(hidden, out=self.logits[:rows])
         return logits, logits.argmax(dim=-1)  # the greedy tokens too: no launch after the graph
 
     def capture(self) -> None:
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated(self.backend.device)
+        head = self.model.lm_head.weight
+        self.logits = torch.empty(self.sizes[-1], head.shape[0], dtype=head.dtype, device=head.device)
         variants = sorted({1, self.splits}, reverse=True)
         for rows in reversed(self.sizes):  # the largest first: the smaller reuse its memory
             for splits in variants:
@@ -140,6 +148,8 @@ class CudaGraphs:
                         outputs = self._forward(rows)
                 self.graphs[rows, splits] = (graph, outputs)
         torch.cuda.synchronize()
+        #: Device memory the graphs hold (the logits buffer, their pool's live blocks).
+        self.memory = torch.cuda.memory_allocated(self.backend.device) - before
         logger.info("captured CUDA graphs for decode batch sizes %s%s in %.1f s", self.sizes,
                     f", unsplit and in {self.splits} partitions" if self.splits > 1 else "",
                     time.perf_counter() - start)

@@ -85,8 +85,12 @@ class Gemma3ForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden)
-        if self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The LM head's logits of `hidden`, into `out` when given (the CUDA graphs' one buffer)."""
+        if out is None:
+            logits = self.lm_head(hidden)
+            return torch.tanh(logits / self.softcap) * self.softcap if self.softcap else logits
+        torch.mm(hidden, self.lm_head.weight.t(), out=out)
+        if self.softcap:  # the same three roundings, in place
+            out.div_(self.softcap).tanh_().mul_(self.softcap)
+        return out

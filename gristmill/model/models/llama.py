@@ -80,8 +80,11 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The LM head's logits of `hidden`, into `out` when given (the CUDA graphs' one buffer)."""
+        if out is None:
+            return self.lm_head(hidden)
+        return torch.mm(hidden, self.lm_head.weight.t(), out=out)
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
