@@ -131,6 +131,7 @@ class CudaGraphs:
         logits = self.model.compute_logits(hidden, out=self.logits[:rows])
         return logits, logits.argmax(dim=-1)  # the greedy tokens too: no launch after the graph
 
+    @torch.no_grad()
     def capture(self) -> None:
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
