@@ -105,13 +105,15 @@ class ModelRunner:
         self.vocab_size = self.hf_config.vocab_size
         self.quantization = quant.resolve_quantization(config.quantization, self.device)
         self.backend = pick_backend(self.device, self.dtype)
-        free_at_start = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0
+        if self.device.type == "cuda":  # before the weights: what this engine takes is measured from here
+            from gristmill.model.cuda.memory import MemoryAtStart
+            self.memory_at_start = MemoryAtStart.read(self.device)
         weights = self.quantization or str(self.dtype).removeprefix("torch.")
         with startup.phase(f"loading {self.model_dir.name} ({weights}) on {self.device}"):
             self.model = self._build_model()
         self.backend.prepare(self.model, self.max_model_len)
         self.block_size = config.block_size
-        self.num_blocks = self._num_kv_blocks(free_at_start)
+        self.num_blocks = self._num_kv_blocks()
         self._allocate_kv_cache()
         self.sampler = Sampler(config.seed, self.device)
         self.controls = LogitsControls(self.device)
@@ -205,11 +207,11 @@ class ModelRunner:
         per_token = sum(2 * a.num_kv_heads * a.head_dim for a in self._kv_layers())
         return per_token * self.block_size * (torch.finfo(self.dtype).bits // 8)
 
-    def _num_kv_blocks(self, free_at_start: int) -> int:
+    def _num_kv_blocks(self) -> int:
         config, per_block = self.config, self._bytes_per_block()
         if self.device.type == "cuda":
             from gristmill.model.cuda.memory import kv_cache_blocks
-            blocks = kv_cache_blocks(self, free_at_start, per_block)
+            blocks = kv_cache_blocks(self, self.memory_at_start, per_block)
         elif config.num_kv_blocks:
             blocks = config.num_kv_blocks
         else:
