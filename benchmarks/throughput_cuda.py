@@ -24,23 +24,8 @@ import time
 
 import torch
 
+from gpu_shapes import bench_gristmill, bench_hf_graph, bench_prefill, prompts_of  # (this folder)
 from gristmill import LLM, SamplingParams
-
-
-def prompts_of(count: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(count)]
-
-
-def bench_gristmill(llm: LLM, prompts, output_len) -> float:
-    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
-              for n in (output_len if isinstance(output_len, list) else [output_len] * len(prompts))]
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    assert all(o.finish_reason == "length" for o in outs), [o.error for o in outs if o.error][:3]
-    return sum(len(o.token_ids) for o in outs) / elapsed
 
 
 def bench_gristmill_sync(llm: LLM, prompts, output_len) -> float:
@@ -50,14 +35,6 @@ def bench_gristmill_sync(llm: LLM, prompts, output_len) -> float:
         return bench_gristmill(llm, prompts, output_len)
     finally:
         llm.core.async_scheduling = True
-
-
-def bench_prefill(llm: LLM, prompts) -> float:
-    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    llm.generate(prompts, params, use_tqdm=False)
-    return sum(len(p) for p in prompts) / (time.perf_counter() - start)
 
 
 def bench_hf_generate(model, prompts, output_len) -> float:
@@ -70,49 +47,6 @@ def bench_hf_generate(model, prompts, output_len) -> float:
     torch.cuda.synchronize()
     assert out.shape[1] - ids.shape[1] == output_len
     return len(prompts) * output_len / (time.perf_counter() - start)
-
-
-def bench_hf_graph(model, prompts, output_len) -> float:
-    """Prefill eagerly into a StaticCache, then every decode step as a replay of one CUDA
-    graph of the model's forward (argmax included). The capture is not timed."""
-    from transformers import StaticCache
-
-    batch, length = len(prompts), len(prompts[0])
-    cache = StaticCache(config=model.config, max_cache_len=length + output_len + 1)
-    ids = torch.tensor(prompts, device="cuda")
-    with torch.inference_mode():
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        logits = model(input_ids=ids, past_key_values=cache, cache_position=torch.arange(length, device="cuda"),
-                       use_cache=True).logits[:, -1]
-        static_ids = logits.argmax(-1, keepdim=True)
-        static_pos = torch.tensor([length], device="cuda")
-        torch.cuda.synchronize()
-        prefill_s = time.perf_counter() - start
-        # Capture (untimed): warm-up outside the graph on a side stream, as capture requires.
-        # The warm-up writes position `length` of the cache, which the first replay rewrites.
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                model(input_ids=static_ids, past_key_values=cache, cache_position=static_pos, use_cache=True)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = model(input_ids=static_ids, past_key_values=cache, cache_position=static_pos,
-                        use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        tokens = [static_ids.clone()]
-        for step in range(output_len - 1):
-            static_pos.fill_(length + step)
-            graph.replay()
-            static_ids.copy_(out)
-            tokens.append(out.clone())
-        torch.cuda.synchronize()
-        elapsed = prefill_s + time.perf_counter() - start
-    assert len(tokens) == output_len
-    return batch * output_len / elapsed
 
 
 def kernels_per_decode_step(llm: LLM, batch: int) -> dict:
