@@ -90,10 +90,12 @@ class ModelRunner:
             self._check_cuda()
         self.dtype = pick_dtype(config.dtype, self.device)
         if self.device.type == "cpu":  # a first start compiles them while it converts the model
-            # The build's imports (setuptools, distutils, packaging) come first, here: the
-            # model load imports packaging too (transformers), and an engine core whose two
-            # threads imported it at once failed to start ("No module named 'packaging'").
-            import torch.utils.cpp_extension as _cpp_extension  # noqa: F401 (binds no local `torch`)
+            if not kernels.is_built(q4=config.quantization == "q4"):
+                # The build's imports (setuptools, distutils, packaging) come first, here:
+                # the model load imports packaging too (transformers), and an engine core
+                # whose two threads imported it at once failed to start ("No module named
+                # 'packaging'"). A warm start imports the built module without them.
+                import torch.utils.cpp_extension as _cpp_extension  # noqa: F401 (binds no local `torch`)
             kernels.build_in_background(q4=config.quantization == "q4")
         self.model_dir = model_dir or resolve_model(config.model, config.cache_dir)
         self.hf_config = load_config(self.model_dir)

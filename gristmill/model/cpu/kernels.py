@@ -62,6 +62,14 @@ class _Build:
         if os.environ.get("GRISTMILL_KERNELS", "1") == "0":
             return None
         self.dir.mkdir(parents=True, exist_ok=True)
+        if self.built:  # a warm start: the module as it is, without torch's build machinery
+            with open(self.dir / "gristmill.lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # (never half written by a build beside us)
+                (self.dir / "lock").unlink(missing_ok=True)  # torch's, left by a killed builder (see below)
+                extension = self._import_built()
+            if extension is not None:
+                startup.cached(f"C++ kernels '{self.name}'", self.dir)
+                return extension
         try:
             from torch.utils.cpp_extension import load
 
@@ -83,6 +91,24 @@ class _Build:
         except Exception as exc:  # noqa: BLE001 - the torch path still works
             logger.warning("C++ kernels %s unavailable (%s); using the slower pure-torch path", self.name, exc)
             return None
+
+
+    def _import_built(self):
+        """The cached build imported directly (torch.utils.cpp_extension, which pulls in
+        setuptools, costs seconds of every start); None when it does not import (a build
+        cut short), and the full build path decides."""
+        import importlib.util
+
+        import torch  # noqa: F401 - the extension links against libtorch, loaded by this
+
+        spec = importlib.util.spec_from_file_location(self.module, self.dir / f"{self.module}.so")
+        try:
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        except ImportError as exc:
+            logger.warning("the cached C++ kernels in %s do not import (%s); building them again", self.dir, exc)
+            return None
+        return module
 
 
 def _cpu_identity() -> bytes:
