@@ -234,7 +234,7 @@ def test_stop_reason_and_cumulative_logprob(llm):
     [full] = llm.generate("Hello world", SamplingParams(max_tokens=20, logprobs=0, **GREEDY), use_tqdm=False)
     out = full.outputs[0]
     assert out.stop_reason is None and out.cumulative_logprob == pytest.approx(
-        sum(entry[t] for t, entry in zip(out.token_ids, out.logprobs)))
+        sum(entry[t].logprob for t, entry in zip(out.token_ids, out.logprobs)))
     stop = full.text[5:8]
     [by_string] = llm.generate("Hello world", SamplingParams(max_tokens=20, stop=[stop], **GREEDY), use_tqdm=False)
     assert by_string.outputs[0].stop_reason == stop and by_string.outputs[0].cumulative_logprob is None

@@ -39,7 +39,7 @@ class OpenAIServing:
                  supervisor: EngineSupervisor | None = None, limits: ServerLimits | None = None):
         self.engine = engine
         self.model_name = model_name
-        self.writer = ResponseWriter(model_name, lambda ids: self.engine.tokenizer.decode(ids),
+        self.writer = ResponseWriter(model_name,
                                      lambda token_id, text: token_bytes(self.engine.tokenizer, token_id, text))
         self.metrics = metrics
         self.supervisor = supervisor
