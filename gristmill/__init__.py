@@ -3,10 +3,10 @@
 from gristmill.config import EngineConfig
 from gristmill.errors import (EngineDeadError, EngineOverloadedError, GenerationError,
                               GristmillError, PromptTooLongError, RequestError, is_fatal)
-from gristmill.outputs import CompletionOutput, RequestOutput
+from gristmill.outputs import CompletionOutput, Logprob, RequestOutput
 from gristmill.sampling import SamplingParams
 
-__all__ = ["LLM", "AsyncEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput",
+__all__ = ["LLM", "AsyncEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
            "GristmillError", "RequestError", "PromptTooLongError", "GenerationError",
            "EngineOverloadedError", "EngineDeadError", "is_fatal"]
 

@@ -183,6 +183,41 @@ def cmd_generate(args) -> int:
 
 
 def cmd_serve(args) -> int:
+    from gristmill.server.limits import ServerLimits
+
+    config = engine_config(args)
+    try:
+        limits = ServerLimits(max_request_bytes=args.max_request_bytes, max_prompt_chars=args.max_prompt_chars,
+                              max_stream_buffer=args.max_stream_buffer)
+    except RequestError as exc:
+        raise SystemExit(f"error: {exc} (flag: --{exc.param.replace('_', '-')})") from None
+    if args.max_engine_restarts < 0 or not args.restart_window_s > 0 or args.shutdown_grace_s < 0:
+        raise SystemExit("error: --max-engine-restarts must be >= 0, --restart-window-s > 0 and "
+                         "--shutdown-grace-s >= 0")
+    sock = _bind(args.host, args.port)  # before the engine loads: a port in use fails in a second
+    try:
+        return _serve(args, config, limits, sock)
+    finally:
+        sock.close()
+
+
+def _bind(host: str, port: int):
+    """The socket the server will listen on, bound now; a port it cannot have exits naming it."""
+    import errno
+
+    from gristmill.server.run import bind_socket
+
+    try:
+        return bind_socket(host, port)
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise SystemExit(f"error: port {port} on {host} is already in use (another server, or a gristmill serve "
+                             f"still running); stop it, or pass a free port with --port") from None
+        raise SystemExit(f"error: cannot listen on {host} port {port} ({exc.strerror or exc}); pass another "
+                         f"--host or --port") from None
+
+
+def _serve(args, config, limits, sock) -> int:
     import logging
     import signal
 
@@ -193,19 +228,9 @@ def cmd_serve(args) -> int:
     from gristmill.errors import EngineDeadError
     from gristmill.paths import DEFAULT_MODEL_NAME
     from gristmill.server.app import build_app
-    from gristmill.server.limits import ServerLimits
     from gristmill.server.run import DrainingServer
 
-    config = engine_config(args)
     startup.show_messages()
-    try:
-        limits = ServerLimits(max_request_bytes=args.max_request_bytes, max_prompt_chars=args.max_prompt_chars,
-                              max_stream_buffer=args.max_stream_buffer)
-    except RequestError as exc:
-        raise SystemExit(f"error: {exc} (flag: --{exc.param.replace('_', '-')})") from None
-    if args.max_engine_restarts < 0 or not args.restart_window_s > 0 or args.shutdown_grace_s < 0:
-        raise SystemExit("error: --max-engine-restarts must be >= 0, --restart-window-s > 0 and "
-                         "--shutdown-grace-s >= 0")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     started = time.monotonic()
     try:
@@ -235,7 +260,7 @@ def cmd_serve(args) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
         engine.shutdown()
     return exit_code

@@ -16,7 +16,7 @@ from gristmill.engine.processor import InputProcessor
 from gristmill.errors import EngineDeadError, GenerationError, RequestError, error_string
 from gristmill.outputs import CompletionOutput, RequestOutput
 from gristmill.prompts import is_token_ids, prompt_item
-from gristmill.sampling import SamplingParams
+from gristmill.sampling import SamplingParams, generation_config_defaults
 
 Prompt = str | list[int]
 
@@ -69,9 +69,12 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for one prompt or a list (strings or token-id lists); one output each,
-        in order. `sampling_params` is one for all prompts or one per prompt. A list of
-        ints is one prompt of token ids. A prompt may also be a dict as vLLM takes it:
-        {"prompt": text} or {"prompt_token_ids": [ids]}."""
+        in order. `sampling_params` is one for all prompts or one per prompt; None takes
+        the model's generation_config.json as vLLM does: its temperature, top_p, top_k,
+        min_p, repetition_penalty and max_new_tokens (as max_tokens) over SamplingParams()
+        (`get_default_sampling_params`). A list of ints is one prompt of token ids. A
+        prompt may also be a dict as vLLM takes it: {"prompt": text} or
+        {"prompt_token_ids": [ids]}."""
         if prompts is None:
             raise RequestError("prompts is None; pass a prompt (a string or a list of token ids) or a list of "
                                "prompts", param="prompt")
@@ -108,6 +111,19 @@ class LLM:
         return render_chat(self.tokenizer, messages, add_generation_prompt, continue_final_message,
                            chat_template_kwargs, chat_template)
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` sample with when given no SamplingParams, as vLLM's:
+        SamplingParams() with the fields the model directory's generation_config.json sets
+        of temperature, top_p, top_k, min_p, repetition_penalty and max_new_tokens (as
+        max_tokens). Nothing else of the file is read (not do_sample, as in vLLM), and
+        SamplingParams that are passed are used as given. A new object each call."""
+        defaults = generation_config_defaults(self.model_dir)
+        try:
+            return SamplingParams(**defaults)
+        except RequestError as exc:
+            raise RequestError(f"{self.model_dir / 'generation_config.json'} gives an invalid default: {exc}; "
+                               f"fix the file or pass SamplingParams", param=exc.param) from None
+
     def get_tokenizer(self):
         """The tokenizer (a transformers tokenizer), as vLLM's LLM.get_tokenizer()."""
         return self.tokenizer
@@ -122,6 +138,8 @@ class LLM:
     def _run(self, items, sampling_params, use_tqdm: bool, add_special_tokens: bool = True):
         if self.dead_error is not None:
             raise self.dead_error
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params_list = _params_per_prompt(sampling_params, len(items))
         with self._lock:
             if self.dead_error is not None:  # (another thread's call saw it die)
@@ -195,8 +213,6 @@ class LLM:
 
 
 def _params_per_prompt(sampling_params, count: int) -> list[SamplingParams]:
-    if sampling_params is None:
-        return [SamplingParams()] * count
     if isinstance(sampling_params, SamplingParams):
         return [sampling_params] * count
     if isinstance(sampling_params, (dict, str, bytes)):

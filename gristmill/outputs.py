@@ -5,6 +5,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+@dataclass(slots=True)
+class Logprob:
+    """One token's log-probability at one step, as vLLM's `Logprob`. Of the distribution
+    the token was sampled from: the model's logits after logit_bias, penalties, bans and
+    a structured-output mask, before temperature, top-k, top-p and min-p."""
+
+    logprob: float
+    #: Its place in that distribution, from 1 (the most likely token); the sampled
+    #: token's true rank, also when it is not among the top-k.
+    rank: int | None = None
+    #: Its text, decoded alone (the engine's client fills it in).
+    decoded_token: str | None = None
+
+
 @dataclass
 class CompletionOutput:
     """One of the `n` completions of a request."""
@@ -14,8 +28,8 @@ class CompletionOutput:
     token_ids: list[int] = field(default_factory=list)
     #: "stop", "length", "abort" or "error"; None while still generating.
     finish_reason: str | None = None
-    #: Per generated token, {token_id: logprob} for the sampled token and the top-k.
-    logprobs: list[dict[int, float]] | None = None
+    #: Per generated token, {token_id: Logprob} for the sampled token and the top-k.
+    logprobs: list[dict[int, Logprob]] | None = None
     #: Text added since the previous streamed output.
     delta_text: str = ""
     #: "<ErrorType>: <message>" when finish_reason is "error".

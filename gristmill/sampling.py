@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import copy
+import json
 import numbers
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from gristmill.errors import RequestError
 from gristmill.structured.spec import given_kinds, parse_constraint, short
@@ -190,6 +192,31 @@ class SamplingParams:
             object.__setattr__(new, name, value)
         object.__setattr__(new, "_valid", self._valid)
         return new
+
+
+#: The generation_config.json fields a model's default SamplingParams take (vLLM's
+#: `get_default_sampling_params`): HF's name -> ours.
+GENERATION_CONFIG_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                            "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def generation_config_defaults(model_dir: Path) -> dict:
+    """The SamplingParams fields the model's generation_config.json sets (of
+    GENERATION_CONFIG_FIELDS; null values are left out); {} without the file. As in vLLM,
+    `do_sample` is not read: a temperature there samples even with do_sample false."""
+    path = Path(model_dir) / "generation_config.json"
+    if not path.exists():
+        return {}
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise RequestError(f"{path} could not be read as JSON ({exc}); fix the file or pass SamplingParams",
+                           param="sampling_params") from None
+    if not isinstance(config, dict):
+        raise RequestError(f"{path} must hold a JSON object; fix the file or pass SamplingParams",
+                           param="sampling_params")
+    return {ours: config[theirs] for theirs, ours in GENERATION_CONFIG_FIELDS.items()
+            if config.get(theirs) is not None}
 
 
 def _token_id(key) -> int:

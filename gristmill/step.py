@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from gristmill.outputs import Logprob
 from gristmill.sampling import SamplingParams
 
 #: Stands in a request's token ids for a token sampled by a step still running on the
@@ -97,8 +98,8 @@ class SchedulerOutput:
 @dataclass(slots=True)
 class SampledToken:
     token_id: int
-    #: {token_id: logprob} for the sampled token and the top-k, or None.
-    logprobs: dict[int, float] | None = None
+    #: {token_id: Logprob} for the sampled token and the top-k, or None.
+    logprobs: dict[int, Logprob] | None = None
 
 
 @dataclass(slots=True)
@@ -109,8 +110,8 @@ class StepTokens:
 
     request_ids: list[str]
     token_ids: list[int]
-    #: Per row: {token_id: logprob} of the sampled token and the top-k, or None.
-    logprobs: list[dict[int, float] | None]
+    #: Per row: {token_id: Logprob} of the sampled token and the top-k, or None.
+    logprobs: list[dict[int, Logprob] | None]
 
     @classmethod
     def of(cls, sampled: "StepTokens | dict[str, SampledToken]") -> "StepTokens":

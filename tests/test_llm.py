@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gristmill import LLM, PromptTooLongError, RequestError, SamplingParams
+from gristmill import LLM, Logprob, PromptTooLongError, RequestError, SamplingParams
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at",
            "Here is a short poem about the sea:\n"]
@@ -145,10 +145,37 @@ def test_n_completions_and_logprobs(default_llm):
         assert len(completion.logprobs) == len(completion.token_ids) == 8
         for token, entry in zip(completion.token_ids, completion.logprobs):
             assert token in entry and 3 <= len(entry) <= 4
-            assert all(v <= 0 for v in entry.values())
+            assert all(v.logprob <= 0 for v in entry.values())
     [top] = default_llm.generate("My favourite animal is", greedy(6, logprobs=2), use_tqdm=False)
     for token, entry in zip(top.token_ids, top.logprobs):
-        assert entry[token] == pytest.approx(max(entry.values()))
+        assert entry[token].logprob == pytest.approx(max(v.logprob for v in entry.values()))
+        assert entry[token].rank == 1
+
+
+def test_logprobs_are_logprob_objects_with_true_ranks_and_token_texts(float_llm, hf_model):
+    """As vLLM's: each entry maps a token id to a Logprob with its logprob, its rank in the
+    step's distribution (1 = the most likely) and its text. The top-k rank 1..k; the
+    sampled token's rank is its true place, also far outside the top-k (checked against
+    transformers' logits, up to float noise)."""
+    params = SamplingParams(max_tokens=12, temperature=2.0, seed=3, logprobs=2, ignore_eos=True)
+    [out] = float_llm.generate("My favourite animal is", params, use_tqdm=False)
+    ids = torch.tensor([out.prompt_token_ids + out.token_ids[:-1]])
+    with torch.inference_mode():
+        reference = hf_model(ids).logits[0, -len(out.token_ids):].float().log_softmax(-1)
+    ranks = []
+    for step, (token, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+        assert all(isinstance(v, Logprob) for v in entry.values())
+        assert all(v.decoded_token == float_llm.tokenizer.decode([i]) for i, v in entry.items())
+        by_rank = sorted(entry.values(), key=lambda v: v.rank)
+        assert [v.rank for v in by_rank][:2] == [1, 2] and len(entry) in (2, 3)
+        assert [v.logprob for v in by_rank] == sorted((v.logprob for v in by_rank), reverse=True)
+        sampled = entry[token]
+        assert sampled.logprob == pytest.approx(reference[step, token].item(), abs=1e-3)
+        at_least = 1 + int((reference[step] > sampled.logprob + 1e-3).sum())
+        at_most = 1 + int((reference[step] > sampled.logprob - 1e-3).sum())
+        assert at_least <= sampled.rank <= at_most, (step, sampled, at_least, at_most)
+        ranks.append(sampled.rank)
+    assert max(ranks) > 2, ranks  # (temperature 2: some sampled token is outside the top 2)
 
 
 def test_every_block_is_returned(default_llm):
@@ -241,7 +268,7 @@ def test_prefix_caching_changes_no_output_on_the_real_model(float_llm):
             assert on.token_ids == off.token_ids
             for a, b in zip(on.logprobs, off.logprobs):
                 assert a.keys() == b.keys()
-                assert all(a[t] == pytest.approx(b[t], abs=1e-4) for t in a)
+                assert all(a[t].logprob == pytest.approx(b[t].logprob, abs=1e-4) for t in a)
     after = float_llm.core.stats()
     prompt_tokens = sum(len(float_llm.tokenizer.encode(p)) for p in prompts)
     assert after["prefix_cache_queries"] - before["prefix_cache_queries"] == 2 * prompt_tokens

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import os
+import shutil
 import time
 import weakref
 
@@ -114,6 +116,34 @@ def test_include_stop_str_in_output(llm):
     params = SamplingParams(max_tokens=30, stop=[stop], include_stop_str_in_output=True, **GREEDY)
     [out] = llm.generate("Hello world", params, use_tqdm=False)
     assert out.finish_reason == "stop" and out.text == full.text[:full.text.find(stop) + len(stop)]
+
+
+def test_generate_without_sampling_params_samples_as_the_models_generation_config(llm, tiny, tmp_path):
+    """vLLM's `LLM.generate(prompts)` with no SamplingParams samples as the model's
+    generation_config.json says (max_new_tokens as max_tokens, temperature, top_k,
+    repetition_penalty ...); SamplingParams that are passed are used as given, and a
+    model without the file keeps SamplingParams()."""
+    model_dir = tmp_path / "with-defaults"
+    shutil.copytree(llm.model_dir, model_dir)
+    config = {"max_new_tokens": 5, "temperature": 0.0, "top_k": 3, "repetition_penalty": 1.3, "do_sample": True}
+    (model_dir / "generation_config.json").write_text(json.dumps(config))
+    configured = LLM(model=str(model_dir), device="cpu", cache_dir=tiny[1])
+    as_configured = SamplingParams(max_tokens=5, temperature=0.0, top_k=3, repetition_penalty=1.3)
+    assert configured.get_default_sampling_params() == as_configured
+    prompts = ["Once upon a time", "The sea is"]
+    by_default = configured.generate(prompts, use_tqdm=False)
+    assert [len(out.token_ids) for out in by_default] == [5, 5]
+    again = configured.generate(prompts, as_configured, use_tqdm=False)
+    assert [out.token_ids for out in by_default] == [out.token_ids for out in again]  # greedy: the same again
+    [chat] = configured.chat(CONVERSATION, use_tqdm=False)
+    assert len(chat.token_ids) == 5
+    [given] = configured.generate(prompts[0], SamplingParams(max_tokens=7, ignore_eos=True), use_tqdm=False)
+    assert len(given.token_ids) == 7
+    assert llm.get_default_sampling_params() == SamplingParams()
+    (model_dir / "generation_config.json").write_text(json.dumps({"temperature": -1}))
+    with pytest.raises(RequestError, match="generation_config.json gives an invalid default: temperature") as info:
+        configured.generate(prompts, use_tqdm=False)
+    assert info.value.param == "temperature"
 
 
 # -- EngineConfig / LLM(...) -------------------------------------------------------------------------
@@ -234,7 +264,7 @@ def test_stop_reason_and_cumulative_logprob(llm):
     [full] = llm.generate("Hello world", SamplingParams(max_tokens=20, logprobs=0, **GREEDY), use_tqdm=False)
     out = full.outputs[0]
     assert out.stop_reason is None and out.cumulative_logprob == pytest.approx(
-        sum(entry[t] for t, entry in zip(out.token_ids, out.logprobs)))
+        sum(entry[t].logprob for t, entry in zip(out.token_ids, out.logprobs)))
     stop = full.text[5:8]
     [by_string] = llm.generate("Hello world", SamplingParams(max_tokens=20, stop=[stop], **GREEDY), use_tqdm=False)
     assert by_string.outputs[0].stop_reason == stop and by_string.outputs[0].cumulative_logprob is None

@@ -12,7 +12,7 @@ import os
 
 from gristmill import extras
 from gristmill.batch.io import InputError
-from gristmill.batch.job import Job
+from gristmill.batch.job import Job, sigterm_interrupts
 from gristmill.batch.resume import ROW_ID
 from gristmill.engine_flags import add_engine_args
 
@@ -83,4 +83,5 @@ def cmd_batch(args: argparse.Namespace) -> int:
         job = Job(args)
     except (InputError, OSError) as exc:
         raise SystemExit(f"error: {exc}") from None
-    return job.run()
+    with sigterm_interrupts():
+        return job.run()

@@ -56,6 +56,9 @@ class EnginePool:
         self.deaths: list[str] = []
         self.fatal: EngineDeadError | None = None
         self.replicas: list[_Replica] = []
+        #: `close` began: the rows still in flight fail with their engines, no death is
+        #: recorded and no engine restarted.
+        self.closing = False
 
     async def start(self) -> None:
         """Start every replica: on a machine with several GPUs, one on each in turn; those
@@ -105,6 +108,7 @@ class EnginePool:
         return await replica.generate(request)
 
     async def close(self) -> None:
+        self.closing = True
         loop = asyncio.get_running_loop()
         await asyncio.gather(*(loop.run_in_executor(None, r.engine.shutdown) for r in self.replicas))
 
@@ -154,6 +158,8 @@ class _Replica:
         try:
             return await self._run(request)
         except EngineDeadError as exc:
+            if self.pool.closing:  # shut down on purpose (the job stopped): not a death
+                raise
             future = asyncio.get_running_loop().create_future()
             self._suspects.append((request, future))
             if self._recovery is None:

@@ -5,7 +5,8 @@ loads. With --resume, the rows the output already holds are skipped (resume.py).
 other rows stream through `Processor.stream` (job_rows.py turns them into processor rows
 and back); each output row is written as it comes and the files are flushed every batch.
 Rows come out in input order, so what a killed job wrote is always a prefix of the input:
-that is what makes resuming exact.
+that is what makes resuming exact. SIGTERM stops a job as Ctrl-C does: the rows written so
+far are closed, one line says how to go on, and the exit code is 128 + the signal's number.
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ import argparse
 import functools
 import json
 import os
+import signal
 import sys
 import time
-from contextlib import closing
+from contextlib import closing, contextmanager
 
 from gristmill import extras
 from gristmill.batch import EngineProcessorConfig, HttpProcessorConfig, UserFunctionError, build_processor
@@ -30,6 +32,28 @@ from gristmill.batch.tables import arrow_types
 from gristmill.engine_flags import engine_config, engine_flag, engine_options, model_load_error, run_figures
 from gristmill.errors import GristmillError, RequestError, error_string
 from gristmill.sampling import SamplingParams
+
+
+class Interrupted(KeyboardInterrupt):
+    """A signal other than SIGINT (SIGTERM) stopping the job: handled as Ctrl-C is."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextmanager
+def sigterm_interrupts():
+    """In the main thread: SIGTERM raises Interrupted, once (a second one kills at once)."""
+    def interrupt(signum, frame):
+        signal.signal(signum, signal.SIG_DFL)
+        raise Interrupted(signum)
+
+    before = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 class Job:
@@ -174,10 +198,10 @@ class Job:
                 self._write_all(processor, merged(processor, slots), open_outputs)
             else:  # nothing is left: no engine to start
                 open_outputs()
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as exc:
             self._close()
-            print(f"interrupted{self._where()}", file=sys.stderr)
-            return 130
+            print(self._interrupted(), file=sys.stderr)
+            return 128 + getattr(exc, "signum", signal.SIGINT)
         except (InputError, OSError, GristmillError, UserFunctionError) as exc:
             self._close()
             message = str(exc) if isinstance(exc, (InputError, OSError)) else error_string(exc)
@@ -294,6 +318,14 @@ class Job:
             return (f"\n{rows} written to {self.args.output}; run again to start over (write .jsonl or .csv "
                     f"output to be able to --resume)")
         return f"\n{rows} written to {self.args.output}; fix the cause and rerun with --resume to go on"
+
+    def _interrupted(self) -> str:
+        """The one line an interrupted job ends with: how much it wrote where, how to go on."""
+        rows = f"{self.written} row{'' if self.written == 1 else 's'} written to {self.args.output}"
+        if self.out_format == "parquet":
+            return (f"interrupted: {rows}; a Parquet output cannot be resumed: run again to start over, or write "
+                    f".jsonl or .csv to be able to resume with --resume")
+        return f"interrupted, resume with --resume: {rows}"
 
     def _summary(self) -> None:
         run_rows = self.written - self.skipped

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gristmill.config import EngineConfig
+from gristmill.outputs import Logprob
 from gristmill.sampling import SamplingParams
 
 
@@ -24,7 +25,7 @@ class RequestUpdate:
 
     request_id: str
     new_token_ids: list[int]
-    new_logprobs: list[dict[int, float]] | None
+    new_logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None
     #: "<ErrorType>: <message>" when finish_reason is "error".
     error: str | None = None

@@ -9,7 +9,7 @@ from gristmill import faults
 from gristmill.engine.detokenizer import IncrementalDetokenizer
 from gristmill.engine.messages import RequestUpdate
 from gristmill.errors import GenerationError, error_string
-from gristmill.outputs import CompletionOutput, RequestOutput
+from gristmill.outputs import CompletionOutput, Logprob, RequestOutput
 from gristmill.sampling import SamplingParams
 
 
@@ -107,7 +107,7 @@ class OutputProcessor:
                 else:
                     metrics.token_arrivals.append((now, len(update.new_token_ids)))
             if update.new_logprobs is not None and output.logprobs is not None:
-                output.logprobs.extend(update.new_logprobs)
+                output.logprobs.extend(self._decoded(update.new_logprobs))
             changed[id(live.parent)] = live.parent
             detok = live.detokenizer
             if detok.held is not None and update.finish_reason is None and not faults.ACTIVE:
@@ -136,6 +136,13 @@ class OutputProcessor:
                     output.error = update.error
                 _ended(output, live, stopped)
                 del self._live[update.request_id]
+
+    def _decoded(self, entries: list[dict[int, Logprob]]) -> list[dict[int, Logprob]]:
+        """The entries with each token's text, decoded alone, as vLLM's `decoded_token`."""
+        for entry in entries:
+            for token_id, logprob in entry.items():
+                logprob.decoded_token = self.tokenizer.decode([token_id])
+        return entries
 
     def fail(self, request_id: str, exc: BaseException) -> RequestOutput | None:
         """End one completion with an error (finish reason "error")."""
@@ -183,4 +190,4 @@ def _ended(output: CompletionOutput, live: _Completion, stopped: bool) -> None:
         elif output.token_ids and output.token_ids[-1] in live.stop_token_ids:
             output.stop_reason = output.token_ids[-1]
     if output.logprobs is not None:
-        output.cumulative_logprob = sum(entry[t] for t, entry in zip(output.token_ids, output.logprobs))
+        output.cumulative_logprob = sum(entry[t].logprob for t, entry in zip(output.token_ids, output.logprobs))

@@ -20,6 +20,7 @@ from collections import Counter
 import torch
 
 from gristmill.model.sampler import PendingSample, Sampler, SamplerRow, greedy_tokens
+from gristmill.outputs import Logprob
 from gristmill.step import ScheduledRequest
 
 
@@ -96,7 +97,7 @@ class _Redrawn:
     def __init__(self, tokens: torch.Tensor, first: PendingSample):
         self.tokens, self.first = tokens, first
 
-    def result(self) -> tuple[list[int], list[dict[int, float] | None]]:
+    def result(self) -> tuple[list[int], list[dict[int, Logprob] | None]]:
         return self.tokens.tolist(), self.first.result()[1]
 
 

@@ -1,4 +1,4 @@
-"""Sampler: logits of the rows to sample -> token ids (and top-k logprobs).
+"""Sampler: logits of the rows to sample -> token ids (and top-k logprobs with ranks).
 
 A row is sampled by inverting its distribution's cumulative sum at one uniform draw,
 taken from the request's own generator when it has a seed, so a seeded request samples
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gristmill.outputs import Logprob
 from gristmill.sampling import SamplingParams
 
 #: How many of its most likely tokens a top-k / top-p row is drawn from on a CPU (and its
@@ -66,7 +67,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplerRow], argmax: torch.Tensor | None = None):
         """logits: (num_rows, vocab); argmax: their argmax when the forward computed it.
-        Returns (token ids list, logprobs list of dict|None)."""
+        Returns (token ids list, per row {token id: Logprob} or None)."""
         return self.sample(logits, rows, argmax)[1].result()
 
     def sample(self, logits: torch.Tensor, rows: list[SamplerRow],
@@ -166,15 +167,17 @@ class Sampler:
 
     def _with_logprobs(self, logits: torch.Tensor, rows: list[SamplerRow], tokens: torch.Tensor,
                        wanted: list[int]) -> "PendingSample":
-        """Token ids, and for the rows in `wanted` {token: logprob} of the sampled token and
-        the top-k: computed on the device, copied to the host with the ids, in one copy."""
+        """Token ids, and for the rows in `wanted` the Logprobs of the sampled token and
+        the top-k: computed on the device, copied to the host with the ids, in one copy.
+        The sampled token's rank is 1 + the number of tokens more likely than it."""
         index = torch.tensor(wanted, device=logits.device)
         logprobs = logits[index].float().log_softmax(dim=-1)
         k = max(max(rows[i].params.logprobs for i in wanted), 1)
         top_values, top_ids = logprobs.topk(k, dim=-1)
         chosen = logprobs.gather(1, tokens[index][:, None])
-        # float64 holds every token id exactly
-        packed = torch.cat([tokens.double(), chosen[:, 0].double(), top_values.double().flatten(),
+        ranks = (logprobs > chosen).sum(dim=-1) + 1
+        # float64 holds every token id and rank exactly
+        packed = torch.cat([tokens.double(), chosen[:, 0].double(), ranks.double(), top_values.double().flatten(),
                             top_ids.double().flatten()])
         return PendingSample(packed, self._host_buffer(packed), lambda values: _unpack_logprobs(values, rows, wanted, k))
 
@@ -250,7 +253,7 @@ class PendingSample:
             self.event = torch.cuda.Event()
             self.event.record()
 
-    def result(self) -> tuple[list[int], list[dict[int, float] | None]]:
+    def result(self) -> tuple[list[int], list[dict[int, Logprob] | None]]:
         if self.event is not None:
             self.event.synchronize()
         return self.unpack(self.values.tolist())
@@ -263,12 +266,13 @@ def _no_logprobs(ids: list[int]) -> tuple[list[int], list[None]]:
 def _unpack_logprobs(packed: list[float], rows: list[SamplerRow], wanted: list[int], k: int):
     n, m = len(rows), len(wanted)
     token_list = [int(t) for t in packed[:n]]
-    chosen_list = packed[n:n + m]
-    values, ids = packed[n + m:n + m + m * k], packed[n + m + m * k:]
-    result: list[dict[int, float] | None] = [None] * n
+    chosen_list, ranks = packed[n:n + m], packed[n + m:n + 2 * m]
+    values, ids = packed[n + 2 * m:n + 2 * m + m * k], packed[n + 2 * m + m * k:]
+    result: list[dict[int, Logprob] | None] = [None] * n
     for row, i in enumerate(wanted):
-        entry = {token_list[i]: chosen_list[row]}
-        for j in range(row * k, row * k + rows[i].params.logprobs):
-            entry.setdefault(int(ids[j]), values[j])
+        entry = {token_list[i]: Logprob(chosen_list[row], int(ranks[row]))}
+        for place, j in enumerate(range(row * k, row * k + rows[i].params.logprobs), 1):
+            if int(ids[j]) not in entry:
+                entry[int(ids[j])] = Logprob(values[j], place)
         result[i] = entry
     return token_list, result

@@ -85,6 +85,8 @@ class Gate:
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
+                if scope["path"] in GENERATION_PATHS:
+                    self.metrics.client_disconnected()
                 return None
             chunk = message.get("body", b"")
             size += len(chunk)

@@ -1,5 +1,5 @@
 """Prometheus metrics of one server. Latency histograms leave out requests that ended
-in error, so failures do not pass for fast answers."""
+in error or whose client went away, so neither passes for a fast answer."""
 
 from __future__ import annotations
 
@@ -17,6 +17,10 @@ class ServerMetrics:
         self.requests = Counter("gristmill_requests", "Requests by finish reason", ["finish_reason"], registry=r)
         self.errors = Counter("gristmill_request_errors", "Requests that ended in error, by error type",
                               ["error_type"], registry=r)
+        self.client_disconnects = Counter(
+            "gristmill_client_disconnects",
+            "Requests whose client went away before their response ended (logged as status 499); also "
+            "counted in gristmill_requests_total with finish_reason abort", registry=r)
         self.running = Gauge("gristmill_num_requests_running", "Requests running in the engine", registry=r)
         self.waiting = Gauge("gristmill_num_requests_waiting", "Requests waiting in the engine", registry=r)
         self.free_blocks = Gauge("gristmill_kv_free_blocks",
@@ -75,12 +79,19 @@ class ServerMetrics:
         self.requests.labels("error").inc()
         self.errors.labels(error_type).inc()
 
+    def client_disconnected(self) -> None:
+        """One request ended because its client went away (its generation is aborted)."""
+        self.requests.labels("abort").inc()
+        self.client_disconnects.inc()
+
 
 class RequestTimer:
-    """Collects one request's timings; they reach the histograms only if it succeeds."""
+    """Collects one request's timings; they reach the histograms only if it succeeds. A
+    request is counted once, by the first of `finished`, `failed` and `disconnected`."""
 
     def __init__(self, metrics: ServerMetrics):
         self.metrics = metrics
+        self.counted = False
         self.start = time.monotonic()
         self.first: float | None = None
         self.last: float | None = None
@@ -101,10 +112,10 @@ class RequestTimer:
         self.num_tokens += count
 
     def finished(self, finish_reason: str) -> None:
+        if not self._count():
+            return
         m = self.metrics
         m.requests.labels(finish_reason).inc()
-        m.prompt_tokens.inc(self.num_prompt_tokens)
-        m.generation_tokens.inc(self.num_tokens)
         if self.first is not None:
             m.ttft.observe(self.first - self.start)
         for gap in self.gaps:
@@ -112,6 +123,19 @@ class RequestTimer:
         m.e2e.observe(time.monotonic() - self.start)
 
     def failed(self, exc: BaseException) -> None:
-        self.metrics.request_failed(type(exc).__name__)
+        if self._count():
+            self.metrics.request_failed(type(exc).__name__)
+
+    def disconnected(self) -> None:
+        """Its client went away before the response ended."""
+        if self._count():
+            self.metrics.client_disconnected()
+
+    def _count(self) -> bool:
+        """Count its tokens, the first time it ends; False if it was counted already."""
+        if self.counted:
+            return False
+        self.counted = True
         self.metrics.prompt_tokens.inc(self.num_prompt_tokens)
         self.metrics.generation_tokens.inc(self.num_tokens)
+        return True

@@ -39,7 +39,7 @@ class OpenAIServing:
                  supervisor: EngineSupervisor | None = None, limits: ServerLimits | None = None):
         self.engine = engine
         self.model_name = model_name
-        self.writer = ResponseWriter(model_name, lambda ids: self.engine.tokenizer.decode(ids),
+        self.writer = ResponseWriter(model_name,
                                      lambda token_id, text: token_bytes(self.engine.tokenizer, token_id, text))
         self.metrics = metrics
         self.supervisor = supervisor
@@ -203,10 +203,11 @@ class OpenAIServing:
             return self._error_response(exc)
         timer.num_prompt_tokens = job.prompt_tokens
         if stream:
-            return JobStreamingResponse(job, self._stream(job, timer), media_type="text/event-stream")
+            return JobStreamingResponse(job, timer, self._stream(job, timer), media_type="text/event-stream")
         try:
             finals = await _until_disconnect(request, self._collect(job, timer))
         except ClientDisconnected:
+            timer.disconnected()
             return JSONResponse({}, status_code=499)
         except Exception as exc:
             timer.failed(exc)
@@ -276,16 +277,25 @@ class OpenAIServing:
 
 class JobStreamingResponse(StreamingResponse):
     """Closes the job's engine streams even if the body never started (the client left
-    before the first byte), when the generator's own `finally` would never run."""
+    before the first byte), when the generator's own `finally` would never run; a stream
+    that did not send its last byte is counted as a client disconnect."""
 
-    def __init__(self, job: Job, content, **kwargs):
+    def __init__(self, job: Job, timer: RequestTimer, content, **kwargs):
         super().__init__(content, **kwargs)
         self.job = job
+        self.timer = timer
+        self.sent_all = False
+
+    async def stream_response(self, send) -> None:
+        await super().stream_response(send)
+        self.sent_all = True
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
+            if not self.sent_all:
+                self.timer.disconnected()
             await _close_all(self.job)
 
 

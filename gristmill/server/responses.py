@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gristmill.engine.stream import RequestStream
-from gristmill.outputs import RequestOutput
+from gristmill.outputs import Logprob, RequestOutput
 
 
 @dataclass
@@ -44,13 +44,11 @@ class ChoiceStates:
 
 
 class ResponseWriter:
-    """Formats the responses of one server: `decode(ids)` gives a token's text,
-    `token_bytes(id, text)` its own bytes."""
+    """Formats the responses of one server: `token_bytes(id, text)` gives a token's own
+    bytes (its text is its Logprob's `decoded_token`)."""
 
-    def __init__(self, model_name: str, decode: Callable[[list[int]], str],
-                 token_bytes: Callable[[int, str], bytes]):
+    def __init__(self, model_name: str, token_bytes: Callable[[int, str], bytes]):
         self.model_name = model_name
-        self.decode = decode
         self.token_bytes = token_bytes
 
     def delta_chunk(self, job: Job, prompt_index: int, c, choices: ChoiceStates) -> dict | None:
@@ -110,28 +108,25 @@ class ResponseWriter:
         first one's text begins (completions only)."""
         if not job.want_logprobs or completion.logprobs is None:
             return None
-        decode = self._token_text
         ids, entries = completion.token_ids[start:], completion.logprobs[start:]
         k = job.num_top_logprobs
         if job.chat:
             def item(token_id, logprob):
-                text = decode(token_id)
-                return {"token": text, "logprob": finite(logprob), "bytes": list(self.token_bytes(token_id, text))}
+                text = logprob.decoded_token
+                return {"token": text, "logprob": finite(logprob.logprob),
+                        "bytes": list(self.token_bytes(token_id, text))}
             return {"content": [{**item(t, e[t]), "top_logprobs": [item(i, v) for i, v in top(e, k)]}
                                 for t, e in zip(ids, entries)]}
-        texts = [decode(t) for t in ids]
+        texts = [e[t].decoded_token for t, e in zip(ids, entries)]
         offsets, at = [], text_offset
         for text in texts:
             offsets.append(at)
             at += len(text)
-        return {"tokens": texts, "token_logprobs": [finite(e[t]) for t, e in zip(ids, entries)],
+        return {"tokens": texts, "token_logprobs": [finite(e[t].logprob) for t, e in zip(ids, entries)],
                 # (with the sampled token's, as OpenAI's legacy completions: up to logprobs + 1)
-                "top_logprobs": [{decode(i): finite(v) for i, v in [*top(e, k), (t, e[t])]}
+                "top_logprobs": [{v.decoded_token: finite(v.logprob) for _, v in [*top(e, k), (t, e[t])]}
                                  for t, e in zip(ids, entries)],
                 "text_offset": offsets}
-
-    def _token_text(self, token_id: int) -> str:
-        return self.decode([token_id])
 
 
 #: What a logprob of -inf (a token a constraint or a ban refused) reads as on the wire:
@@ -143,9 +138,9 @@ def finite(logprob: float) -> float:
     return logprob if logprob > MIN_LOGPROB else MIN_LOGPROB
 
 
-def top(entry: dict[int, float], k: int):
+def top(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
     """The k most likely tokens of a logprobs entry (which also holds the sampled token)."""
-    return sorted(entry.items(), key=lambda kv: -kv[1])[:k]
+    return sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:k]
 
 
 def usage(job: Job, completion_tokens: int) -> dict:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 
 import uvicorn
 
@@ -21,6 +22,20 @@ logger = logging.getLogger("gristmill.serve")
 # Longest wait, after the grace ran out and the rest was aborted, for their error
 # responses to go out.
 _ABORTED_FLUSH_S = 5.0
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port), for `DrainingServer.run(sockets=[...])`, taken
+    before the engine loads so that a port in use fails at once, not after the model
+    loaded. Bound as uvicorn binds one: IPv6 for a host with a ':', SO_REUSEADDR."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 class DrainingServer(uvicorn.Server):
@@ -36,6 +51,13 @@ class DrainingServer(uvicorn.Server):
     async def serve(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if sockets and self.started:  # (uvicorn says where it listens only on a socket of its own)
+            host, port = sockets[0].getsockname()[:2]
+            logger.info("serving on http://%s:%d (Ctrl-C or SIGTERM to stop)",
+                        f"[{host}]" if ":" in host else host, port)
 
     def handle_exit(self, sig: int, frame) -> None:
         """uvicorn's signal handler (SIGINT, SIGTERM), on the main thread."""

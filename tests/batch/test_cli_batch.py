@@ -194,6 +194,44 @@ def test_a_job_killed_with_sigkill_resumes_to_each_row_exactly_once_in_order(tmp
     assert f"({len(kept)} of them kept from before --resume)" in result.stderr
 
 
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"])
+def test_a_job_stopped_by_a_signal_says_how_to_resume_and_exits_128_plus_the_signal(tmp_path, sig, code):
+    """SIGTERM (a scheduler stopping the job) ends it as Ctrl-C does: the rows written so far
+    are whole lines, the last line says how to go on, naming the output, the exit code is
+    128 + the signal's number, and --resume then runs each row exactly once, in order. The
+    engine shut down under the rows in flight is no death to report or restart from."""
+    rows = [{"prompt": f"Story {i}: once upon a time", "sampling_params": {"max_tokens": 4, "ignore_eos": True}}
+            for i in range(40)]
+    source, target = write_jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out.jsonl"
+    command = [source, "-o", target, "--batch-size", "4", "--temperature", "0", "--device", "cpu",
+               "--max-engine-restarts", "1"]
+    with open(tmp_path / "stderr.txt", "w") as stderr:
+        job = subprocess.Popen([sys.executable, "-m", "gristmill.cli", "batch", *map(str, command)],
+                               stdout=subprocess.DEVNULL, stderr=stderr)
+    try:
+        deadline = time.monotonic() + 240
+        while not (target.exists() and len(target.read_bytes().splitlines()) >= 8):
+            assert job.poll() is None and time.monotonic() < deadline, "the job ended before the signal"
+            time.sleep(0.05)
+        cores = core_children(job.pid)
+        job.send_signal(sig)
+        assert job.wait(60) == code
+    finally:
+        job.kill()
+    assert cores and _gone_within(cores, 10)
+    kept = read_jsonl(target)  # (every line whole: json.loads reads each)
+    assert 8 <= len(kept) < 40 and target.read_bytes().endswith(b"\n")
+    stderr = (tmp_path / "stderr.txt").read_text()
+    last = stderr.replace("\r", "\n").strip().splitlines()[-1]
+    assert last == f"interrupted, resume with --resume: {len(kept)} rows written to {target}"
+    assert "Traceback" not in stderr and "engine died" not in stderr, stderr[-2000:]
+    if sig == signal.SIGTERM:
+        result = batch_cli(*command, "--resume")
+        assert result.returncode == 0, result.stderr
+        assert [row["__row_id__"] for row in read_jsonl(target)] == list(range(40))
+        assert read_jsonl(target)[:len(kept)] == kept
+
+
 def test_deployment_url_gives_the_texts_of_the_local_engine(mixed_run, tmp_path):
     _, local, _ = mixed_run
     server = Server("--max-model-len", "512")

@@ -25,7 +25,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from gristmill.batch import ERROR_COLUMN
+from gristmill.cli import main
 from tests.batch.test_cli_batch import batch_cli, read_jsonl, write_jsonl
+from tests.harness import core_children
 from tests.model.test_loader import write_tiny_gguf
 
 
@@ -327,6 +329,23 @@ def test_serve_refuses_a_port_outside_0_to_65535(tiny):
     output = process.stdout.read()
     assert not served, f"--port {65536 + free} was served on port {free}"
     assert process.returncode != 0 and "--port" in output and "0..65535" in output, output[-1500:]
+
+
+def test_serve_on_a_port_in_use_fails_at_once_naming_the_port():
+    """`serve --port P` while another server listens on P exits within a second, before
+    the engine loads, with one `error:` line naming the port and what to do; it once
+    loaded the model for ~20 s first, then died with uvicorn's `[Errno 98]` log line."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        began = time.monotonic()
+        with pytest.raises(SystemExit) as exited:
+            main(["serve", "--port", str(port), "--device", "cpu"])
+        took = time.monotonic() - began
+    assert exited.value.code == (f"error: port {port} on 127.0.0.1 is already in use (another server, or a "
+                                 f"gristmill serve still running); stop it, or pass a free port with --port")
+    assert took < 1.5 and core_children() == []
 
 
 def test_generate_input_that_cannot_be_read_is_refused_without_a_traceback(tmp_path):

@@ -4,6 +4,7 @@ samples the same tokens whatever else is in the batch."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from gristmill.model.sampler import Sampler, SamplerRow
@@ -113,3 +114,20 @@ def test_a_seeded_top_p_row_samples_the_same_tokens_beside_a_top_k_row_with_bf16
     assert run(SamplingParams(temperature=1.0, top_p=0.9)) == alone  # (same width: passes)
     beside_top_k = run(SamplingParams(temperature=1.0, top_k=50))
     assert beside_top_k == alone, [i for i, (a, b) in enumerate(zip(alone, beside_top_k)) if a != b]
+
+
+def test_logprobs_rank_the_sampled_token_where_it_stands_in_the_whole_distribution():
+    """A row that asks for logprobs gets Logprobs (vLLM's): the top-k with ranks 1..k, and
+    the sampled token with its true rank, 1 + the tokens more likely than it, also when
+    it is far outside the top-k. A row that asks for none gets None."""
+    sampler = Sampler(seed=0, device=torch.device("cpu"))
+    rows = [SamplerRow(SamplingParams(temperature=3.0, logprobs=1), None)] * 400
+    rows.append(SamplerRow(SamplingParams(temperature=3.0), None))
+    tokens, logprobs = sampler(LOGITS.expand(len(rows), -1).contiguous(), rows)
+    assert logprobs[-1] is None
+    expected = LOGITS.log_softmax(-1)
+    for token, entry in zip(tokens[:-1], logprobs[:-1]):
+        assert entry[0].rank == 1 and entry[0].logprob == pytest.approx(expected[0].item())
+        assert entry[token].rank == 1 + int((LOGITS > LOGITS[token]).sum())
+        assert entry[token].logprob == pytest.approx(expected[token].item())
+    assert {entry[t].rank for t, entry in zip(tokens, logprobs[:-1])} >= {1, 2, 3, 4, 5, 6}

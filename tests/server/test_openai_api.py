@@ -233,3 +233,35 @@ def test_disconnect_frees_blocks(server, auth):
         httpx.post(f"{server.url}/v1/completions", json={**body, "stream": False}, headers=auth, timeout=1.5)
     assert wait_all_blocks_free(server)
     assert metric(server, "gristmill_num_requests_running") == 0
+
+
+def test_clients_that_go_away_are_counted_as_disconnects(server, client):
+    """A client that closes its stream mid-way, and one that gives up waiting for a whole
+    response, each count once in /metrics as a client disconnect (the 499s of the log)
+    and as a request with finish_reason "abort", and stay out of the latency histograms."""
+    def disconnects() -> tuple[float, float, float]:
+        text = httpx.get(f"{server.url}/metrics").text
+        found = [re.search(rf"^{re.escape(name)} (\S+)$", text, re.M) for name in (
+            "gristmill_client_disconnects_total", 'gristmill_requests_total{finish_reason="abort"}',
+            "gristmill_e2e_request_latency_seconds_count")]
+        return tuple(float(m.group(1)) if m else 0.0 for m in found)
+
+    def counted(expected) -> tuple[float, float, float]:
+        deadline = time.monotonic() + 10
+        while (now := disconnects())[:2] != expected[:2] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return now
+
+    before = disconnects()
+    long = dict(model=MODEL, prompt="Tell me a long story.", max_tokens=2000, temperature=0,
+                extra_body={"ignore_eos": True})
+    stream = client.completions.create(stream=True, **long)
+    chunks = iter(stream)
+    assert next(chunks).choices[0].text is not None and next(chunks).choices
+    stream.close()
+    after_stream = counted((before[0] + 1, before[1] + 1))
+    assert after_stream == (before[0] + 1, before[1] + 1, before[2])
+    with pytest.raises(openai.APITimeoutError):
+        client.with_options(timeout=1.5).completions.create(**long)
+    assert counted((before[0] + 2, before[1] + 2)) == (before[0] + 2, before[1] + 2, before[2])
+    assert wait_all_blocks_free(server)
