@@ -235,7 +235,8 @@ def test_grammars_read_from_the_tokenizer_file_give_the_masks_of_the_hf_tokenize
     """The engine core builds llguidance's tokenizer from the model's tokenizer.json
     without loading an HF tokenizer; its masks are those of one built from the HF
     tokenizer, state by state, and a file that pads or truncates falls back to the HF one."""
-    from gristmill.structured.grammars import LLGuidanceGrammars, allowed_tokens, fill_masks, torch_bitmask
+    from gristmill.model.masking import allowed_tokens
+    from gristmill.structured.grammars import LLGuidanceGrammars, fill_masks, torch_bitmask
 
     runner, eos = default_llm.core.executor, default_llm.inputs.eos_token_ids
 

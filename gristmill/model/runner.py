@@ -25,11 +25,11 @@ from gristmill.model.cpu import kernels, quant
 from gristmill.model.layers import PagedAttention, RotaryEmbedding, clear_rotary_cache
 from gristmill.model.logits import LogitsControls
 from gristmill.model.masking import GrammarMasks
-from gristmill.model.loader import load_config, load_weights
+from gristmill.model.loader import load_config, load_weights, resolve_model
 from gristmill.model.metadata import HostStep, StepMetadata, build_host_step
 from gristmill.model.models import model_class
 from gristmill.model.sampler import Sampler, SamplerRow
-from gristmill.paths import cache_root, resolve_model
+from gristmill.paths import cache_root
 from gristmill.step import ScheduledRequest, SchedulerOutput, StepTokens
 
 logger = logging.getLogger(__name__)

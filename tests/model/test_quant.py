@@ -194,8 +194,9 @@ def _runner_factory(tmp_path: Path):
     """ModelRunners of the default model with their own quantized-weight cache under
     `tmp_path`; the GGUF's converted copy is shared with the default cache (converting
     it takes most of a minute and is not what these tests are about)."""
-    from gristmill.paths import cache_root, resolve_model
+    from gristmill.model.loader import resolve_model
     from gristmill.model.runner import ModelRunner
+    from gristmill.paths import cache_root
 
     converted = resolve_model(None)
     if converted.parent == cache_root() / "gguf":
