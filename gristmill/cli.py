@@ -10,9 +10,7 @@ import time
 from pathlib import Path
 
 from gristmill.batch.cli import add_batch_command
-# engine_config and engine_options are public names of this module too (callers import them from here).
-from gristmill.engine_flags import (add_engine_args, engine_config, engine_options,  # noqa: F401
-                                     model_load_error, run_figures)
+from gristmill.engine_flags import add_engine_args, engine_config, model_load_error, run_figures
 from gristmill.errors import EngineDeadError, RequestError, error_string
 from gristmill.outputs import CompletionOutput, RequestOutput
 

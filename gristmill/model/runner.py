@@ -234,10 +234,6 @@ class ModelRunner:
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
 
     @property
-    def mask_stats(self) -> list[int]:
-        return self.masks.stats
-
-    @property
     def argmax_first(self) -> bool:
         return self.masks.argmax_first
 
@@ -352,12 +348,6 @@ class ModelRunner:
         if self._row_map is None:
             self._row_map = {request_id: j for j, request_id in enumerate(self._row_ids)}
         return self._row_map
-
-    def prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
-        """A step's inputs on the device, as the eager forward takes them."""
-        host, items = self.host_step(out)
-        input_ids, positions, metadata, sample_indices = self.backend.upload(host)
-        return StepInputs(input_ids, positions, metadata, sample_indices, items)
 
     @torch.inference_mode()
     def score(self, token_ids: list[int], chunk_size: int = 512) -> torch.Tensor:

@@ -179,7 +179,8 @@ def test_without_a_compiler_auto_is_float_and_int8_still_runs(tmp_path):
 
 
 def test_cli_takes_quantization_flag():
-    from gristmill.cli import build_parser, engine_config
+    from gristmill.cli import build_parser
+    from gristmill.engine_flags import engine_config
     args = build_parser().parse_args(["generate", "hi", "--quantization", "none"])
     assert engine_config(args).quantization is None
     for scheme in ("int8", "q4"):
