@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from gristmill import LLM, SamplingParams
-from gristmill.paths import resolve_model
+from gristmill.model.loader import resolve_model
 from revisions import add_revision_args, measure_or_compare
 
 VOCAB = 1024

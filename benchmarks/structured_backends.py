@@ -21,7 +21,7 @@ import time
 import torch
 
 from gristmill.engine.builder import load_tokenizer
-from gristmill.paths import resolve_model
+from gristmill.model.loader import resolve_model
 
 SCHEMA = {
     "type": "object",

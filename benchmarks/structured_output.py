@@ -74,10 +74,10 @@ def main() -> None:
     runner = llm.core.executor
     for name, params in (("free", free), ("json schema", constrained), ("penalties", penalized),
                          ("free again", free)):
-        stats = list(runner.mask_stats)
+        stats = list(runner.masks.stats)
         elapsed, tokens = run(llm, prompts, params)
         figures[name] = tokens / elapsed
-        steps, rows, filled = (after - before for after, before in zip(runner.mask_stats, stats))
+        steps, rows, filled = (after - before for after, before in zip(runner.masks.stats, stats))
         masks = f"; {rows} of {tokens} rows needed a mask, {filled} filled" if steps else ""
         print(f"{name:>12}: {tokens:5d} tokens in {elapsed:6.2f} s = {tokens / elapsed:8.1f} tok/s{masks}", flush=True)
     free_speed = (figures["free"] + figures["free again"]) / 2

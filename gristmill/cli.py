@@ -10,9 +10,7 @@ import time
 from pathlib import Path
 
 from gristmill.batch.cli import add_batch_command
-# engine_config and engine_options are public names of this module too (callers import them from here).
-from gristmill.engine_flags import (add_engine_args, engine_config, engine_options,  # noqa: F401
-                                     model_load_error, run_figures)
+from gristmill.engine_flags import add_engine_args, engine_config, model_load_error, run_figures
 from gristmill.errors import EngineDeadError, RequestError, error_string
 from gristmill.outputs import CompletionOutput, RequestOutput
 
@@ -51,29 +49,19 @@ def _read_rows(args) -> list[dict]:
 
 def _input_rows(path: str) -> list[dict]:
     """The rows of a --input JSONL file; a file that cannot be read stops the command, naming it."""
+    from gristmill.batch.io import InputError, jsonl_rows
+
+    rows = []
     try:
-        with open(path, "rb") as f:
-            lines = f.readlines()
+        for where, row in jsonl_rows(path):
+            if "prompt" not in row and "messages" not in row:
+                raise SystemExit(f"{where}: each line must be a JSON object with a 'prompt' string or a "
+                                 f"'messages' list")
+            rows.append(row)
     except OSError as exc:
         raise SystemExit(f"error: --input {path}: {exc.strerror}; pass a JSONL file") from None
-    rows = []
-    for number, raw in enumerate(lines, 1):
-        try:
-            line = raw.decode("utf-8-sig" if number == 1 else "utf-8")  # a BOM opens some files
-        except UnicodeDecodeError as exc:
-            raise SystemExit(f"error: {path}:{number}: not UTF-8 text (byte {raw[exc.start]:#04x} at column "
-                             f"{exc.start + 1}); JSONL is UTF-8: save the file as UTF-8") from None
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise SystemExit(f"{path}:{number}: not valid JSON ({exc}); "
-                             f"each line must be an object with 'prompt' or 'messages'") from None
-        if not isinstance(row, dict) or ("prompt" not in row and "messages" not in row):
-            raise SystemExit(f"{path}:{number}: each line must be a JSON object with a "
-                             f"'prompt' string or a 'messages' list")
-        rows.append(row)
+    except InputError as exc:
+        raise SystemExit(f"error: {exc}") from None
     return rows
 
 

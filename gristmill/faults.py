@@ -1,7 +1,7 @@
 """Fault injection: make real failures happen inside a running engine, for tests.
 
 Hooks sit in the client, the engine core and the model runner, so this module belongs to
-none of them (`gristmill.engine.faults` is another name for it).
+none of them.
 
 Off unless GRISTMILL_FAULTS is set; parsed once, and each hook is one falsy check when
 off. Format: comma-separated `point[@trigger]`, triggers `prompt~TEXT` (requests whose

@@ -2,8 +2,8 @@
 
 Each step the scheduler hands the runner a `SchedulerOutput`: one `ScheduledRequest` per
 request it gives tokens to, a record of what the runner needs of that request, never the
-scheduler's own `Request`. The runner answers with a `SampledToken` per request whose
-sequence end the step reached.
+scheduler's own `Request`. The runner answers with `StepTokens`: a token for each request
+whose sequence end the step reached.
 
 This module imports neither side (no scheduler, no torch).
 """
@@ -96,25 +96,11 @@ class SchedulerOutput:
 
 
 @dataclass(slots=True)
-class SampledToken:
-    token_id: int
-    #: {token_id: Logprob} for the sampled token and the top-k, or None.
-    logprobs: dict[int, Logprob] | None = None
-
-
-@dataclass(slots=True)
 class StepTokens:
     """A step's sampled tokens as the runner gives them: three lists in the order of its
-    sampled rows, no object per row. The same as {request id: SampledToken}, which an
-    executor may give instead (`StepTokens.of`)."""
+    sampled rows, no object per row."""
 
     request_ids: list[str]
     token_ids: list[int]
     #: Per row: {token_id: Logprob} of the sampled token and the top-k, or None.
     logprobs: list[dict[int, Logprob] | None]
-
-    @classmethod
-    def of(cls, sampled: "StepTokens | dict[str, SampledToken]") -> "StepTokens":
-        if isinstance(sampled, StepTokens):
-            return sampled
-        return cls(list(sampled), [t.token_id for t in sampled.values()], [t.logprobs for t in sampled.values()])

@@ -245,7 +245,7 @@ def eos_token_ids(tokenizer, model_dir: Path, config: dict) -> frozenset[int]:
 def convert_gguf_tokenizer(metadata: dict, model_type: str, out_dir: Path, gguf_path: Path | None = None) -> None:
     """Build an HF tokenizer from a GGUF file's metadata and save it into `out_dir`.
 
-    `metadata` is `GGUFFile.fields` of the file (gristmill.model.gguf_file). This does
+    `metadata` is `GGUFFile.fields` of the file (gristmill.model.loader.gguf_file). This does
     what `AutoTokenizer.from_pretrained(dir, gguf_file=name)` does in transformers 5, but
     from the metadata already read instead of parsing the file again: the tokenizer
     settings by transformers' GGUF key mapping, the backend tokenizer from

@@ -12,8 +12,9 @@ import typing
 
 import pytest
 
-from gristmill.cli import build_parser, engine_config, engine_options, generate_rows
+from gristmill.cli import build_parser, generate_rows
 from gristmill.config import EngineConfig, field_doc
+from gristmill.engine_flags import engine_config, engine_options
 from gristmill.errors import RequestError
 
 ENGINE_FIELDS = dataclasses.fields(EngineConfig)

@@ -83,7 +83,7 @@ def test_generate_keeps_the_start_apart_too(tmp_path):
 
 
 def test_the_tokenizer_is_kept_in_the_cache_and_a_damaged_copy_is_rebuilt(tmp_path, caplog):
-    from gristmill.paths import resolve_model
+    from gristmill.model.loader import resolve_model
     from gristmill.tokenizer import load_tokenizer
 
     cache = tmp_path / "cache"

@@ -78,9 +78,9 @@ def test_asking_the_grammar_about_the_argmax_first_changes_no_output(default_llm
     params = [_params(so) for _, so in CASES] + [_params({"json": PERSON})] * 8
     runner = default_llm.core.executor
     assert runner.argmax_first
-    before = list(runner.mask_stats)
+    before = list(runner.masks.stats)
     first = default_llm.generate(prompts, params, use_tqdm=False)
-    steps, rows, filled = (after - start for after, start in zip(runner.mask_stats, before))
+    steps, rows, filled = (after - start for after, start in zip(runner.masks.stats, before))
     runner.argmax_first = False
     try:
         every = default_llm.generate(prompts, params, use_tqdm=False)
@@ -106,10 +106,10 @@ def test_sampled_rows_resampled_after_a_refusal_keep_the_masked_distribution(def
     # are allowed and many refused: both paths of the sampler run.
     answers = [" Yes", " No", " yes", " no"]
     params = [_params({"choice": answers}, temperature=1.0, seed=seed) for seed in range(200)]
-    before = list(runner.mask_stats)
+    before = list(runner.masks.stats)
     outs = default_llm.generate([prompt] * 200, params, use_tqdm=False)
     drawn, sampled_rows = [o.text for o in outs], sum(len(o.token_ids) for o in outs)
-    rows_masked = runner.mask_stats[1] - before[1]
+    rows_masked = runner.masks.stats[1] - before[1]
     runner.argmax_first = False
     try:
         masked = [o.text for o in default_llm.generate([prompt] * 200, params, use_tqdm=False)]
@@ -235,7 +235,8 @@ def test_grammars_read_from_the_tokenizer_file_give_the_masks_of_the_hf_tokenize
     """The engine core builds llguidance's tokenizer from the model's tokenizer.json
     without loading an HF tokenizer; its masks are those of one built from the HF
     tokenizer, state by state, and a file that pads or truncates falls back to the HF one."""
-    from gristmill.structured.grammars import LLGuidanceGrammars, allowed_tokens, fill_masks, torch_bitmask
+    from gristmill.model.masking import allowed_tokens
+    from gristmill.structured.grammars import LLGuidanceGrammars, fill_masks, torch_bitmask
 
     runner, eos = default_llm.core.executor, default_llm.inputs.eos_token_ids
 

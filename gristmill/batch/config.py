@@ -6,24 +6,18 @@ Three ways to reach an engine, with the same rows in and the same columns out:
   several processors (e.g. the turns of a conversation) use in turn;
 - `HttpProcessorConfig`: any OpenAI-compatible server.
 
-Each config opens the engine it names (`open_engine`, a RowEngine: see stages.py). The
-engine modules are imported inside those methods, since they read their configs from
-here; a Ray Serve deployment's engine lives in the Ray extra, found through
-gristmill.extras (which says why batch/ never imports it).
+The configs are plain data: the processor opens the engine a config names
+(`Processor.open_engine`, processor.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
-from gristmill import extras
 from gristmill.batch.rows import sampling_params_of
 from gristmill.config import EngineConfig
 from gristmill.errors import RequestError
-
-if TYPE_CHECKING:
-    from gristmill.batch.stages import RowEngine
 
 Method = Literal["completions", "chat"]
 
@@ -76,11 +70,6 @@ class ProcessorConfig:
                f"must be a dict of Ray actor options such as {{'num_cpus': 1}}, got "
                f"{type(self.ray_actor_options).__name__}")
 
-    def open_engine(self) -> RowEngine:
-        """The engine this config names, ready for rows (blocks while an engine of its own
-        starts); not on the batch runtime loop."""
-        raise NotImplementedError(f"{type(self).__name__} names no engine")
-
 
 @dataclass(kw_only=True)
 class _EngineBacked(ProcessorConfig):
@@ -112,11 +101,6 @@ class EngineProcessorConfig(_EngineBacked):
                f"must be an EngineConfig, got {type(self.engine).__name__}")
         _check(_positive_int(self.concurrency), "concurrency", f"must be a positive integer, got {self.concurrency!r}")
 
-    def open_engine(self) -> RowEngine:
-        from gristmill.batch.engines import start_pool
-
-        return start_pool(self.engine, self.concurrency, self.max_engine_restarts)
-
 
 @dataclass(kw_only=True)
 class DeploymentProcessorConfig(ProcessorConfig):
@@ -140,13 +124,6 @@ class DeploymentProcessorConfig(ProcessorConfig):
                f"must name a Ray Serve application made with gristmill.ray.deploy, or be None, got "
                f"{self.app_name!r}")
         _check_method(self.method)
-
-    def open_engine(self) -> RowEngine:
-        if self.app_name is not None:
-            return extras.load(extras.SERVE_ENGINE)(self.deployment_name, self.app_name)
-        from gristmill.batch.deployment import get_deployment
-
-        return get_deployment(self.deployment_name).borrow()
 
 
 @dataclass(kw_only=True)
@@ -184,11 +161,6 @@ class HttpProcessorConfig(ProcessorConfig):
         _check(_positive_int(self.concurrency), "concurrency", f"must be a positive integer, got {self.concurrency!r}")
         _check(isinstance(self.request_timeout_s, (int, float)) and self.request_timeout_s > 0,
                "request_timeout_s", f"must be a number of seconds > 0, got {self.request_timeout_s!r}")
-
-    def open_engine(self) -> RowEngine:
-        from gristmill.batch.http import HttpEngine
-
-        return HttpEngine(self)
 
 
 def _check(ok: bool, name: str, message: str) -> None:

@@ -1,4 +1,5 @@
-"""Engines on the batch runtime: supervised AsyncEngine replicas, and shared deployments.
+"""EnginePool: supervised AsyncEngine replicas on the batch runtime, the engine of an
+EngineProcessorConfig and of a shared deployment (deployment.py).
 
 `EnginePool` owns `concurrency` AsyncEngine replicas and sends each row to the least
 busy one. When a replica's engine dies, the rows it had in flight wait while it is

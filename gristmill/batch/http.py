@@ -19,17 +19,14 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from typing import TYPE_CHECKING
 
 import httpx
 
+from gristmill.batch.config import HttpProcessorConfig
 from gristmill.batch.openai_rows import generated_of, openai_request
 from gristmill.batch.rows import Generated, RowRequest
 from gristmill.batch.stages import REMOTE_STAGES
 from gristmill.errors import EngineDeadError, GenerationError, RequestError
-
-if TYPE_CHECKING:
-    from gristmill.batch.config import HttpProcessorConfig
 
 _BACKOFF_BASE_S = 0.5
 _BACKOFF_MAX_S = 10.0

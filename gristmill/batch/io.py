@@ -67,7 +67,7 @@ class InputFile:
     def rows(self) -> Iterator[dict]:
         """The rows as read, lazily: JSONL line by line, CSV and Parquet by record batches."""
         if self.format == "jsonl":
-            return (row for _, row in self._jsonl())
+            return (row for _, row in jsonl_rows(self.path))
         return self._arrow_rows()
 
     def first_row(self) -> dict | None:
@@ -96,7 +96,7 @@ class InputFile:
                     count += batch.num_rows
             return Survey(count, schema.names, schema)
         count, columns, schemas, chunk = 0, {}, [], []
-        for where, row in self._jsonl():
+        for where, row in jsonl_rows(self.path):
             if check is not None:
                 check(row, count, where)
             count += 1
@@ -110,18 +110,6 @@ class InputFile:
             schemas.append(_inferred(chunk, self.path))
         schema = (_unified(schemas, self.path) if schemas else pa.schema([])) if types else None
         return Survey(count, list(columns), schema)
-
-    def _jsonl(self) -> Iterator[tuple[str, dict]]:
-        with open(self.path, "rb") as f:
-            for number, raw in enumerate(f, 1):
-                where = f"{self.path}:{number}"
-                try:
-                    line = raw.decode("utf-8-sig" if number == 1 else "utf-8")  # a BOM opens some files
-                except UnicodeDecodeError as exc:
-                    raise InputError(f"{where}: not UTF-8 text (byte {raw[exc.start]:#04x} at column "
-                                     f"{exc.start + 1}); JSONL is UTF-8: save the file as UTF-8") from None
-                if line.strip():
-                    yield where, parse_json_object(line, where)
 
     def _arrow_rows(self) -> Iterator[dict]:
         if self.format == "csv":
@@ -173,13 +161,30 @@ class InputFile:
             raise InputError(f"{self.path}: cannot read it as CSV ({exc}); {hint}") from None
 
 
-def parse_json_object(line: str, where: str) -> dict:
+def jsonl_rows(path: str) -> Iterator[tuple[str, dict]]:
+    """(where, row) of each line of a JSONL file that is not blank, read as it goes;
+    `where` names the line ("in.jsonl:3"), and so does the InputError of a line that is
+    not UTF-8 or not one JSON object."""
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            where = f"{path}:{number}"
+            try:
+                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")  # a BOM opens some files
+            except UnicodeDecodeError as exc:
+                raise InputError(f"{where}: not UTF-8 text (byte {raw[exc.start]:#04x} at column "
+                                 f"{exc.start + 1}); JSONL is UTF-8: save the file as UTF-8") from None
+            if line.strip():
+                yield where, parse_json_object(line, where)
+
+
+def parse_json_object(line: str | bytes, where: str, fix: str = "each line must be one JSON object") -> dict:
+    """One JSONL line's object; else an InputError naming `where` and saying `fix`."""
     try:
         row = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise InputError(f"{where}: not valid JSON ({exc}); each line must be one JSON object") from None
+    except ValueError as exc:  # (bytes that are not UTF-8 too)
+        raise InputError(f"{where}: not valid JSON ({exc}); {fix}") from None
     if not isinstance(row, dict):
-        raise InputError(f"{where}: each line must be a JSON object (a row), got {type(row).__name__}")
+        raise InputError(f"{where}: not a JSON object (a row); {fix}")
     return row
 
 
@@ -303,23 +308,18 @@ def cut_at(path: str, end: int) -> None:
         f.truncate(end)
 
 
+#: What to do about a line of an output that gristmill batch cannot have written.
+_NOT_WRITTEN_HERE = ("so gristmill batch did not write it, or it was edited: fix or delete the line, or run "
+                     "without --resume to start over")
+
+
 def _jsonl_records(f, path: str, extract):
     extracted, end = [], 0
     for number, line in enumerate(f, 1):
         if not line.endswith(b"\n"):
             break  # torn: the job was killed while writing this line
         if line.strip():
-            try:
-                record = json.loads(line)
-            except ValueError:
-                raise InputError(f"{path}:{number}: not valid JSON, so it was not written by gristmill batch "
-                                 f"or was edited; fix or delete the line, or run without --resume to start "
-                                 f"over") from None
-            if not isinstance(record, dict):
-                raise InputError(f"{path}:{number}: not a JSON object (a row), so it was not written by "
-                                 f"gristmill batch or was edited; fix or delete the line, or run without "
-                                 f"--resume to start over")
-            extracted.append(extract(record))
+            extracted.append(extract(parse_json_object(line, f"{path}:{number}", _NOT_WRITTEN_HERE)))
         end += len(line)
     return None, extracted, end
 

@@ -26,7 +26,8 @@ from gristmill import extras
 from gristmill.batch import runtime
 from gristmill.batch.config import (DeploymentProcessorConfig, EngineProcessorConfig, HttpProcessorConfig,
                                     ProcessorConfig)
-from gristmill.batch.engines import RowFailed
+from gristmill.batch.deployment import get_deployment
+from gristmill.batch.engines import RowFailed, start_pool
 from gristmill.batch.rows import (ERROR_COLUMN, TEMPLATE_ERROR_COLUMN, TEMPLATED_COLUMN, RowRequest, error_columns,
                                   is_error_row, result_columns, sampling_params_of)
 from gristmill.batch.stages import RowEngine
@@ -96,9 +97,20 @@ class Processor:
 
     def open_engine(self) -> RowEngine:
         """The engine of this processor's config, ready for rows (started, for an engine of
-        its own). `stream` opens one per run; a runner that drives `process_batch` itself
-        (an actor of the Ray runner) opens one and closes it, on the batch runtime, when done."""
-        return self.config.open_engine()
+        its own: blocks meanwhile, so never on the batch runtime loop). `stream` opens one
+        per run; a runner that drives `process_batch` itself (an actor of the Ray runner)
+        opens one and closes it, on the batch runtime, when done."""
+        config = self.config
+        if isinstance(config, EngineProcessorConfig):
+            return start_pool(config.engine, config.concurrency, config.max_engine_restarts)
+        if isinstance(config, DeploymentProcessorConfig):
+            if config.app_name is not None:  # a Ray Serve deployment, in the Ray extra
+                return extras.load(extras.SERVE_ENGINE)(config.deployment_name, config.app_name)
+            return get_deployment(config.deployment_name).borrow()
+        if isinstance(config, HttpProcessorConfig):
+            from gristmill.batch.http import HttpEngine  # (httpx: imported by the processors that need it)
+            return HttpEngine(config)
+        raise NotImplementedError(f"{type(config).__name__} names no engine")
 
     # -- the pipeline -------------------------------------------------------------------
 

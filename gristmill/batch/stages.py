@@ -1,7 +1,7 @@
 """RowEngine, the one interface a processor runs rows on, and the stages before it (chat
 template, tokenize).
 
-Each processor config opens its own engine (`ProcessorConfig.open_engine`):
+The processor opens the engine its config names (`Processor.open_engine`):
 - EngineProcessorConfig: an EnginePool of its own (engines.py);
 - DeploymentProcessorConfig: the pool of a `deploy(...)` deployment, borrowed (deployment.py),
   or with `app_name` a Ray Serve deployment (ServeEngine, in the Ray extra);
@@ -17,13 +17,11 @@ the stages of every row's engine and never asks which they are.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
+from gristmill.batch.config import ProcessorConfig
 from gristmill.batch.rows import Generated, RowRequest
 from gristmill.errors import RequestError
-
-if TYPE_CHECKING:
-    from gristmill.batch.config import ProcessorConfig
 
 
 class RowStages(Protocol):

@@ -340,11 +340,14 @@ class AsyncEngine:
 
     def _abort(self, stream: RequestStream) -> None:
         """End the stream's unfinished completions ("abort") and free them in the core."""
-        live = [c for c in stream.child_ids if self.outputs.finish(c, "abort") is not None]
-        if live and not self.errored:
+        self._send_abort([c for c in stream.child_ids if self.outputs.finish(c, "abort") is not None])
+
+    def _send_abort(self, child_ids: list[str]) -> None:
+        """Free these requests in the core; a dead core has nothing left to free."""
+        if child_ids and not self.errored:
             try:
-                self._client.send(Abort(live))
-            except EngineDeadError:
+                self._client.send(Abort(child_ids))
+            except EngineDeadError:  # it died since
                 pass
 
     def _release(self, stream: RequestStream) -> None:
@@ -377,12 +380,7 @@ class AsyncEngine:
                 # them, not only those in this message: a final_only request is heard of
                 # only every FINAL_ONLY_PULSE tokens. (A stream closed earlier was aborted
                 # then and left `_by_child`.)
-                live = list(self._by_child)
-                if live and not self.errored:
-                    try:
-                        self._client.send(Abort(live))
-                    except EngineDeadError:
-                        pass
+                self._send_abort(list(self._by_child))
             elif loop is not None:  # else no request was ever made: nothing to deliver
                 _call_threadsafe(loop, self._on_outputs, message)
 
@@ -395,13 +393,9 @@ class AsyncEngine:
             changed, to_finish = ([parent] if parent is not None else []), []
         else:
             changed, to_finish = self.outputs.process(message.updates, message.step)
-        if to_finish:
-            # Queued before any final output is pushed, so a caller that reuses an id
-            # after seeing it finish can never overtake this abort.
-            try:
-                self._client.send(Abort(to_finish))
-            except EngineDeadError:
-                pass
+        # Queued before any final output is pushed, so a caller that reuses an id after
+        # seeing it finish can never overtake this abort.
+        self._send_abort(to_finish)
         for output in changed:
             stream = self._streams.get(output.request_id)
             if stream is None:

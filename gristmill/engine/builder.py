@@ -29,7 +29,7 @@ def start_kernels(config: EngineConfig) -> None:
 
 
 def resolve_model_dir(config: EngineConfig) -> Path:
-    from gristmill.paths import resolve_model
+    from gristmill.model.loader import resolve_model  # imports no torch
     return resolve_model(config.model, config.cache_dir)
 
 

@@ -13,34 +13,28 @@ from gristmill.engine.processor import check_add_request
 from gristmill.engine.request import Request
 from gristmill.engine.scheduler import Scheduler
 from gristmill.errors import RequestError
-from gristmill.step import SampledToken, SchedulerOutput, StepTokens
+from gristmill.step import SchedulerOutput, StepTokens
 from gristmill.structured.spec import parse_constraint
 
 
 class Executor(Protocol):
-    """What the core needs from the model side (gristmill.model.runner.ModelRunner)."""
+    """What the core needs from the model side (gristmill.model.runner.ModelRunner). For
+    async scheduling an executor also has `launch(out) -> LaunchedStep`, which starts a
+    step and gives its tokens later, and `prefers_async`: whether that pays on it (a GPU
+    does the work; the host is free)."""
 
     num_blocks: int
     max_model_len: int
     vocab_size: int
 
-    def execute(self, out: SchedulerOutput) -> StepTokens | dict[str, SampledToken]: ...
+    def execute(self, out: SchedulerOutput) -> StepTokens: ...
 
     def make_device_error(self) -> None:
         """The `device_error` fault: make the device fail for real (see docs/faults.md)."""
 
 
 class LaunchedStep(Protocol):
-    def result(self) -> StepTokens | dict[str, SampledToken]: ...
-
-
-class AsyncExecutor(Executor, Protocol):
-    """An executor that can start a step and give its tokens later (async scheduling)."""
-
-    #: Whether async scheduling pays on this executor (a GPU does the work; the host is free).
-    prefers_async: bool
-
-    def launch(self, out: SchedulerOutput) -> LaunchedStep: ...
+    def result(self) -> StepTokens: ...
 
 
 class EngineCore:

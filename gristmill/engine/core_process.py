@@ -1,10 +1,12 @@
-"""The engine-core process: `python -m gristmill.engine.core_process`.
+"""The engine-core process: `main(argv)`, which its client (core_client.py) runs in a
+fresh interpreter (`python -c`) that imports this module by name.
 
-Started as its own module (never through the user's script), so a script without an
-`if __name__ == "__main__":` guard works. Its client passes three file descriptors on
-the command line: the inbox and outbox pipes (pickled `messages` structs, one per send)
-and a shared 8-byte heartbeat holding the start (time.monotonic) of the step running
-now, or 0 between steps, so the client's monitor can tell a hang from a long step.
+Never started through the user's script, so a script without an
+`if __name__ == "__main__":` guard works. Its client passes three file descriptors and
+its own pid on the command line: the inbox pipe (one frame of wire.py per message), the
+outbox pipe (pickled `messages` structs, one per send) and a shared 8-byte heartbeat
+holding the start (time.monotonic) of the step running now, or 0 between steps, so the
+client's monitor can tell a hang from a long step.
 
 The first message in is `Start(config)`; the first out is `Ready` or `CoreFailed`. The
 process exits by itself when its client goes away (its inbox reaches EOF or its parent

@@ -112,9 +112,6 @@ class Request:
                                 self.sampling_params, self.eos_token_ids, self.bad_words_ids, self.matcher,
                                 self.controlled)
 
-    def append_token(self, token_id: int) -> None:
-        self.token_ids.append(token_id)
-
     @property
     def needs_known_tokens(self) -> bool:
         """Choosing its next token needs every token before it on the host (a grammar

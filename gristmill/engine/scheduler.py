@@ -21,7 +21,7 @@ from gristmill import faults
 from gristmill.engine.kv_blocks import BlockManager
 from gristmill.engine.messages import RequestUpdate
 from gristmill.engine.request import PLACEHOLDER, Request, RequestStatus
-from gristmill.step import SampledToken, SchedulerOutput, StepTokens
+from gristmill.step import SchedulerOutput, StepTokens
 
 
 #: A `final_only` request still gets an update without tokens every this many tokens: a
@@ -152,7 +152,7 @@ class Scheduler:
         request.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def update(self, out: SchedulerOutput, sampled: StepTokens | dict[str, SampledToken]) -> list[RequestUpdate]:
+    def update(self, out: SchedulerOutput, sampled: StepTokens) -> list[RequestUpdate]:
         """Apply a step's results: advance progress, append tokens, end finished requests."""
         self.advance(out)
         return self.resolve(out, sampled)
@@ -176,14 +176,13 @@ class Scheduler:
                 request.final = len(token_ids) >= request.length_limit
         out.num_sampled = num_sampled
 
-    def resolve(self, out: SchedulerOutput, sampled: StepTokens | dict[str, SampledToken]) -> list[RequestUpdate]:
+    def resolve(self, out: SchedulerOutput, sampled: StepTokens) -> list[RequestUpdate]:
         """A step's sampled tokens are known: put them in place of the placeholders, end
         the requests they finish. `sampled` holds a token for each request of `out` that
         samples. A request that ended since has left `requests`; one added since under
         the same id is not pending yet (a step is advanced after the one before it is
         resolved), so neither is touched."""
         updates, requests, now = [], self.requests, time.monotonic()
-        sampled = StepTokens.of(sampled)
         if not len(sampled.request_ids) == len(sampled.token_ids) == len(sampled.logprobs) == out.num_sampled:
             # (else a row without its token would stay pending, and its placeholder be fed on)
             raise RuntimeError(f"the executor returned {len(sampled.request_ids)} request ids, "

@@ -19,9 +19,11 @@ from collections import Counter
 
 import torch
 
+from gristmill.model.cpu import kernels
 from gristmill.model.sampler import PendingSample, Sampler, SamplerRow, greedy_tokens
 from gristmill.outputs import Logprob
 from gristmill.step import ScheduledRequest
+from gristmill.structured.grammars import fill_masks, torch_bitmask
 
 
 class GrammarMasks:
@@ -79,8 +81,6 @@ class GrammarMasks:
     def _apply(self, logits: torch.Tensor, constrained: list) -> None:
         """Fill the masks of (row, ScheduledRequest) pairs, once per grammar state, and
         apply them."""
-        from gristmill.structured.grammars import apply_masks, fill_masks, torch_bitmask
-
         which, matchers = _grammar_states([item for _, item in constrained])
         bitmask = torch_bitmask(len(matchers), logits.shape[-1], pin_memory=self.device.type == "cuda")
         fill_masks(matchers, bitmask)
@@ -88,6 +88,26 @@ class GrammarMasks:
         if len(matchers) < len(which):
             bitmask = bitmask[torch.tensor(which)]
         apply_masks(logits, bitmask, [j for j, _ in constrained])
+
+
+def apply_masks(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Set to -inf, in place, the logits of the tokens each row's bitmask does not allow:
+    `bitmask[k]` is the mask of `logits[rows[k]]` (bitmask on the host)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous():
+        ops = kernels.fused_ops()
+        if ops is not None:  # one pass over the mask words, skipping all-allowed ones
+            ops.mask_logits(logits, bitmask, rows)
+            return
+    allowed = allowed_tokens(bitmask.to(logits.device, non_blocking=True), logits.shape[-1])
+    index = torch.tensor(rows, device=logits.device)
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+
+
+def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(rows, words) int32 bitmask -> (rows, vocab_size) bool, on the bitmask's device."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask[:, :, None] >> shifts) & 1  # (rows, words, 32)
+    return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
 
 
 class _Redrawn:

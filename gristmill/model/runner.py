@@ -25,11 +25,11 @@ from gristmill.model.cpu import kernels, quant
 from gristmill.model.layers import PagedAttention, RotaryEmbedding, clear_rotary_cache
 from gristmill.model.logits import LogitsControls
 from gristmill.model.masking import GrammarMasks
-from gristmill.model.loader import load_config, load_weights
+from gristmill.model.loader import load_config, load_weights, resolve_model
 from gristmill.model.metadata import HostStep, StepMetadata, build_host_step
 from gristmill.model.models import model_class
 from gristmill.model.sampler import Sampler, SamplerRow
-from gristmill.paths import cache_root, resolve_model
+from gristmill.paths import cache_root
 from gristmill.step import ScheduledRequest, SchedulerOutput, StepTokens
 
 logger = logging.getLogger(__name__)
@@ -236,10 +236,6 @@ class ModelRunner:
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
 
     @property
-    def mask_stats(self) -> list[int]:
-        return self.masks.stats
-
-    @property
     def argmax_first(self) -> bool:
         return self.masks.argmax_first
 
@@ -354,12 +350,6 @@ class ModelRunner:
         if self._row_map is None:
             self._row_map = {request_id: j for j, request_id in enumerate(self._row_ids)}
         return self._row_map
-
-    def prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
-        """A step's inputs on the device, as the eager forward takes them."""
-        host, items = self.host_step(out)
-        input_ids, positions, metadata, sample_indices = self.backend.upload(host)
-        return StepInputs(input_ids, positions, metadata, sample_indices, items)
 
     @torch.inference_mode()
     def score(self, token_ids: list[int], chunk_size: int = 512) -> torch.Tensor:

@@ -6,7 +6,7 @@ both end to end on Gemma 3's 262k-token vocabulary: llguidance gave the higher
 throughput under a realistic schema and compiles one in milliseconds where xgrammar took
 over half a second (docs/structured_output.md). Everything the engine needs goes through
 a `Grammars`-like object (`matcher(constraint)`), `Matcher` (accept, finished, error,
-fill_mask, allows), `fill_masks` and `apply_masks`.
+fill_mask, allows) and `fill_masks`; the sampler applies the masks (gristmill.model.masking).
 
 Compiled grammars are cached per constraint for the life of the engine (one tokenizer).
 Checking a constraint (`check`, where SamplingParams are built) imports no torch.
@@ -319,31 +319,6 @@ def _check_bitmask(bitmask: torch.Tensor) -> None:
     import torch
     if not (bitmask.dtype == torch.int32 and bitmask.is_cpu and bitmask.is_contiguous()):
         raise ValueError("a token bitmask must be a contiguous int32 tensor on the host")
-
-
-def apply_masks(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-    """Set to -inf, in place, the logits of the tokens each row's bitmask does not allow:
-    `bitmask[k]` is the mask of `logits[rows[k]]` (bitmask on the host)."""
-    import torch
-
-    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous():
-        from gristmill.model.cpu import kernels
-        ops = kernels.fused_ops()
-        if ops is not None:  # one pass over the mask words, skipping all-allowed ones
-            ops.mask_logits(logits, bitmask, rows)
-            return
-    allowed = allowed_tokens(bitmask.to(logits.device, non_blocking=True), logits.shape[-1])
-    index = torch.tensor(rows, device=logits.device)
-    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
-
-
-def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """(rows, words) int32 bitmask -> (rows, vocab_size) bool, on the bitmask's device."""
-    import torch
-
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    bits = (bitmask[:, :, None] >> shifts) & 1
-    return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
 
 
 BACKENDS = {"xgrammar": Grammars, "llguidance": LLGuidanceGrammars}

@@ -22,7 +22,8 @@ import pytest
 
 from gristmill.batch import ERROR_COLUMN
 from gristmill.batch.io import CsvWriter, cut_at, read_written
-from gristmill.cli import build_parser, engine_config
+from gristmill.cli import build_parser
+from gristmill.engine_flags import engine_config
 from tests.harness import core_children, process_gone
 from tests.server.conftest import Server
 

@@ -22,10 +22,16 @@ from gristmill.engine.messages import AddRequest
 from gristmill.engine.request import Request, RequestStatus
 from gristmill.sampling import SamplingParams
 from gristmill.engine.scheduler import FINAL_ONLY_PULSE
-from gristmill.step import SampledToken
+from gristmill.step import StepTokens
 
 VOCAB = 1000
 EOS = 5000  # outside the fake model's vocabulary: only a script emits it
+
+
+def step_tokens(sampled: dict[str, int]) -> StepTokens:
+    """A step's sampled tokens, given as {request id: token id} (no logprobs)."""
+    return StepTokens(list(sampled), list(sampled.values()), [None] * len(sampled))
+
 
 def model_token(seq: list[int], vocab: int = VOCAB) -> int:
     """The fake model: the next token is a hash of the whole sequence."""
@@ -137,11 +143,11 @@ class FakeExecutor:
             token = self.script.get(item.request_id, {}).get(item.num_output_tokens)
             if token is None:
                 token = model_token(seq, self.vocab)
-            sampled[item.request_id] = SampledToken(token)
-        record.sampled = {k: v.token_id for k, v in sampled.items()}
+            sampled[item.request_id] = token
+        record.sampled = sampled
         self.steps.append(record)
         self.outs.append(out)
-        return sampled
+        return step_tokens(sampled)
 
 
 class Harness:

@@ -19,8 +19,7 @@ from gristmill.engine.request import Request, RequestStatus
 from gristmill.engine.scheduler import Scheduler
 from gristmill.errors import RequestError
 from gristmill.sampling import SamplingParams
-from gristmill.step import SampledToken
-from tests.engine.harness import EOS, VOCAB, Harness, prompt
+from tests.engine.harness import EOS, VOCAB, Harness, prompt, step_tokens
 
 
 def test_engine_imports_no_torch():
@@ -505,10 +504,10 @@ def test_scheduler_direct_api():
     assert out.num_tokens == 3 and len(out.scheduled) == 1
     assert out.scheduled[0].samples and out.scheduled[0].num_new_tokens == 3
     assert sched.running == [r] and not sched.waiting
-    assert sched.update(out, {"x": SampledToken(11)})[0].finish_reason is None
+    assert sched.update(out, step_tokens({"x": 11}))[0].finish_reason is None
     out = sched.schedule()
     assert out.num_tokens == 1
-    (update,) = sched.update(out, {"x": SampledToken(12)})
+    (update,) = sched.update(out, step_tokens({"x": 12}))
     assert update.new_token_ids == [12] and update.finish_reason == "length"
     assert r.output_token_ids == [11, 12]
     assert bm.num_free_blocks == 8 and sched.requests == {} and not sched.running
@@ -587,7 +586,7 @@ def test_an_executor_that_gives_back_too_few_tokens_fails_the_step():
     assert out.num_sampled == 2
     with pytest.raises(RuntimeError, match="returned 1 request ids, 1 tokens and 1 logprobs for a step that "
                                            "samples 2 rows"):
-        h.sched.resolve(out, {"a": SampledToken(7)})
+        h.sched.resolve(out, step_tokens({"a": 7}))
 
 
 @pytest.mark.parametrize("cfg", [

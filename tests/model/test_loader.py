@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from gristmill.model.loader import Q8_0_FILE, _unpermute_rotary, convert_gguf
-from gristmill.paths import resolve_model
+from gristmill.model.loader import Q8_0_FILE, _unpermute_rotary, convert_gguf, resolve_model
 
 TEXT = Path(__file__).parent.parent / "data" / "public_domain_english.txt"
 

@@ -25,7 +25,7 @@ from gristmill.model.context import forward_context  # noqa: E402
 from gristmill.model.cpu.decode_stack import DecodeStack  # noqa: E402
 from gristmill.model.runner import ModelRunner  # noqa: E402
 from gristmill.sampling import SamplingParams  # noqa: E402
-from gristmill.step import SampledToken  # noqa: E402
+from tests.engine.harness import step_tokens  # noqa: E402
 
 ATOL = 1e-4
 VOCAB = 256
@@ -179,9 +179,9 @@ def _run_and_compare(runner, reference, prompts: dict[str, list[int]], *, max_nu
                 token = int(logits[row].argmax())
             else:
                 token = zlib.crc32(f"{seed}:{request.request_id}:{request.num_tokens}".encode()) % VOCAB
-            sampled[request.request_id] = SampledToken(token)
+            sampled[request.request_id] = token
             facts["tokens"].setdefault(request.request_id, []).append(token)
-        sched.update(out, sampled)
+        sched.update(out, step_tokens(sampled))
         step += 1
         assert step < 500, "scheduler did not finish"
     assert bm.num_free_blocks == runner.num_blocks
@@ -313,22 +313,21 @@ def test_decode_stack_equals_layer_by_layer(family, quantization):
     sched = Scheduler(bm, 4, 64, runner.max_model_len)
     for rid, n in (("a", 3), ("b", 12), ("c", 7)):
         sched.add_request(Request(rid, _prompt(n, seed=n), SamplingParams(max_tokens=6 + n, temperature=0)))
-    layers = runner.model.model.layers
+    layers, backend = runner.model.model.layers, runner.backend
     stacked_steps = 0
     while sched.num_unfinished:
         out = sched.schedule()
-        inputs = runner.prepare_inputs(out)
-        md, backend = inputs.metadata, runner.backend
+        host, items = runner.host_step(out)
+        input_ids, positions, md, sample_indices = backend.upload(host)  # as the eager forward takes them
         with forward_context(md, backend):
-            x = runner.model.model.embed_tokens(inputs.input_ids)
+            x = runner.model.model.embed_tokens(input_ids)
             if name.startswith("gemma"):
                 x = x * torch.tensor(runner.model.model.embed_scale)
             stack = DecodeStack.of(layers) if md.num_decodes == md.num_seqs else None
-            one_by_one = Backend.run_layers(backend, layers, inputs.positions, x)  # the plain layer loop
+            one_by_one = Backend.run_layers(backend, layers, positions, x)  # the plain layer loop
             if stack is not None:
                 stacked_steps += 1
-                assert torch.equal(stack(inputs.positions, x, md), one_by_one), f"step {stacked_steps}"
-        logits = runner.model.compute_logits(runner.model.model.norm(one_by_one)[inputs.sample_indices])
-        sched.update(out, {item.request_id: SampledToken(int(logits[row].argmax()))
-                           for row, item in enumerate(inputs.sample_items)})
+                assert torch.equal(stack(positions, x, md), one_by_one), f"step {stacked_steps}"
+        logits = runner.model.compute_logits(runner.model.model.norm(one_by_one)[sample_indices])
+        sched.update(out, step_tokens({item.request_id: int(logits[row].argmax()) for row, item in enumerate(items)}))
     assert stacked_steps >= 10

@@ -179,7 +179,8 @@ def test_without_a_compiler_auto_is_float_and_int8_still_runs(tmp_path):
 
 
 def test_cli_takes_quantization_flag():
-    from gristmill.cli import build_parser, engine_config
+    from gristmill.cli import build_parser
+    from gristmill.engine_flags import engine_config
     args = build_parser().parse_args(["generate", "hi", "--quantization", "none"])
     assert engine_config(args).quantization is None
     for scheme in ("int8", "q4"):
@@ -194,8 +195,9 @@ def _runner_factory(tmp_path: Path):
     """ModelRunners of the default model with their own quantized-weight cache under
     `tmp_path`; the GGUF's converted copy is shared with the default cache (converting
     it takes most of a minute and is not what these tests are about)."""
-    from gristmill.paths import cache_root, resolve_model
+    from gristmill.model.loader import resolve_model
     from gristmill.model.runner import ModelRunner
+    from gristmill.paths import cache_root
 
     converted = resolve_model(None)
     if converted.parent == cache_root() / "gguf":

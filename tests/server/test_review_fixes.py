@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from gristmill.paths import resolve_model
+from gristmill.model.loader import resolve_model
 from gristmill.tokenizer import load_tokenizer
 from tests.server.conftest import API_KEY
 

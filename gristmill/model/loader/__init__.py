@@ -3,19 +3,24 @@
 A GGUF file is converted once into an HF-style directory in the cache (config.json,
 model.safetensors, tokenizer files) keyed by the file's path, size and mtime; later
 loads read that directory, which takes seconds instead of a dequantize per start.
-Finding a model and the cached conversion are in gristmill.paths (imports no torch,
-nor this package until a GGUF must be converted); loading weights imports torch.
+Where a model argument points and where its conversion is kept are gristmill.paths'.
+Finding and converting a model import no torch (a client converts a GGUF before its
+engine core starts); loading weights does.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import shutil
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from gristmill import startup
+from gristmill.paths import converted_gguf_dir, model_source
 
 if TYPE_CHECKING:
     import torch
@@ -56,6 +61,32 @@ _GEMMA_LAYER_TENSORS = {**_LAYER_TENSORS, "ffn_norm": "pre_feedforward_layernorm
                         "post_ffw_norm": "post_feedforward_layernorm"}
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
                    "output": "lm_head"}
+
+
+def resolve_model(model: str | None, cache_dir: str | None = None) -> Path:
+    """The HF-style directory of `model` (None = the bundled default); a GGUF file is
+    converted into the cache the first time."""
+    path = model_source(model)
+    if path.is_dir():
+        return path
+    target = converted_gguf_dir(path, cache_dir)
+    what = f"converting {path.name} to safetensors"
+    if (target / "model.safetensors").exists():
+        startup.cached(what, target)
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+    try:
+        with startup.phase(what, target):
+            convert_gguf(path, tmp)
+        try:
+            tmp.rename(target)
+        except OSError:  # another process finished the same conversion first
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
