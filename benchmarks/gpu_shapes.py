@@ -36,8 +36,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-_LLAMA3_ROPE = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 8192}
+# Llama 3.1 8B's public config.json, less the fields that do not change the shape; Llama
+# 3.2 1B is the same family, smaller, with a tied head and a longer rope scaling.
+_LLAMA3_8B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
+    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "head_dim": 128, "hidden_act": "silu", "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0, "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
+    "bos_token_id": 128000, "eos_token_id": 128001,
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192}}
 
 # The public config.json of each model, less the fields that do not change the shape.
 SHAPES = {
@@ -55,18 +63,10 @@ SHAPES = {
         "head_dim": 128, "hidden_act": "silu", "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
         "rope_theta": 1000000.0, "attention_bias": False, "tie_word_embeddings": True,
         "bos_token_id": 151643, "eos_token_id": 151645},
-    "llama3.2-1b": {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 2048,
-        "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
-        "head_dim": 64, "hidden_act": "silu", "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
-        "rope_theta": 500000.0, "rope_scaling": {**_LLAMA3_ROPE, "factor": 32.0}, "attention_bias": False,
-        "mlp_bias": False, "tie_word_embeddings": True, "bos_token_id": 128000, "eos_token_id": 128001},
-    "llama3.1-8b": {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
-        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-        "head_dim": 128, "hidden_act": "silu", "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
-        "rope_theta": 500000.0, "rope_scaling": {**_LLAMA3_ROPE, "factor": 8.0}, "attention_bias": False,
-        "mlp_bias": False, "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": 128001},
+    "llama3.2-1b": {**_LLAMA3_8B, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+                    "head_dim": 64, "tie_word_embeddings": True,
+                    "rope_scaling": {**_LLAMA3_8B["rope_scaling"], "factor": 32.0}},
+    "llama3.1-8b": _LLAMA3_8B,
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json")
 

@@ -39,6 +39,7 @@ class LLM:
         builder.start_kernels(self.config)  # a first start compiles them meanwhile
         #: The HF directory the model was loaded from (a GGUF file's converted copy).
         self.model_dir = builder.resolve_model_dir(self.config)
+        self._generation_defaults = generation_config_defaults(self.model_dir)  # (read once)
         # The tokenizer loads on a thread while the model loads (each takes seconds). What
         # the model needs of transformers is imported first, here: two threads importing
         # from transformers at once can find its lazy modules half made.
@@ -117,9 +118,8 @@ class LLM:
         of temperature, top_p, top_k, min_p, repetition_penalty and max_new_tokens (as
         max_tokens). Nothing else of the file is read (not do_sample, as in vLLM), and
         SamplingParams that are passed are used as given. A new object each call."""
-        defaults = generation_config_defaults(self.model_dir)
         try:
-            return SamplingParams(**defaults)
+            return SamplingParams(**self._generation_defaults)
         except RequestError as exc:
             raise RequestError(f"{self.model_dir / 'generation_config.json'} gives an invalid default: {exc}; "
                                f"fix the file or pass SamplingParams", param=exc.param) from None

@@ -140,9 +140,11 @@ def test_generate_without_sampling_params_samples_as_the_models_generation_confi
     [given] = configured.generate(prompts[0], SamplingParams(max_tokens=7, ignore_eos=True), use_tqdm=False)
     assert len(given.token_ids) == 7
     assert llm.get_default_sampling_params() == SamplingParams()
+    # The file is read once, when the LLM starts (as vLLM does): a bad value fails generate.
     (model_dir / "generation_config.json").write_text(json.dumps({"temperature": -1}))
+    misconfigured = LLM(model=str(model_dir), device="cpu", cache_dir=tiny[1])
     with pytest.raises(RequestError, match="generation_config.json gives an invalid default: temperature") as info:
-        configured.generate(prompts, use_tqdm=False)
+        misconfigured.generate(prompts, use_tqdm=False)
     assert info.value.param == "temperature"
 
 
