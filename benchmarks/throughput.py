@@ -10,6 +10,10 @@ this machine. Prints generated tokens per second per peer and the ratios.
     python benchmarks/throughput.py                      # default model, batch 1, 16, 64
     python benchmarks/throughput.py --batch-sizes 64 --workloads short
     python benchmarks/throughput.py --device cuda --model DIR   # on a GPU: benchmarks/throughput_cuda.py
+    python benchmarks/throughput.py --before HEAD~3 --workloads short   # gristmill int8, then vs now
+
+`--before REV` measures gristmill (int8) as it was at git revision REV and as it is, each
+side in its own process (benchmarks/revisions.py), and prints both with their ratios.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import time
 import torch
 
 from gristmill import LLM, SamplingParams
+from revisions import add_revision_args, measure_or_compare
 
 TOPICS = ["the sea", "a city at night", "an old clock", "mountains", "a lost key", "rain",
           "a library", "the first snow", "a train journey", "a garden"]
@@ -73,6 +78,20 @@ def cpu_flags() -> str:
     return " ".join(f for f in wanted if f in flags)
 
 
+def measure_int8(args) -> dict:
+    """gristmill's default engine (int8 on CPU): {"<workload> batch <n>": generated tok/s},
+    each the best of `args.runs` runs."""
+    llm = LLM(args.model, device="cpu", max_num_seqs=args.max_num_seqs)
+    bench_gristmill(llm, make_prompts(2), 4)  # warm up
+    figures = {}
+    for workload in args.workloads.split(","):
+        for batch_size in [int(b) for b in args.batch_sizes.split(",")]:
+            prompts = make_prompts(batch_size, workload)
+            figures[f"{workload} batch {batch_size}"] = max(
+                bench_gristmill(llm, prompts, args.output_len) for _ in range(args.runs))
+    return figures
+
+
 def main() -> None:
     import sys
     if "--device" in sys.argv:  # --device cuda: the GPU benchmark (benchmarks/throughput_cuda.py)
@@ -90,7 +109,13 @@ def main() -> None:
     parser.add_argument("--peers", default="int8,q4,float,transformers,llama.cpp",
                         help="which to run: int8 (gristmill default), q4 (gristmill quantization='q4'), "
                              "float (gristmill quantization=None), transformers, llama.cpp")
+    parser.add_argument("--runs", type=int, default=2, help="with --before: the best of this many runs per figure")
+    add_revision_args(parser)
     args = parser.parse_args()
+    if args.before or args.json:
+        measure_or_compare(__file__, args, measure_int8, f"gristmill int8 tok/s, cpu flags: {cpu_flags()}",
+                           label="tok/s")
+        return
     peers = args.peers.split(",")
 
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -1,22 +1,25 @@
-"""LLM: the offline API. Runs the engine core in this process until every prompt ends."""
+"""LLM: the offline API, a synchronous face over an EngineClient whose core runs in this
+process; `generate` steps it until every prompt ends."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import itertools
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
-from gristmill import faults, startup
+from gristmill import startup
 from gristmill.config import EngineConfig
-from gristmill.engine import builder
+from gristmill.engine.client import EngineClient
+from gristmill.engine.core import EngineCore
+from gristmill.engine.messages import Capacity
 from gristmill.engine.output_processor import OutputProcessor
 from gristmill.engine.processor import InputProcessor
 from gristmill.errors import EngineDeadError, GenerationError, RequestError, error_string
 from gristmill.outputs import CompletionOutput, RequestOutput
 from gristmill.prompts import is_token_ids, prompt_item
-from gristmill.sampling import SamplingParams, generation_config_defaults
+from gristmill.sampling import SamplingParams
 
 Prompt = str | list[int]
 
@@ -34,33 +37,50 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_options):
         started = time.monotonic()
-        self.config = EngineConfig.from_kwargs(model=model, **engine_options)
-        faults.load()
-        builder.start_kernels(self.config)  # a first start compiles them meanwhile
-        #: The HF directory the model was loaded from (a GGUF file's converted copy).
-        self.model_dir = builder.resolve_model_dir(self.config)
-        self._generation_defaults = generation_config_defaults(self.model_dir)  # (read once)
-        # The tokenizer loads on a thread while the model loads (each takes seconds). What
-        # the model needs of transformers is imported first, here: two threads importing
-        # from transformers at once can find its lazy modules half made.
-        builder.model_config(self.model_dir)
-        tokenizer = concurrent.futures.ThreadPoolExecutor(1, "gristmill-tokenizer")
-        loading = tokenizer.submit(builder.load_tokenizer, self.model_dir, self.config.cache_dir)
-        tokenizer.shutdown(wait=False)
-        self.core = builder.build_core(self.config, self.model_dir)
-        self.tokenizer, eos_token_ids = loading.result()
-        self.capacity = self.core.capacity
-        self.config = self.core.config  # (step limits left None: the device's defaults)
-        self.inputs = InputProcessor(self.tokenizer, eos_token_ids, self.capacity)
-        # generate() hands out outputs only once finished: text is decoded at the end.
-        self.outputs = OutputProcessor(self.tokenizer, incremental=False, eos_token_ids=eos_token_ids)
+        config = EngineConfig.from_kwargs(model=model, **engine_options)
+        #: The engine: tokenizer, input and output processing, and its core, which runs in
+        #: this process (`generate` steps it until every prompt ends).
+        self.client = EngineClient(config)
         self._ids = itertools.count()
-        self.dead_error: EngineDeadError | None = None
         # One generate/chat at a time: two threads stepping one core would corrupt it.
         self._lock = threading.Lock()
         #: Seconds the engine took to start (converting, quantizing, compiling, loading).
         self.start_seconds = time.monotonic() - started
         startup.logger.info("engine ready in %.1f s", self.start_seconds)
+
+    @property
+    def config(self) -> EngineConfig:
+        """The config as the engine runs it (step limits left None: its device's defaults)."""
+        return self.client.config
+
+    @property
+    def model_dir(self) -> Path:
+        """The HF directory the model was loaded from (a GGUF file's converted copy)."""
+        return self.client.model_dir
+
+    @property
+    def core(self) -> EngineCore:
+        return self.client.core.engine_core
+
+    @property
+    def tokenizer(self):
+        return self.client.tokenizer
+
+    @property
+    def capacity(self) -> Capacity:
+        return self.client.capacity
+
+    @property
+    def inputs(self) -> InputProcessor:
+        return self.client.inputs
+
+    @property
+    def outputs(self) -> OutputProcessor:
+        return self.client.outputs
+
+    @property
+    def dead_error(self) -> EngineDeadError | None:
+        return self.client.dead_error
 
     @property
     def max_model_len(self) -> int:
@@ -119,7 +139,7 @@ class LLM:
         max_tokens). Nothing else of the file is read (not do_sample, as in vLLM), and
         SamplingParams that are passed are used as given. A new object each call."""
         try:
-            return SamplingParams(**self._generation_defaults)
+            return SamplingParams(**self.client.generation_defaults)
         except RequestError as exc:
             raise RequestError(f"{self.model_dir / 'generation_config.json'} gives an invalid default: {exc}; "
                                f"fix the file or pass SamplingParams", param=exc.param) from None
@@ -137,79 +157,55 @@ class LLM:
 
     def _run(self, items, sampling_params, use_tqdm: bool, add_special_tokens: bool = True):
         if self.dead_error is not None:
-            raise self.dead_error
+            raise EngineDeadError(self.dead_error.message)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params_list = _params_per_prompt(sampling_params, len(items))
         with self._lock:
             if self.dead_error is not None:  # (another thread's call saw it die)
-                raise self.dead_error
-            added: list[str] = []
+                raise EngineDeadError(self.dead_error.message)
             try:
-                return self._run_locked(items, params_list, use_tqdm, add_special_tokens, added)
+                return self._run_locked(items, params_list, use_tqdm, add_special_tokens)
             except BaseException:
                 # Ctrl-C, or anything else that leaves this call early: nothing of it may
                 # stay in the engine (its KV blocks, or steps run for it by the next call).
-                if self.dead_error is None:
-                    self.core.abort(added, "abort")
-                for request_id in added:
-                    self.outputs.finish(request_id, "abort")
+                self.client.abort_all()
                 raise
 
-    def _run_locked(self, items, params_list, use_tqdm: bool, add_special_tokens: bool, added: list[str]):
-        results: list[RequestOutput] = []
-        for (prompt, early_error), params in zip(items, params_list):
-            results.append(self._add(prompt, params, early_error, add_special_tokens, added))
+    def _run_locked(self, items, params_list, use_tqdm: bool, add_special_tokens: bool):
+        results = [self._add(prompt, params, early_error, add_special_tokens)
+                   for (prompt, early_error), params in zip(items, params_list)]
         bar = _progress_bar(len(results), use_tqdm)
         bar.update(sum(r.finished for r in results))
         try:
-            while self.core.has_unfinished:
-                updates = self._step()
-                changed, to_finish = self.outputs.process(updates, self.core.num_steps)
-                self.core.abort(to_finish, "stop")
+            while self.client.has_unfinished:
+                delivered = self.client.step()
                 if use_tqdm:
-                    bar.update(sum(r.finished for r in changed))
+                    bar.update(len(delivered))  # ("final" outputs: handed out once, finished)
         finally:
             bar.close()
         return results
 
-    def _step(self):
-        try:
-            return self.core.step()
-        except Exception as exc:
-            self.dead_error = EngineDeadError(
-                f"the engine failed during a step and its state can no longer be trusted: "
-                f"{error_string(exc)}; create a new LLM")
-            raise self.dead_error from exc
-
-    def _add(self, prompt, params: SamplingParams, early_error, add_special_tokens,
-             added: list[str]) -> RequestOutput:
+    def _add(self, prompt, params: SamplingParams, early_error, add_special_tokens) -> RequestOutput:
+        """The request's output: the client's, filled in as it runs; one that is refused
+        before it reaches the engine ends at once with its error."""
         request_id = str(next(self._ids))
+        num_outputs = 1
         try:
             params.ensure_valid()  # (fields assigned after it was made: n sizes the output)
             num_outputs = params.n
-        except RequestError as exc:
-            early_error, num_outputs = early_error or exc, 1
-        result = RequestOutput(request_id, prompt if isinstance(prompt, str) else None, [],
-                               [CompletionOutput(i) for i in range(num_outputs)])
-        try:
             if early_error is not None:
                 raise early_error
-            result.prompt_token_ids = self.inputs.tokenize(prompt, add_special_tokens)
-            # Its text is read at its end: the core sends its tokens then, not every step.
-            requests = self.inputs.make_requests(request_id, result.prompt_token_ids, params,
-                                                 result.prompt, final_only=True)
-            self.outputs.add(result, [r.request_id for r in requests], params)
+            # Handed out only once finished: its text is decoded at its end, and the core
+            # sends its tokens then, not every step.
+            return self.client.add(prompt, params, request_id, output_kind="final",
+                                   add_special_tokens=add_special_tokens, token_times=False).output
         except (RequestError, GenerationError) as exc:
+            result = RequestOutput(request_id, prompt if isinstance(prompt, str) else None, [],
+                                   [CompletionOutput(i) for i in range(num_outputs)])
             for output in result.outputs:
                 output.finish_reason, output.error = "error", error_string(exc)
             return result
-        for request in requests:
-            added.append(request.request_id)
-            refused = self.core.add_request(request)
-            if refused is not None:
-                self.outputs.fail(request.request_id, refused)
-        return result
 
 
 def _params_per_prompt(sampling_params, count: int) -> list[SamplingParams]:

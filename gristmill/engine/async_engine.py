@@ -1,4 +1,5 @@
-"""AsyncEngine: request streams over an engine core running in a child process.
+"""AsyncEngine: request streams over an engine core running in a child process; an
+asyncio face over an EngineClient (client.py), which does the rest.
 
 Tokenizing, detokenizing and stop strings run here, in the client process, on the event
 loop that made the requests; a failure in them ends only its request (GenerationError).
@@ -11,7 +12,6 @@ every in-flight request with EngineDeadError.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import logging
 import threading
@@ -20,17 +20,13 @@ import uuid
 import weakref
 from collections.abc import AsyncIterator, Callable, Mapping
 
-from gristmill import faults, startup
+from gristmill import startup
 from gristmill.config import EngineConfig
-from gristmill.engine import builder
-from gristmill.engine.core_client import CoreClient
-from gristmill.engine.messages import Abort, Ready, Rejected, StatsQuery, StatsReply, StepOutputs
-from gristmill.engine.output_processor import OutputProcessor
-from gristmill.engine.processor import InputProcessor
-from gristmill.engine.stream import OUTPUT_KINDS, RequestStream
-from gristmill.errors import (EngineDeadError, EngineOverloadedError, GenerationError, GristmillError,
-                             RequestError)
-from gristmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from gristmill.engine.client import OUTPUT_KINDS, EngineClient, in_child_process
+from gristmill.engine.messages import Rejected, StatsQuery, StatsReply, StepOutputs
+from gristmill.engine.stream import RequestStream
+from gristmill.errors import EngineDeadError, GenerationError, GristmillError, RequestError
+from gristmill.outputs import RequestOutput
 from gristmill.prompts import prompt_item
 from gristmill.sampling import SamplingParams
 
@@ -59,53 +55,52 @@ class AsyncEngine:
         `core_env`: environment variables for the engine-core process, over this one's (an
         engine pool gives each replica its GPU as CUDA_VISIBLE_DEVICES); kept for restarts."""
         started = time.monotonic()
-        self._core_env = dict(core_env) if core_env else None
-        faults.load()  # a malformed GRISTMILL_FAULTS fails here, before any process starts
-        self.config = config = config or EngineConfig.from_kwargs(**options)
-        builder.start_kernels(self.config)  # a first start compiles them meanwhile
-        model_dir = builder.resolve_model_dir(config)  # converts a GGUF once, here
+        config = config or EngineConfig.from_kwargs(**options)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._streams: dict[str, RequestStream] = {}
-        self._by_child: dict[str, RequestStream] = {}
+        #: Open streams by request id: (a weak reference to it, its serial). A stream
+        #: nobody holds any more is aborted (`_abandoned`).
+        self._streams: dict[str, tuple[weakref.ref, int]] = {}
+        self._serials = itertools.count()
         self._stats_waiters: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._tokens = itertools.count()
         self._failure_callbacks: list[Callable[[EngineDeadError], None]] = []
         self.num_errors = 0
         #: Times a new core replaced a dead one (`restart`).
         self.num_restarts = 0
-        self._core_config = dataclasses.replace(config, model=str(model_dir))
         self._closed = False
         self._lock = threading.Lock()  # shutdown against a restart's swap of cores
-        # Before the core starts, not beside it: loading a tokenizer holds the GIL for a
-        # second at a time (the Rust tokenizer's parse of a 262k vocabulary, even from the
-        # kept copy), which would hold up seeing a core that dies while it starts.
-        self.tokenizer, eos_token_ids = builder.load_tokenizer(model_dir, config.cache_dir)
-        self._client, ready = self._start_core()
-        self.capacity = capacity = ready.capacity
-        #: The config as the core runs it: step limits left None are its device's defaults.
-        self.config = dataclasses.replace(config, max_num_seqs=capacity.max_num_seqs,
-                                          max_num_batched_tokens=capacity.max_num_batched_tokens)
-        self.inputs = InputProcessor(self.tokenizer, eos_token_ids, self.capacity)
-        self.outputs = OutputProcessor(self.tokenizer, eos_token_ids=eos_token_ids)
-        self._client.start()
+        # The core's threads hold the engine weakly: an engine nobody holds any more is
+        # collected, and its core process shut down with it (EngineClient.start_core).
+        self.client = EngineClient(config, in_child_process(core_env, _weakly(self._on_core_message),
+                                                            _weakly(self._on_core_death)),
+                                   max_waiting_requests=config.max_waiting_requests)
+        self.client.core.start()
         #: Seconds the engine took to start (converting, quantizing, compiling, loading).
         self.start_seconds = time.monotonic() - started
         startup.logger.info("engine ready in %.1f s", self.start_seconds)
 
-    def _start_core(self) -> tuple[CoreClient, Ready]:
-        # The client's threads hold the engine weakly: an engine nobody holds any more (a
-        # script that forgot shutdown(), a notebook cell run again) is collected, and its
-        # core process shut down with it.
-        client = CoreClient(self._core_config, _weakly(self._on_core_message), _weakly(self._on_core_death),
-                            self._core_env)
-        weakref.finalize(self, client.abandon)
-        try:
-            return client, client.wait_ready()
-        except BaseException:
-            client.shutdown()
-            raise
-
     # -- public API --------------------------------------------------------------------
+
+    @property
+    def config(self) -> EngineConfig:
+        """The config as the core runs it: step limits left None are its device's defaults."""
+        return self.client.config
+
+    @property
+    def capacity(self):
+        return self.client.capacity
+
+    @property
+    def tokenizer(self):
+        return self.client.tokenizer
+
+    @property
+    def inputs(self):
+        return self.client.inputs
+
+    @property
+    def outputs(self):
+        return self.client.outputs
 
     @property
     def max_model_len(self) -> int:
@@ -113,15 +108,15 @@ class AsyncEngine:
 
     @property
     def core_pid(self) -> int:
-        return self._client.pid
+        return self.client.core.pid
 
     @property
     def errored(self) -> bool:
-        return self._client.dead_error is not None
+        return self.client.dead_error is not None
 
     @property
     def dead_error(self) -> EngineDeadError | None:
-        return self._client.dead_error
+        return self.client.dead_error
 
     def max_new_tokens(self, prompt: str | list[int] | int) -> int:
         """Most tokens a request with this prompt can generate (context length and KV
@@ -141,13 +136,11 @@ class AsyncEngine:
         """Stream a request's outputs; the last has `finished` set. Raises RequestError,
         PromptTooLongError, GenerationError, EngineOverloadedError or EngineDeadError.
         Cancelling the consuming task (or leaving the loop early) aborts the request.
-        `output_kind`: "cumulative" (each output holds everything so far), "delta" (only
-        what is new) or "final" (one output, at the end; nothing copied per step).
-        A "final" request without stop strings or logprobs gets its tokens from the engine
-        core once, at its end, instead of every step (less work per step in both
-        processes; aborted, it ends with no text). `token_times`: `metrics.token_arrivals`
-        holds each token's time (for such a request, when the core knew it); False: the
-        caller needs none (a final-only request's arrivals are then one, at its end)."""
+        `output_kind` (`client.OUTPUT_KINDS`): "cumulative" (each output holds everything
+        so far), "delta" (only what is new) or "final" (one output, at the end; nothing
+        copied per step; aborted, it ends with no text). `token_times`: with "final",
+        `metrics.token_arrivals` holds each token's time (when the core knew it); False:
+        the caller needs none (the arrivals are then one, at its end)."""
         stream = self.add_request(prompt, sampling_params, request_id, add_special_tokens=add_special_tokens,
                                   output_kind=output_kind, token_times=token_times)
         try:
@@ -162,11 +155,11 @@ class AsyncEngine:
                     prompt_token_ids: list[int] | None = None, token_times: bool = True) -> RequestStream:
         """Validate and submit a request now (errors raise here, before any output), and
         return its stream. Call it from a running event loop. The caller must `aclose()`
-        the stream (that aborts the request if unfinished). `max_buffered`: outputs that
-        may wait unread before the request is aborted (a reader too slow for it) and the
-        stream ends with GenerationError. `output_kind`, `token_times`: see `generate`.
-        `prompt_token_ids`: the text prompt's ids from `tokenize`, so it is not tokenized
-        again here."""
+        the stream (that aborts the request if unfinished; so does dropping the stream).
+        `max_buffered`: outputs that may wait unread before the request is aborted (a
+        reader too slow for it) and the stream ends with GenerationError. `output_kind`,
+        `token_times`: see `generate`. `prompt_token_ids`: the text prompt's ids from
+        `tokenize`, so it is not tokenized again here."""
         if output_kind not in OUTPUT_KINDS:
             raise RequestError(f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {output_kind!r}",
                                param="output_kind")
@@ -179,8 +172,25 @@ class AsyncEngine:
         prompt, invalid = prompt_item(prompt)  # (also vLLM's prompt dicts)
         if invalid is not None:
             raise invalid
-        return self._open(prompt, sampling_params or SamplingParams(), request_id, add_special_tokens,
-                          max_buffered, output_kind, prompt_token_ids, token_times)
+        self._raise_if_dead()
+        self._bind_loop()
+        params = sampling_params or SamplingParams()
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._streams:
+            raise RequestError(f"request id {request_id!r} is already in use; use a unique id",
+                               param="request_id")
+        try:
+            tracked = self.client.add(prompt, params, request_id, output_kind=output_kind,
+                                      add_special_tokens=add_special_tokens, prompt_token_ids=prompt_token_ids,
+                                      token_times=token_times)
+        except GenerationError:
+            self.num_errors += 1
+            raise
+        serial = next(self._serials)
+        stream = RequestStream(request_id, tracked.output.prompt_token_ids, self._release, max_buffered, serial)
+        self._streams[request_id] = (weakref.ref(stream), serial)
+        weakref.finalize(stream, _weakly(self._abandoned), request_id, serial).atexit = False
+        return stream
 
     async def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         """The prompt's token ids, checked as `add_request` checks them; a text longer than
@@ -204,10 +214,10 @@ class AsyncEngine:
             self._abort_now(request_id)
 
     def _abort_now(self, request_id: str) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            self._abort(stream)
-            stream.push(_outgoing(stream, stream.output))
+        output = self.client.abort(request_id)
+        stream = self._stream(request_id)
+        if stream is not None and output is not None:
+            stream.push(output)
 
     async def stats(self) -> dict:
         self._raise_if_dead()
@@ -216,7 +226,7 @@ class AsyncEngine:
         token = next(self._tokens)
         self._stats_waiters[token] = (loop, future)
         try:
-            self._client.send(StatsQuery(token))
+            self.client.core.send(StatsQuery(token))
             core_stats = await future
         finally:
             self._stats_waiters.pop(token, None)
@@ -225,19 +235,21 @@ class AsyncEngine:
     def abort_all(self, error: GristmillError) -> None:
         """End every open request now with (a copy of) `error` and free its KV blocks.
         Call it on the engine's event loop."""
-        for stream in list(self._streams.values()):
-            stream.push(type(error)(error.message))
-            self._abort(stream)
+        for tracked in self.client.abort_all():
+            stream = self._stream(tracked.request_id)
+            if stream is not None:
+                stream.push(type(error)(error.message))
 
     def shutdown(self) -> None:
         """Stop the engine-core process (no child is left behind) and end open streams."""
         with self._lock:
             self._closed = True
-        self._client.shutdown()
-        if self._client.dead_error is None:
-            self._client.dead_error = EngineDeadError("the engine was shut down; create a new engine")
-        self._fail_waiters(self._client.dead_error)
-        self._on_loop(self._fail_streams, self._client.dead_error)
+        core = self.client.core
+        core.shutdown()
+        if core.dead_error is None:
+            core.dead_error = EngineDeadError("the engine was shut down; create a new engine")
+        self._fail_waiters(core.dead_error)
+        self._on_loop(self._fail_streams, core.dead_error)
 
     def restart(self) -> None:
         """Replace the core with a new one of the same config, keeping this engine's
@@ -248,20 +260,20 @@ class AsyncEngine:
         stays dead) when the new core fails to start."""
         if self._closed:
             raise EngineDeadError("the engine was shut down; create a new engine")
-        old = self._client
+        old = self.client.core
         old.shutdown()
         if old.dead_error is None:
             old.dead_error = EngineDeadError("the engine was restarted; send the request again")
         self._fail_waiters(old.dead_error)
-        self._on_loop(self._drop_streams, list(self._streams.values()), old.dead_error)
-        client, _ = self._start_core()
+        self._on_loop(self._drop_streams, old.dead_error)
+        core = self.client.start_core()
         with self._lock:
             if self._closed:
-                client.shutdown()
+                core.shutdown()
                 raise EngineDeadError("the engine was shut down while it restarted; create a new engine")
-            self._client = client  # from here on requests reach the new core
+            self.client.core = core  # from here on requests reach the new core
             self.num_restarts += 1
-            client.start()
+            core.start()
 
     def __enter__(self):
         return self
@@ -275,46 +287,11 @@ class AsyncEngine:
     async def __aexit__(self, *exc):
         self.shutdown()
 
-    # -- requests in (on the event loop) ------------------------------------------------
+    # -- streams (on the event loop) --------------------------------------------------
 
-    def _open(self, prompt, params: SamplingParams, request_id: str | None, add_special_tokens: bool,
-              max_buffered: int | None, output_kind: str, token_ids: list[int] | None,
-              token_times: bool = True) -> RequestStream:
-        self._raise_if_dead()
-        self._bind_loop()
-        request_id = request_id or uuid.uuid4().hex
-        prompt_text = prompt if isinstance(prompt, str) else None
-        try:
-            if token_ids is None:
-                token_ids = self.inputs.tokenize(prompt, add_special_tokens)
-            requests = self.inputs.make_requests(request_id, token_ids, params, prompt_text,
-                                                 final_only=output_kind == "final", token_times=token_times)
-        except GenerationError:
-            self.num_errors += 1
-            raise
-        child_ids = [r.request_id for r in requests]
-        if request_id in self._streams or any(c in self._by_child for c in child_ids):
-            raise RequestError(f"request id {request_id!r} is already in use; use a unique id",
-                               param="request_id")
-        self._check_capacity(len(requests))
-        output = RequestOutput(request_id, prompt_text, token_ids, [CompletionOutput(i) for i in range(params.n)],
-                               RequestMetrics(time.monotonic()))
-        try:
-            # A "final" output is read only once it ends: its text is decoded then, once.
-            self.outputs.add(output, child_ids, params, incremental=output_kind != "final")
-        except GenerationError:
-            self.num_errors += 1
-            raise
-        stream = RequestStream(output, child_ids, self._release, max_buffered, output_kind)
-        self._streams[request_id] = stream
-        self._by_child.update((child, stream) for child in child_ids)
-        try:
-            for request in requests:
-                self._client.send(request)
-        except EngineDeadError:
-            self._release(stream)
-            raise
-        return stream
+    def _stream(self, request_id: str) -> RequestStream | None:
+        entry = self._streams.get(request_id)
+        return None if entry is None else entry[0]()
 
     def _bind_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -324,43 +301,34 @@ class AsyncEngine:
         if old is not None and old.is_running() and self._streams:
             raise RequestError("this AsyncEngine has requests in flight on another event loop; "
                                "use it from one event loop at a time (or one engine per loop)")
-        for stream in list(self._streams.values()):  # left open by a loop that is gone
-            self._release(stream)
+        # What a loop that is gone left open: nobody can read it any more.
+        self.client.abort_all()
+        self._streams.clear()
         self._loop = loop
 
-    def _check_capacity(self, count: int) -> None:
-        limit = self.config.max_waiting_requests
-        if limit is None:
-            return
-        waiting = len(self._by_child) + count - self.config.max_num_seqs
-        if waiting > limit:
-            raise EngineOverloadedError(
-                f"the engine is overloaded: {len(self._by_child)} requests are in flight and at most "
-                f"{limit} may wait beyond the {self.config.max_num_seqs} running; retry later")
+    def _release(self, request_id: str, serial: int) -> None:
+        """A stream was closed: abort what is unfinished of its request and forget it."""
+        entry = self._streams.get(request_id)
+        if entry is not None and entry[1] == serial:
+            del self._streams[request_id]
+            self.client.abort(request_id)
 
-    def _abort(self, stream: RequestStream) -> None:
-        """End the stream's unfinished completions ("abort") and free them in the core."""
-        self._send_abort([c for c in stream.child_ids if self.outputs.finish(c, "abort") is not None])
-
-    def _send_abort(self, child_ids: list[str]) -> None:
-        """Free these requests in the core; a dead core has nothing left to free."""
-        if child_ids and not self.errored:
-            try:
-                self._client.send(Abort(child_ids))
-            except EngineDeadError:  # it died since
-                pass
-
-    def _release(self, stream: RequestStream) -> None:
-        """The stream was closed: abort what is unfinished and forget it."""
-        self._abort(stream)
-        if self._streams.get(stream.request_id) is stream:
-            del self._streams[stream.request_id]
-        for child in stream.child_ids:
-            if self._by_child.get(child) is stream:
-                del self._by_child[child]
+    def _abandoned(self, request_id: str, serial: int) -> None:
+        """A stream nobody holds any more (never closed): release it on its loop. A loop
+        that is closed already left it to `_bind_loop` (the next request's) or to the
+        engine's end; until then the core runs it to its end."""
+        loop = self._loop
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if loop is not None and running is loop:
+            self._release(request_id, serial)
+        elif loop is not None and not loop.is_closed():
+            _call_threadsafe(loop, self._release, request_id, serial)
 
     def _raise_if_dead(self) -> None:
-        error = self._client.dead_error
+        error = self.client.dead_error
         if error is not None:
             raise EngineDeadError(error.message)
 
@@ -376,44 +344,28 @@ class AsyncEngine:
             loop = self._loop
             if loop is not None and loop.is_closed() and isinstance(message, StepOutputs):
                 # Its loop ended with streams left open (never closed): nobody can read
-                # them, so stop generating for them now instead of to max_tokens. All of
-                # them, not only those in this message: a final_only request is heard of
-                # only every FINAL_ONLY_PULSE tokens. (A stream closed earlier was aborted
-                # then and left `_by_child`.)
-                self._send_abort(list(self._by_child))
+                # them, so stop generating for them now instead of to max_tokens (nothing
+                # else touches the requests once their loop is closed).
+                self.client.core.abort(self.client.child_ids())
             elif loop is not None:  # else no request was ever made: nothing to deliver
                 _call_threadsafe(loop, self._on_outputs, message)
 
     def _on_outputs(self, message: StepOutputs | Rejected) -> None:
-        """On the event loop: turn the core's updates into stream outputs."""
-        refused = None
-        if isinstance(message, Rejected):
-            refused = rejection_error(message.error, message.param)
-            parent = self.outputs.fail(message.request_id, refused)
-            changed, to_finish = ([parent] if parent is not None else []), []
-        else:
-            changed, to_finish = self.outputs.process(message.updates, message.step)
-        # Queued before any final output is pushed, so a caller that reuses an id after
-        # seeing it finish can never overtake this abort.
-        self._send_abort(to_finish)
-        for output in changed:
-            stream = self._streams.get(output.request_id)
+        """On the event loop: hand the core's updates to the streams."""
+        for delivery in self.client.handle(message):
+            stream = self._stream(delivery.tracked.request_id)
             if stream is None:
                 continue
-            pushed = _outgoing(stream, output)
-            if pushed is None:
-                continue
-            errors = [c.error for c in output.outputs if c.finish_reason == "error"]
-            if errors and output.finished:
+            if delivery.error is not None:
                 self.num_errors += 1
-                stream.push(refused or GenerationError(errors[0].split(": ", 1)[-1]))
-            elif stream.push(pushed):  # its reader fell too far behind
+                stream.push(delivery.error)
+            elif stream.push(delivery.output):  # its reader fell too far behind
                 self.num_errors += 1
-                self._abort(stream)
+                self.client.abort(delivery.tracked.request_id)
 
     def _on_core_death(self, error: EngineDeadError) -> None:
         """On the monitor thread."""
-        if error is not self._client.dead_error:
+        if error is not self.client.dead_error:
             return  # a core that was already replaced
         # Owners hear first, so that by the time a request fails its owner already knows.
         for callback in list(self._failure_callbacks):
@@ -427,15 +379,17 @@ class AsyncEngine:
             _call_threadsafe(loop, self._fail_streams, error)
 
     def _fail_streams(self, error: EngineDeadError) -> None:
-        for stream in list(self._streams.values()):
-            stream.push(EngineDeadError(error.message))
+        for request_id in list(self._streams):
+            stream = self._stream(request_id)
+            if stream is not None:
+                stream.push(EngineDeadError(error.message))
 
-    def _drop_streams(self, streams: list[RequestStream], error: EngineDeadError) -> None:
+    def _drop_streams(self, error: EngineDeadError) -> None:
         """Fail and forget the streams of a core that was replaced (their owners may
         close them later; that changes nothing)."""
-        for stream in streams:
-            stream.push(EngineDeadError(error.message))
-            self._release(stream)
+        self._fail_streams(error)
+        self.client.abort_all()
+        self._streams.clear()
 
     def _fail_waiters(self, error: EngineDeadError) -> None:
         for loop, future in list(self._stats_waiters.values()):
@@ -456,37 +410,6 @@ class AsyncEngine:
             _call_threadsafe(loop, fn, *args)
 
 
-def _outgoing(stream: RequestStream, output: RequestOutput) -> RequestOutput | None:
-    """What `stream` is handed of `output` now, by its output kind (None: nothing yet)."""
-    if stream.output_kind == "final":
-        if not output.finished:
-            return None
-        for completion in output.outputs:
-            completion.delta_text = completion.text
-        return output  # finished: nothing changes it any more
-    pushed = _delta(output, stream.sent) if stream.output_kind == "delta" else _snapshot(output)
-    for completion in output.outputs:
-        completion.delta_text = ""
-    return pushed
-
-
-def _snapshot(output: RequestOutput) -> RequestOutput:
-    return RequestOutput(output.request_id, output.prompt, output.prompt_token_ids, [
-        dataclasses.replace(c, token_ids=list(c.token_ids),
-                            logprobs=None if c.logprobs is None else list(c.logprobs))
-        for c in output.outputs], output.metrics)
-
-
-def _delta(output: RequestOutput, sent: list[int]) -> RequestOutput:
-    """What is new in `output` since `sent[i]` tokens of completion i were handed out."""
-    completions = []
-    for c in output.outputs:
-        start, sent[c.index] = sent[c.index], len(c.token_ids)
-        completions.append(dataclasses.replace(c, text=c.delta_text, token_ids=c.token_ids[start:],
-                                               logprobs=None if c.logprobs is None else c.logprobs[start:]))
-    return RequestOutput(output.request_id, output.prompt, output.prompt_token_ids, completions, output.metrics)
-
-
 def _call_threadsafe(loop: asyncio.AbstractEventLoop, fn: Callable, *args) -> None:
     try:
         loop.call_soon_threadsafe(fn, *args)
@@ -502,16 +425,6 @@ def _resolve(future: asyncio.Future, value) -> None:
 def _fail(future: asyncio.Future, error: BaseException) -> None:
     if not future.done():
         future.set_exception(error)
-
-
-def rejection_error(error: str, param: str | None = None) -> GristmillError:
-    """The error of a request the engine core refused (`Rejected`): a RequestError
-    (naming `param`) when the core found the request invalid, which is the caller's to
-    fix, as if it had been refused where it was made; else a GenerationError."""
-    name, _, text = error.partition(": ")
-    if name == "RequestError":
-        return RequestError(text, param=param)
-    return GenerationError(f"the engine core refused the request: {error}")
 
 
 def _weakly(method):

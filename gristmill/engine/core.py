@@ -126,8 +126,8 @@ class EngineCore:
         request = Request(request_id, list(message.prompt_token_ids), message.sampling_params,
                           frozenset(message.eos_token_ids), message.fault_tag, matcher=matcher,
                           bad_words_ids=tuple(tuple(word) for word in message.bad_words_ids),
-                          final_only=message.final_only,
-                          token_times=[] if message.final_only and message.token_times else None)
+                          send_at_end=message.send_at_end,
+                          token_times=[] if message.send_at_end and message.token_times else None)
         self.scheduler.add_request(request)
         return None
 

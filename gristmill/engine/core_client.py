@@ -30,7 +30,8 @@ from pathlib import Path
 from gristmill.config import EngineConfig
 from gristmill.engine.heartbeat import Heartbeat
 from gristmill.engine import wire
-from gristmill.engine.messages import CoreFailed, Ready, Rejected, Shutdown, Start
+from gristmill.engine.messages import (Abort, AddRequest, AddRequests, CoreFailed, Ready, Rejected, Shutdown,
+                                       Start, request_ids_of)
 from gristmill.errors import EngineDeadError, error_string
 
 logger = logging.getLogger(__name__)
@@ -120,6 +121,20 @@ class CoreClient:
             raise EngineDeadError(self.dead_error.message)
         self._outgoing.put(message)
 
+    def add(self, requests: list[AddRequest]) -> list[Rejected]:
+        """Send a request's completions, in one message (the core's refusal of any comes
+        back later, as a `Rejected`)."""
+        self.send(requests[0] if len(requests) == 1 else AddRequests(requests))
+        return []
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Free these requests in the core; a dead core has nothing left to free."""
+        if request_ids and self.dead_error is None:
+            try:
+                self.send(Abort(request_ids))
+            except EngineDeadError:  # it died since
+                pass
+
     def _write(self) -> None:
         while (message := self._outgoing.get()) is not None:
             try:
@@ -133,13 +148,13 @@ class CoreClient:
                 return  # the core is gone; the monitor reports it
 
     def _unsendable(self, message, exc: Exception) -> None:
-        request_id = getattr(message, "request_id", None)
-        if not isinstance(request_id, str):
+        request_ids = request_ids_of(message)
+        if not request_ids:
             logger.error("a message for the engine core could not be pickled: %s", error_string(exc))
-            return
-        self._on_message(Rejected(request_id, f"RequestError: the request could not be sent to the engine "
-                                              f"core ({error_string(exc)}); send plain values the core can "
-                                              f"unpickle (SamplingParams, str, int, float, list, dict)"))
+        for request_id in request_ids:
+            self._on_message(Rejected(request_id, f"RequestError: the request could not be sent to the engine "
+                                                  f"core ({error_string(exc)}); send plain values the core can "
+                                                  f"unpickle (SamplingParams, str, int, float, list, dict)"))
 
     # -- the reader thread ------------------------------------------------------------
 

@@ -24,7 +24,7 @@ from multiprocessing.connection import Connection
 from gristmill import faults, startup
 from gristmill.engine import wire
 from gristmill.engine.heartbeat import Heartbeat
-from gristmill.engine.messages import (Abort, AddRequest, CoreFailed, Ready, Rejected, Shutdown,
+from gristmill.engine.messages import (Abort, AddRequest, AddRequests, CoreFailed, Ready, Rejected, Shutdown,
                                        StatsQuery, StatsReply, StepOutputs)
 from gristmill.errors import error_string
 
@@ -82,12 +82,12 @@ class CoreLoop:
             try:
                 message = wire.decode(frame)
             except wire.Unreadable as exc:  # refused (or, carrying no request, dropped), not fatal
-                if exc.request_id is not None:
-                    self.outbox.send(Rejected(exc.request_id, f"RequestError: the engine core could not read "
-                                                              f"the request ({exc.reason}); send plain values "
-                                                              f"the core can import (SamplingParams, str, int, "
-                                                              f"float, list, dict)"))
-                else:
+                for request_id in exc.request_ids:
+                    self.outbox.send(Rejected(request_id, f"RequestError: the engine core could not read "
+                                                          f"the request ({exc.reason}); send plain values "
+                                                          f"the core can import (SamplingParams, str, int, "
+                                                          f"float, list, dict)"))
+                if not exc.request_ids:
                     print(f"gristmill engine core: dropped an unreadable message: {exc.reason}", file=sys.stderr)
                 continue
             if not self._handle(message):
@@ -96,10 +96,11 @@ class CoreLoop:
         return True
 
     def _handle(self, message) -> bool:
-        if isinstance(message, AddRequest):
-            error = self.core.add_request(message)
-            if error is not None:
-                self.outbox.send(Rejected(getattr(message, "request_id", ""), error_string(error), error.param))
+        if isinstance(message, (AddRequest, AddRequests)):
+            for request in message.requests if isinstance(message, AddRequests) else [message]:
+                error = self.core.add_request(request)
+                if error is not None:
+                    self.outbox.send(Rejected(getattr(request, "request_id", ""), error_string(error), error.param))
         elif isinstance(message, Abort):
             self.core.abort(message.request_ids)
         elif isinstance(message, StatsQuery):

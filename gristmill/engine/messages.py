@@ -2,8 +2,9 @@
 
 - What a step did per request (`RequestUpdate`), the engine core's output.
 - The wire between an engine client and the engine-core process: small typed structs,
-  pickled one per frame (`wire.py`) over a pipe. The client sends `AddRequest` (never a scheduler `Request`: the
-  core builds its own), `Abort`, `StatsQuery` and `Shutdown`; the core answers with
+  pickled one per frame (`wire.py`) over a pipe. The client sends `AddRequest` (never a
+  scheduler `Request`: the core builds its own) or `AddRequests` (a request's n
+  completions), `Abort`, `StatsQuery` and `Shutdown`; the core answers with
   `Ready` (or `CoreFailed`), `StepOutputs`, `Rejected` and `StatsReply`.
 
 The step contract between the scheduler and the model runner is gristmill/step.py. This
@@ -29,7 +30,7 @@ class RequestUpdate:
     finish_reason: str | None
     #: "<ErrorType>: <message>" when finish_reason is "error".
     error: str | None = None
-    #: A `final_only` request's last update, when its client asked for them
+    #: A `send_at_end` request's last update, when its client asked for them
     #: (`AddRequest.token_times`): when each of its output tokens became known in the
     #: core (`time.monotonic()`, one per token).
     token_times: list[float] | None = None
@@ -60,12 +61,28 @@ class AddRequest:
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
     #: The client reads nothing of it before it ends (no stop strings, no logprobs, no
     #: stream): the core sends one update, at its end, with every token, instead of one a
-    #: step (`Request.final_only`).
-    final_only: bool = False
-    #: With `final_only`: the core notes when each token becomes known and sends those
+    #: step (`Request.send_at_end`).
+    send_at_end: bool = False
+    #: With `send_at_end`: the core notes when each token becomes known and sends those
     #: times with the tokens (`RequestUpdate.token_times`), for the client's latency
     #: metrics (time to first token, between tokens).
     token_times: bool = False
+
+
+@dataclass(slots=True)
+class AddRequests:
+    """The completions of one request (n > 1), sent together so that the core schedules
+    them in the same step."""
+
+    requests: list[AddRequest]
+
+
+def request_ids_of(message) -> list[str]:
+    """The ids of the requests a client -> core message adds (none for the others)."""
+    if isinstance(message, AddRequests):
+        return [getattr(r, "request_id", "") for r in message.requests]
+    request_id = getattr(message, "request_id", None)
+    return [request_id] if isinstance(request_id, str) else []
 
 
 @dataclass(slots=True)

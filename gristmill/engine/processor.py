@@ -41,12 +41,12 @@ class InputProcessor:
         return list(prompt)
 
     def make_requests(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      prompt: str | None = None, final_only: bool = False,
+                      prompt: str | None = None, send_at_end: bool = False,
                       token_times: bool = False) -> list[AddRequest]:
         """One AddRequest per completion (`params.n`); raises RequestError when invalid.
-        `params.max_tokens=None` becomes the room left after this prompt. `final_only`:
+        `params.max_tokens=None` becomes the room left after this prompt. `send_at_end`:
         the caller reads nothing of the request before its end, so the core sends its
-        tokens once, then (`AddRequest.final_only`), unless the client needs them as they
+        tokens once, then (`AddRequest.send_at_end`), unless the client needs them as they
         come: to look for stop strings, or for their logprobs. `token_times`: with them,
         the core sends when each token became known (`AddRequest.token_times`)."""
         params.ensure_valid()
@@ -64,14 +64,14 @@ class InputProcessor:
                                f"[0, {self.capacity.vocab_size})", param="logit_bias")
         fault_tag = prompt if faults.ACTIVE else None
         bad_words = self.bad_words_ids(params.bad_words)
-        final_only = final_only and not params.stop and params.logprobs is None
-        token_times = final_only and token_times
+        send_at_end = send_at_end and not params.stop and params.logprobs is None
+        token_times = send_at_end and token_times
         if params.n == 1:
             return [AddRequest(request_id, prompt_token_ids, params, self.eos_token_ids, fault_tag, bad_words,
-                               final_only, token_times)]
+                               send_at_end, token_times)]
         return [AddRequest(child_request_id(request_id, i), prompt_token_ids,
                            params.derived(n=1, seed=_child_seed(params.seed, i)), self.eos_token_ids, fault_tag,
-                           bad_words, final_only, token_times)
+                           bad_words, send_at_end, token_times)
                 for i in range(params.n)]
 
     def bad_words_ids(self, words: list[str]) -> tuple[tuple[int, ...], ...]:

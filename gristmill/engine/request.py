@@ -45,16 +45,15 @@ class Request:
     pending: bool = False
     #: The pending token is its last whatever it is (max_tokens or max_model_len is
     #: reached): it is not scheduled again.
-    final: bool = False
+    last_pending: bool = False
     #: Its structured-output matcher (gristmill.structured.grammars.Matcher), or None.
     matcher: object | None = None
     #: Its bad_words as token id sequences (`InputProcessor.bad_words_ids`).
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
-    #: Its client wants only the end (`AddRequest.final_only`): no update until it ends
-    #: (but an empty one every `scheduler.FINAL_ONLY_PULSE` tokens), then one with every
-    #: output token.
-    final_only: bool = False
-    #: With `final_only`, when the client wants them (`AddRequest.token_times`): when
+    #: Its client wants only the end (`AddRequest.send_at_end`): no update until it ends,
+    #: then one with every output token.
+    send_at_end: bool = False
+    #: With `send_at_end`, when the client wants them (`AddRequest.token_times`): when
     #: each output token became known (`time.monotonic()`); else None.
     token_times: list[float] | None = None
 

@@ -24,12 +24,6 @@ from gristmill.engine.request import PLACEHOLDER, Request, RequestStatus
 from gristmill.step import SchedulerOutput, StepTokens
 
 
-#: A `final_only` request still gets an update without tokens every this many tokens: a
-#: client whose reader is gone (an AsyncEngine whose event loop ended with the stream
-#: open) hears of it and aborts it, instead of it running on to max_tokens.
-FINAL_ONLY_PULSE = 32
-
-
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int):
@@ -96,7 +90,7 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
-            if request.final:  # its last token is still being sampled
+            if request.last_pending:  # its last token is still being sampled
                 i += 1
                 continue
             computed = request.num_computed_tokens
@@ -173,7 +167,7 @@ class Scheduler:
                 token_ids = request.token_ids
                 token_ids.append(PLACEHOLDER)
                 request.pending = True
-                request.final = len(token_ids) >= request.length_limit
+                request.last_pending = len(token_ids) >= request.length_limit
         out.num_sampled = num_sampled
 
     def resolve(self, out: SchedulerOutput, sampled: StepTokens) -> list[RequestUpdate]:
@@ -197,21 +191,19 @@ class Scheduler:
             if request.token_times is not None:
                 request.token_times.append(now)
             logprobs = None if logprobs is None else [logprobs]
-            if token_id in request.stop_ids or request.final or request.matcher is not None:
-                reason = request.stop_reason_after(token_id, request.final)
-                request.final = False
+            if token_id in request.stop_ids or request.last_pending or request.matcher is not None:
+                reason = request.stop_reason_after(token_id, request.last_pending)
+                request.last_pending = False
                 error = None
                 if request.matcher is not None:
                     reason, error = _constrained(request, token_id, reason)
                 if reason is not None:
                     self.finish_request(request_id, reason)
-                    updates.append(RequestUpdate(request_id, request.output_token_ids if request.final_only
+                    updates.append(RequestUpdate(request_id, request.output_token_ids if request.send_at_end
                                                  else [token_id], logprobs, reason, error, request.token_times))
                     continue
-            if not request.final_only:  # (most rows: it goes on)
+            if not request.send_at_end:  # (a send_at_end request is heard of only at its end)
                 updates.append(RequestUpdate(request_id, [token_id], logprobs, None))
-            elif (len(request.token_ids) - request.num_prompt_tokens) % FINAL_ONLY_PULSE == 0:
-                updates.append(RequestUpdate(request_id, [], None, None))
         return updates
 
 

@@ -21,7 +21,6 @@ from gristmill.engine.kv_blocks import blocks_needed
 from gristmill.engine.messages import AddRequest
 from gristmill.engine.request import Request, RequestStatus
 from gristmill.sampling import SamplingParams
-from gristmill.engine.scheduler import FINAL_ONLY_PULSE
 from gristmill.step import StepTokens
 
 VOCAB = 1000
@@ -284,15 +283,13 @@ class Harness:
         upd_ids = [u.request_id for u in updates]
         assert len(upd_ids) == len(set(upd_ids))
         sampled_now = samplers - set(abort_during)
-        # A final_only request has one update, when it ends, with every output token, and
-        # before that only an empty one every FINAL_ONLY_PULSE tokens.
-        assert set(upd_ids) == {rid for rid in sampled_now if not self.all[rid].final_only
-                                or self.all[rid].finish_reason is not None
-                                or len(self.all[rid].output_token_ids) % FINAL_ONLY_PULSE == 0}
+        # A send_at_end request has one update, when it ends, with every output token.
+        assert set(upd_ids) == {rid for rid in sampled_now if not self.all[rid].send_at_end
+                                or self.all[rid].finish_reason is not None}
         for u in updates:
             r = self.all[u.request_id]
-            if r.final_only:
-                assert u.new_token_ids == (r.output_token_ids if u.finish_reason is not None else [])
+            if r.send_at_end:
+                assert u.new_token_ids == r.output_token_ids and u.finish_reason is not None
             else:
                 assert u.new_token_ids == [rec.sampled[u.request_id]]
             assert u.finish_reason == r.finish_reason

@@ -201,9 +201,9 @@ def test_a_malformed_or_duplicate_wire_message_fails_only_its_request(baseline):
         first = await anext(dup)
         # What a client out of step with its core would send: a second request under a
         # live id, then things the core does not know.
-        engine._client.send(AddRequest("dup", [2, 3], SamplingParams(max_tokens=4), frozenset()))
-        engine._client.send(AddRequest("bad", ["not a token"], SamplingParams(max_tokens=4), frozenset()))
-        engine._client.send({"request_id": "bad"})
+        engine.client.core.send(AddRequest("dup", [2, 3], SamplingParams(max_tokens=4), frozenset()))
+        engine.client.core.send(AddRequest("bad", ["not a token"], SamplingParams(max_tokens=4), frozenset()))
+        engine.client.core.send({"request_id": "bad"})
         try:
             with pytest.raises(RequestError, match="request id 'dup' was sent while a request with that id"):
                 async for _ in dup:

@@ -146,16 +146,16 @@ def test_a_request_aborted_while_its_step_runs_ends_and_the_next_run_is_clean(ti
 
 
 def _run_schedule(core: EngineCore, schedule: dict) -> tuple[dict, list[bool]]:
-    """`schedule`: {step number: [("add", id, prompt, params, final_only) | ("abort", id)]}.
+    """`schedule`: {step number: [("add", id, prompt, params, send_at_end) | ("abort", id)]}.
     Returns each request's tokens ("aborted" for one aborted) and, per step, whether it
     was all plain greedy rows."""
     got, plain_steps, step = {}, [], 0
     while step <= max(schedule) or core.has_unfinished:
         for action in schedule.get(step, []):
             if action[0] == "add":
-                _, request_id, prompt, params, final_only = action
+                _, request_id, prompt, params, send_at_end = action
                 message = AddRequest(request_id, prompt, params, frozenset())
-                message.final_only = final_only
+                message.send_at_end = send_at_end
                 assert core.add_request(message) is None
                 got[request_id] = []
             elif core.scheduler.requests.get(action[1]) is not None:

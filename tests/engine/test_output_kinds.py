@@ -91,8 +91,8 @@ def test_a_final_output_is_decoded_once_at_its_end_and_reads_as_a_streamed_one(e
 
 
 def test_a_final_output_comes_from_the_core_once_and_reads_the_same(engine, monkeypatch):
-    """The core sends a "final" request's tokens once, at its end, not every step (with
-    an empty beat every FINAL_ONLY_PULSE tokens); its output is the one a streamed
+    """The core sends a "final" request's tokens once, at its end, not every step (and
+    nothing before that, not even an empty update); its output is the one a streamed
     request gets. With `token_times` (the default; the server's latency metrics read
     them) the core sends when each token became known; without (what batch rows ask),
     the arrivals are one per completion. A request that needs its tokens as they come
@@ -120,6 +120,7 @@ def test_a_final_output_comes_from_the_core_once_and_reads_the_same(engine, monk
             [(o.text, o.token_ids, o.finish_reason) for o in streamed.outputs]
         assert all(len(o.token_ids) == 24 and o.text for o in quiet.outputs)
         assert token_updates(quiet) == [24, 24], token_times  # one update per completion
+        assert [count for request_id, count in updates if request_id.startswith(quiet.request_id)] == [24, 24]
         arrivals = quiet.metrics.token_arrivals
         if token_times:  # the time of each step that sampled tokens, and how many
             assert sum(count for _, count in arrivals) == 48 and len(arrivals) >= 24

@@ -544,8 +544,8 @@ def test_a_step_is_plain_only_while_every_unfinished_request_is_plain_greedy():
 
 
 @pytest.mark.parametrize("stop_on", ["length", "eos"])
-def test_a_final_only_request_sends_one_update_at_its_end_with_every_token(stop_on):
-    # An offline request (AddRequest.final_only) costs no update a step: the core sends
+def test_a_send_at_end_request_sends_one_update_at_its_end_with_every_token(stop_on):
+    # An offline request (AddRequest.send_at_end) costs no update a step: the core sends
     # its tokens once, when it ends, and they are the tokens a step-by-step twin got. One
     # whose client wants token times (AddRequest.token_times) gets each token's time too.
     h = Harness(max_num_batched_tokens=64, max_num_seqs=4, num_blocks=64, block_size=4)
@@ -553,9 +553,9 @@ def test_a_final_only_request_sends_one_update_at_its_end_with_every_token(stop_
     script = {} if eos_at is None else {name: {eos_at: EOS} for name in ("quiet", "loud", "timed")}
     h.executor.script = script
     quiet = h.add("quiet", prompt(1, 6), max_tokens=6)
-    quiet.final_only = True
+    quiet.send_at_end = True
     timed = h.add("timed", prompt(1, 6), max_tokens=6)
-    timed.final_only, timed.token_times = True, []
+    timed.send_at_end, timed.token_times = True, []
     loud = h.add("loud", prompt(1, 6), max_tokens=6)
     seen, step_ends = defaultdict(list), []
     while h.core.has_unfinished:
@@ -623,7 +623,7 @@ def test_randomized_stress(cfg):
             max_tokens = rng.randint(1, 30)
             assert p_len + max_tokens <= total_cap  # what InputProcessor guarantees
             request = h.add(rid, prompt(rng.random(), p_len, vocab), max_tokens=max_tokens, eos=eos, **params)
-            request.final_only = quiet.random() < 0.5  # (its own draws: the schedule stays the same)
+            request.send_at_end = quiet.random() < 0.5  # (its own draws: the schedule stays the same)
         # Random aborts, between steps or while a step runs.
         live = sorted(h.sched.requests)
         abort_during = []

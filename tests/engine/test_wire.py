@@ -11,7 +11,7 @@ import sys
 import textwrap
 
 from gristmill.engine import wire
-from gristmill.engine.messages import Abort, AddRequest
+from gristmill.engine.messages import Abort, AddRequest, AddRequests
 from gristmill.sampling import SamplingParams
 
 SCRIPT = textwrap.dedent("""
@@ -68,6 +68,16 @@ def test_a_frame_names_its_request_even_when_its_message_is_unreadable():
     try:
         wire.decode(broken)
     except wire.Unreadable as exc:
-        assert exc.request_id == "row-7" and exc.reason
+        assert exc.request_ids == ["row-7"] and exc.reason
+    else:
+        raise AssertionError("a truncated frame was read")
+    # A request's n completions travel in one frame, which names every one of them.
+    children = AddRequests([message, AddRequest("row-7#1", [1], SamplingParams(max_tokens=2), frozenset())])
+    frame = wire.encode(children)
+    assert wire.decode(frame) == children
+    try:
+        wire.decode(frame[:-5])
+    except wire.Unreadable as exc:
+        assert exc.request_ids == ["row-7", "row-7#1"] and exc.reason
     else:
         raise AssertionError("a truncated frame was read")
