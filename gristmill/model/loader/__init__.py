@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from gristmill import startup
+from gristmill.model.loader.config import ModelConfig, load_config  # noqa: F401 (the loader's API)
 from gristmill.paths import converted_gguf_dir, model_source
 
 if TYPE_CHECKING:
@@ -213,14 +214,6 @@ def _unpermute_rotary(weights: np.ndarray, num_heads: int) -> np.ndarray:
     head_dim = weights.shape[0] // num_heads
     w = weights.reshape(num_heads, head_dim // 2, 2, *weights.shape[1:])
     return np.ascontiguousarray(w.swapaxes(1, 2).reshape(weights.shape))
-
-
-def load_config(model_dir: Path):
-    from transformers import AutoConfig
-    config = AutoConfig.from_pretrained(str(model_dir))
-    if config.model_type == "gemma3":  # multimodal wrapper: use its text half
-        config = config.text_config
-    return config
 
 
 def load_weights(model: torch.nn.Module, model_dir: Path, skip: set[str] = frozenset(),
