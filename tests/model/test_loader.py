@@ -419,3 +419,69 @@ def test_config_of_an_unsupported_model_is_a_value_error(tmp_path, raw, error):
     (tmp_path / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ValueError, match=error):
         load_config(tmp_path)
+
+
+# -- the conversion's faster pieces give what the slower ones gave --------------------------
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q5_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "F16", "F32"])
+def test_dequantize_is_gguf_dequantize_bit_for_bit(type_name):
+    import gguf
+
+    from gristmill.model.loader import _dequantize
+
+    tensor_type = gguf.GGMLQuantizationType[type_name]
+    block_size, type_size = gguf.GGML_QUANT_SIZES[tensor_type]
+    rng = np.random.default_rng(7)
+    rows, cols = 37, 2 * 256 if block_size == 256 else 3 * 32
+    raw = rng.integers(0, 256, size=rows * cols // block_size * type_size, dtype=np.uint8)
+    data = raw.view({"F16": np.float16, "F32": np.float32}.get(type_name, np.uint8)).reshape(rows, -1)
+    with np.errstate(all="ignore"):  # (random bytes: some scales are inf or nan, alike in both)
+        expected = gguf.dequantize(data, tensor_type).reshape(-1)
+        got = _dequantize(data, tensor_type, chunk_blocks=5)  # several chunks, the last one short
+    assert got.dtype == np.float32 and got.shape == expected.shape
+    assert got.view(np.uint32).tobytes() == expected.astype(np.float32).view(np.uint32).tobytes()
+
+
+def _sentencepiece_like_vocab() -> list[str]:
+    pieces, _ = _trained_bpe(byte_level=False)
+    # duplicates, a run of spaces and a piece holding no split make ties and edge cases
+    return ["<pad>", "<eos>", "\u2581\u2581", "a", "b", "ab", "ba", "aba", "abab", "x"] + pieces + ["ab", "a"]
+
+
+@pytest.mark.parametrize("scoring", ["file order", "scores with ties"])
+def test_derive_merges_is_generate_merges(scoring):
+    from transformers.tokenization_utils_base import generate_merges
+
+    from gristmill.tokenizer import derive_merges
+
+    tokens = _sentencepiece_like_vocab()
+    vocab = {token: index for index, token in enumerate(tokens)}
+    if scoring == "file order":  # Gemma's
+        scores = {token: -index for index, token in enumerate(tokens)}
+    else:  # Llama 2's: the file's scores, here with many equal
+        scores = dict(zip(tokens, [float(-(i // 7)) for i in range(len(tokens))]))
+    expected = generate_merges(vocab, scores)
+    assert len(expected) > 100
+    assert derive_merges(vocab, scores) == expected
+
+
+def test_derive_merges_declines_what_it_cannot_pass_on():
+    from gristmill.tokenizer import derive_merges
+
+    vocab = {"a": 0, " b": 1, "a b": 2}  # a piece with a space cannot be written "left right"
+    assert derive_merges(vocab, {t: -i for t, i in vocab.items()}) is None
+    assert derive_merges({"a": 0, "b": 1}, {"b": 0.0, "a": 1.0}) is None  # not the vocabulary's order
+
+
+def test_tokenizer_classes_are_what_auto_tokenizer_picks():
+    from transformers import TokenizersBackend
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
+
+    from gristmill.model.loader import _GGUF_MODEL_TYPES
+    from gristmill.tokenizer import TOKENIZER_CLASSES, _tokenizer_class
+
+    assert sorted(TOKENIZER_CLASSES) == sorted(_GGUF_MODEL_TYPES.values())
+    for model_type in TOKENIZER_CLASSES:
+        assert _tokenizer_class(model_type) is (TOKENIZER_MAPPING.get(CONFIG_MAPPING[model_type], None)
+                                                or TokenizersBackend), model_type
