@@ -261,7 +261,8 @@ def convert_gguf_tokenizer(metadata: dict, model_type: str, out_dir: Path, gguf_
         AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name).save_pretrained(str(out_dir))
         return
     tokenizer_dict, tokenizer_config = gguf_tokenizer_settings(metadata)
-    backend, extra_kwargs = build_backend(metadata["general.architecture"], tokenizer_dict)
+    architecture = metadata["general.architecture"]
+    backend, extra_kwargs = build_backend(architecture, _with_derived_merges(architecture, tokenizer_dict))
     # is_local / local_files_only: what from_pretrained passes and save_pretrained writes
     # into tokenizer_config.json; given here too so the saved files are the same.
     tokenizer = _tokenizer_class(model_type)(
@@ -305,10 +306,136 @@ def _plain(value):
     return value.tolist() if hasattr(value, "tolist") else value
 
 
+# The tokenizer class AutoTokenizer picks for each supported model type (module, class),
+# named here: looking it up in transformers' TOKENIZER_MAPPING imports its config classes,
+# and those import torch (seconds of a conversion). tests/model/test_loader.py checks these
+# against TOKENIZER_MAPPING.
+TOKENIZER_CLASSES = {
+    "gemma3_text": ("transformers.models.gemma.tokenization_gemma", "GemmaTokenizer"),
+    "llama": ("transformers.tokenization_utils_tokenizers", "TokenizersBackend"),
+    "qwen2": ("transformers.models.qwen2.tokenization_qwen2", "Qwen2Tokenizer"),
+    "qwen3": ("transformers.models.qwen2.tokenization_qwen2", "Qwen2Tokenizer"),
+}
+
+
 def _tokenizer_class(model_type: str):
     """The tokenizer class AutoTokenizer uses for a model type with no tokenizer files."""
+    import importlib
+
+    if model_type in TOKENIZER_CLASSES:
+        module, name = TOKENIZER_CLASSES[model_type]
+        return getattr(importlib.import_module(module), name)
     from transformers import TokenizersBackend
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
 
     return TOKENIZER_MAPPING.get(CONFIG_MAPPING[model_type], None) or TokenizersBackend
+
+
+def _with_derived_merges(architecture: str, tokenizer_dict: dict) -> dict:
+    """`tokenizer_dict`, for a sentencepiece vocabulary without merges (Gemma's, Llama 2's),
+    with the merges transformers' GGUF builders would derive from it
+    (`generate_merges`, which takes seconds of Python for 262k tokens), derived by
+    `derive_merges` instead. Where the builder is not one this knows, or a piece holds a
+    space (merges are given as "left right"), the dict is left for transformers to derive."""
+    from transformers.integrations.gguf import gguf_tokenizer_mapping as mapping
+
+    if "merges" in tokenizer_dict or tokenizer_dict.get("tokenizer_type") != "llama":
+        return tokenizer_dict
+    builder = getattr(mapping, "GGUF_SENTENCEPIECE_BUILDERS", {}).get(architecture)
+    tokens = tokenizer_dict["tokens"]
+    if builder is not None and builder is getattr(mapping, "gemma_tokenizer", None):
+        # gemma_tokenizer: runs of spaces spelled as "\u2581"s, ranked by their place in the file.
+        tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+        scores = {token: -index for index, token in enumerate(tokens)}
+    elif builder is None or builder is getattr(mapping, "phi3_tokenizer", None):
+        if "scores" not in tokenizer_dict:
+            return tokenizer_dict
+        scores = dict(zip(tokens, tokenizer_dict["scores"]))
+    else:
+        return tokenizer_dict
+    merges = derive_merges({token: index for index, token in enumerate(tokens)}, scores)
+    if merges is None:
+        return tokenizer_dict
+    return {**tokenizer_dict, "merges": [f"{left} {right}" for left, right in merges]}
+
+
+def derive_merges(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]] | None:
+    """The merges of a vocabulary, as transformers' `generate_merges(vocab, scores)` gives
+    them: every split of a token into two tokens, best first by (the token's score, left
+    length, right length), ties in token order and then by (left id, right id).
+
+    generate_merges slices every token at every place and looks both halves up, in Python
+    (1.2M lookups for Gemma's 262k tokens: seconds). Here numpy does it: each token's
+    prefix hashes (polynomial, mod 2^64) give every split's two halves' hashes, looked up
+    among the tokens' own hashes; a hit counts only where the characters are equal, so a
+    hash collision cannot add a merge. None (the caller then lets transformers derive
+    them) where `scores` is not over the same tokens in the same order, two tokens' hashes
+    collide (a split could then miss its half), a score is not a number, or a piece holds
+    a space (merges are passed as "left right")."""
+    import numpy as np
+
+    tokens = list(vocab)
+    if list(scores) != tokens:
+        return None
+    try:
+        token_scores = np.array(list(scores.values()), dtype=np.float64)
+    except (TypeError, ValueError):
+        return None
+    if np.isnan(token_scores).any() or not tokens:
+        return None
+    ids = np.fromiter(vocab.values(), dtype=np.int64, count=len(tokens))
+    lengths = np.fromiter(map(len, tokens), dtype=np.int64, count=len(tokens))
+    has_space = np.fromiter((" " in token for token in tokens), dtype=bool, count=len(tokens))
+    n, width = len(tokens), int(lengths.max())
+    # Every token's code points (+1), column c of row t at [c * n + t] (a column is
+    # contiguous), zero past its end; one zero column past the longest.
+    flat = np.frombuffer("".join(tokens).encode("utf-32-le"), dtype=np.uint32).astype(np.uint64) + 1
+    columns = np.arange(len(flat)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    codes = np.zeros((width + 1) * n, dtype=np.uint64)
+    codes[columns * n + np.repeat(np.arange(n), lengths)] = flat
+    codes = codes.reshape(width + 1, n)
+    base = np.uint64(0x100000001B3)
+    powers = np.ones(width + 1, dtype=np.uint64)
+    prefix = np.zeros((width + 1, n), dtype=np.uint64)  # prefix[i, t]: hash of token t's first i
+    with np.errstate(over="ignore"):
+        for i in range(1, width + 1):
+            powers[i] = powers[i - 1] * base
+            prefix[i] = prefix[i - 1] * base + codes[i - 1]
+        whole = prefix[lengths, np.arange(n)]
+        order = np.argsort(whole, kind="stable")
+        sorted_hashes = whole[order]
+        if (sorted_hashes[1:] == sorted_hashes[:-1]).any():
+            return None
+        # Every split (at i of token t), token by token and left to right.
+        i, t = np.nonzero((np.arange(width + 1)[:, None] < lengths[None, :]) &
+                          (np.arange(width + 1)[:, None] > 0))
+        by_token = np.argsort(t, kind="stable")
+        i, t = i[by_token], t[by_token]
+        left_hash = prefix.reshape(-1)[i * n + t]
+        right_hash = whole[t] - left_hash * powers[lengths[t] - i]
+
+    def lookup(hashes):
+        at = np.minimum(np.searchsorted(sorted_hashes, hashes), n - 1)
+        return sorted_hashes[at] == hashes, order[at]
+
+    left_found, left = lookup(left_hash)
+    right_found, right = lookup(right_hash)
+    hit = left_found & right_found
+    t, i, left, right = t[hit], i[hit], left[hit], right[hit]
+    # The characters must match too (a hash collision is not a token).
+    right_lengths = lengths[t] - i
+    same = (lengths[left] == i) & (lengths[right] == right_lengths)
+    flat_codes = codes.reshape(-1)
+    for c in range(width):
+        column = codes[c]
+        same &= (c >= i) | (column[left] == column[t])
+        same &= (c >= right_lengths) | (column[right] == flat_codes[np.minimum(i + c, width) * n + t])
+    t, i, left, right = t[same], i[same], left[same], right[same]
+    if has_space[left].any() or has_space[right].any():
+        return None
+    # Descending by (score, left length, right length); ties as generate_merges's stable
+    # sorts leave them: token order, then (left id, right id). lexsort: last key first.
+    ranked = np.lexsort((ids[right], ids[left], t, -(lengths[t] - i), -i, -token_scores[t]))
+    names = np.array(tokens, dtype=object)
+    return list(zip(names[left[ranked]].tolist(), names[right[ranked]].tolist()))

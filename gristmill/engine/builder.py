@@ -34,8 +34,9 @@ def resolve_model_dir(config: EngineConfig) -> Path:
 
 
 def model_config(model_dir: Path):
-    """The model's HF config (what the core reads first; imports torch and transformers)."""
-    from gristmill.model.loader import load_config
+    """The model's config (what the core reads first): config.json read as JSON into the
+    fields the model classes use; imports no torch and no transformers."""
+    from gristmill.model.loader.config import load_config
     return load_config(model_dir)
 
 

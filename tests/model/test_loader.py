@@ -268,3 +268,220 @@ def dequantize_q8_0(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     as llama.cpp dequantizes Q8_0: value x scale."""
     rows, cols = values.shape
     return (values.view(rows, cols // 32, 32).float() * scales.float()[:, :, None]).view(rows, cols)
+
+
+# -- config.json read as JSON: the fields transformers' config classes give ----------------
+
+_LLAMA3_1B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 2048,
+    "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "head_dim": 64, "hidden_act": "silu", "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0, "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": True,
+    "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009], "torch_dtype": "bfloat16",
+    "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192}}
+_GEMMA3_270M = {
+    "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": 262144,
+    "hidden_size": 640, "intermediate_size": 2048, "num_hidden_layers": 18, "num_attention_heads": 4,
+    "num_key_value_heads": 1, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256,
+    "sliding_window": 512, "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 3,
+    "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "rope_scaling": None,
+    "final_logit_softcapping": None, "attn_logit_softcapping": None, "tie_word_embeddings": True,
+    "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0, "torch_dtype": "bfloat16"}
+# Gemma 3 4B's text half as its multimodal config.json has it (no layer_types, the older keys).
+_GEMMA3_4B_TEXT = {
+    "hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text", "num_hidden_layers": 34,
+    "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024,
+    "sliding_window_pattern": 6, "rope_local_base_freq": 10000.0, "rope_theta": 1000000.0,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "query_pre_attn_scalar": 256}
+
+CONFIGS = {
+    # Each family with every optional field left out: the class defaults.
+    "llama-bare": {"model_type": "llama"},
+    "qwen2-bare": {"model_type": "qwen2"},
+    "qwen3-bare": {"model_type": "qwen3"},
+    "gemma3_text-bare": {"model_type": "gemma3_text"},
+    "gemma3-bare": {"model_type": "gemma3"},
+    # Shapes given, the rest left out: head_dim = hidden / heads, kv heads = heads, ...
+    "llama2-7b": {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+                  "num_attention_heads": 32, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+                  "vocab_size": 32000, "rope_scaling": None},
+    "llama3.2-1b": _LLAMA3_1B,
+    "llama3-no-original-length": {**_LLAMA3_1B, "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
+                                                                 "low_freq_factor": 1.0, "high_freq_factor": 4.0}},
+    "llama-old-linear": {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
+                         "rope_scaling": {"type": "linear", "factor": 2.0}, "rope_theta": 20000.0},
+    "llama-rope-parameters": {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
+                              "num_key_value_heads": 2, "attention_bias": True, "mlp_bias": True,
+                              "rope_parameters": {"rope_type": "default", "rope_theta": 1234.0}},
+    "qwen2.5-0.5b": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 896,
+                     "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
+                     "num_key_value_heads": 2, "max_position_embeddings": 32768, "max_window_layers": 21,
+                     "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "sliding_window": 32768,
+                     "use_sliding_window": False, "tie_word_embeddings": True, "vocab_size": 151936,
+                     "bos_token_id": 151643, "eos_token_id": 151643, "hidden_act": "silu"},
+    "qwen3-0.6b": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936,
+                   "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+                   "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "hidden_act": "silu",
+                   "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+                   "rope_scaling": None, "attention_bias": False, "tie_word_embeddings": True,
+                   "bos_token_id": 151643, "eos_token_id": 151645},
+    "qwen3-no-head-dim": {"model_type": "qwen3", "hidden_size": 64, "num_attention_heads": 4},
+    "gemma3-270m": _GEMMA3_270M,
+    "gemma3-270m-no-layer-types": {k: v for k, v in _GEMMA3_270M.items()
+                                   if k not in ("layer_types", "rope_theta", "rope_local_base_freq",
+                                                "query_pre_attn_scalar", "head_dim")},
+    "gemma3-4b-multimodal": {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"],
+                             "text_config": _GEMMA3_4B_TEXT, "eos_token_id": [1, 106]},
+    "gemma3-pattern-4": {**_GEMMA3_4B_TEXT, "num_hidden_layers": 9, "sliding_window_pattern": 4,
+                         "tie_word_embeddings": False, "final_logit_softcapping": 30.0},
+    "gemma3-rope-parameters": {"model_type": "gemma3_text", "num_hidden_layers": 3, "layer_types": [
+        "sliding_attention", "full_attention", "sliding_attention"], "rope_parameters": {
+        "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 500000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 5000.0}}},
+    "gemma3-bidirectional": {**_GEMMA3_270M, "use_bidirectional_attention": True},
+}
+
+
+def _transformers_config(raw: dict, tmp_path: Path):
+    transformers = pytest.importorskip("transformers")
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    config = transformers.AutoConfig.from_pretrained(str(tmp_path))
+    return config.text_config if config.model_type == "gemma3" else config
+
+
+def _assert_fields_are_transformers(ours, theirs) -> None:
+    """Every ModelConfig field is what transformers' config gives (where it has no such
+    attribute: what the model classes took in its place)."""
+    import dataclasses
+
+    gemma = ours.model_type == "gemma3_text"
+    expected = {
+        "model_type": theirs.model_type,
+        "head_dim": getattr(theirs, "head_dim", None) or theirs.hidden_size // theirs.num_attention_heads,
+        "hidden_act": theirs.hidden_activation if gemma else theirs.hidden_act,
+        "attention_bias": getattr(theirs, "attention_bias", False),
+        "mlp_bias": getattr(theirs, "mlp_bias", False),
+        "layer_types": tuple(theirs.layer_types) if gemma else None,
+        **{name: getattr(theirs, name) if gemma else None
+           for name in ("query_pre_attn_scalar", "sliding_window", "final_logit_softcapping")},
+    }
+    for f in dataclasses.fields(ours):
+        want = expected[f.name] if f.name in expected else getattr(theirs, f.name)
+        assert getattr(ours, f.name) == want, f.name
+        assert type(getattr(ours, f.name)) is type(want) or want is None, f.name
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_config_fields_are_what_transformers_gives(name, tmp_path):
+    from gristmill.model.loader import load_config
+
+    raw = CONFIGS[name]
+    theirs = _transformers_config(raw, tmp_path)
+    ours = load_config(tmp_path)
+    _assert_fields_are_transformers(ours, theirs)
+    assert ours.hidden_activation == ours.hidden_act
+
+
+@pytest.mark.parametrize("arch, vocab", [("llama", "llama"), ("qwen3", "gpt2"), ("gemma3", "llama")])
+def test_converted_gguf_config_fields_are_what_transformers_gives(tmp_path, arch, vocab):
+    from gristmill.model.loader import load_config
+
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", arch, vocab)
+    out = tmp_path / "out"
+    out.mkdir()
+    convert_gguf(path, out)
+    _assert_fields_are_transformers(load_config(out), _transformers_config(
+        json.loads((out / "config.json").read_text()), tmp_path))
+
+
+def test_config_reading_imports_neither_torch_nor_transformers(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "config.json").write_text(json.dumps(_GEMMA3_270M))
+    code = ("import sys; from gristmill.model.loader.config import load_config; "
+            f"c = load_config({str(tmp_path)!r}); assert c.num_hidden_layers == 18; "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          cwd=Path(__file__).parents[2])
+    assert done.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("raw, error", [
+    ({"model_type": "mistral"}, "model type 'mistral'.*not supported"),
+    ([1, 2], "not a JSON object"),
+])
+def test_config_of_an_unsupported_model_is_a_value_error(tmp_path, raw, error):
+    from gristmill.model.loader import load_config
+
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match=error):
+        load_config(tmp_path)
+
+
+# -- the conversion's faster pieces give what the slower ones gave --------------------------
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q5_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "F16", "F32"])
+def test_dequantize_is_gguf_dequantize_bit_for_bit(type_name):
+    import gguf
+
+    from gristmill.model.loader import _dequantize
+
+    tensor_type = gguf.GGMLQuantizationType[type_name]
+    block_size, type_size = gguf.GGML_QUANT_SIZES[tensor_type]
+    rng = np.random.default_rng(7)
+    rows, cols = 37, 2 * 256 if block_size == 256 else 3 * 32
+    raw = rng.integers(0, 256, size=rows * cols // block_size * type_size, dtype=np.uint8)
+    data = raw.view({"F16": np.float16, "F32": np.float32}.get(type_name, np.uint8)).reshape(rows, -1)
+    with np.errstate(all="ignore"):  # (random bytes: some scales are inf or nan, alike in both)
+        expected = gguf.dequantize(data, tensor_type).reshape(-1)
+        got = _dequantize(data, tensor_type, chunk_blocks=5)  # several chunks, the last one short
+    assert got.dtype == np.float32 and got.shape == expected.shape
+    assert got.view(np.uint32).tobytes() == expected.astype(np.float32).view(np.uint32).tobytes()
+
+
+def _sentencepiece_like_vocab() -> list[str]:
+    pieces, _ = _trained_bpe(byte_level=False)
+    # duplicates, a run of spaces and a piece holding no split make ties and edge cases
+    return ["<pad>", "<eos>", "\u2581\u2581", "a", "b", "ab", "ba", "aba", "abab", "x"] + pieces + ["ab", "a"]
+
+
+@pytest.mark.parametrize("scoring", ["file order", "scores with ties"])
+def test_derive_merges_is_generate_merges(scoring):
+    from transformers.tokenization_utils_base import generate_merges
+
+    from gristmill.tokenizer import derive_merges
+
+    tokens = _sentencepiece_like_vocab()
+    vocab = {token: index for index, token in enumerate(tokens)}
+    if scoring == "file order":  # Gemma's
+        scores = {token: -index for index, token in enumerate(tokens)}
+    else:  # Llama 2's: the file's scores, here with many equal
+        scores = dict(zip(tokens, [float(-(i // 7)) for i in range(len(tokens))]))
+    expected = generate_merges(vocab, scores)
+    assert len(expected) > 100
+    assert derive_merges(vocab, scores) == expected
+
+
+def test_derive_merges_declines_what_it_cannot_pass_on():
+    from gristmill.tokenizer import derive_merges
+
+    vocab = {"a": 0, " b": 1, "a b": 2}  # a piece with a space cannot be written "left right"
+    assert derive_merges(vocab, {t: -i for t, i in vocab.items()}) is None
+    assert derive_merges({"a": 0, "b": 1}, {"b": 0.0, "a": 1.0}) is None  # not the vocabulary's order
+
+
+def test_tokenizer_classes_are_what_auto_tokenizer_picks():
+    from transformers import TokenizersBackend
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
+
+    from gristmill.model.loader import _GGUF_MODEL_TYPES
+    from gristmill.tokenizer import TOKENIZER_CLASSES, _tokenizer_class
+
+    assert sorted(TOKENIZER_CLASSES) == sorted(_GGUF_MODEL_TYPES.values())
+    for model_type in TOKENIZER_CLASSES:
+        assert _tokenizer_class(model_type) is (TOKENIZER_MAPPING.get(CONFIG_MAPPING[model_type], None)
+                                                or TokenizersBackend), model_type

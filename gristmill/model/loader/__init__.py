@@ -10,6 +10,7 @@ engine core starts); loading weights does.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import shutil
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from gristmill import startup
+from gristmill.model.loader.config import ModelConfig, load_config  # noqa: F401 (the loader's API)
 from gristmill.paths import converted_gguf_dir, model_source
 
 if TYPE_CHECKING:
@@ -92,9 +94,6 @@ def resolve_model(model: str | None, cache_dir: str | None = None) -> Path:
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Convert a GGUF file into config.json + model.safetensors (float32) + tokenizer
     files, and Q8_0_FILE with its Q8_0 matrices as they are."""
-    import gguf
-    from safetensors.numpy import save_file
-
     from gristmill.model.loader.gguf_file import GGUFFile
 
     reader = GGUFFile(gguf_path)
@@ -103,6 +102,25 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     if model_type is None:
         raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {sorted(_GGUF_MODEL_TYPES)}")
     config = _gguf_config(reader, arch, model_type)
+    # The tokenizer (Python and Rust: mostly holding the GIL) is built on a thread while the
+    # weights (numpy and the file writes: mostly not) are converted here.
+    tokenizer = concurrent.futures.ThreadPoolExecutor(1, "gristmill-gguf-tokenizer")
+    from gristmill.tokenizer import convert_gguf_tokenizer
+    converting = tokenizer.submit(convert_gguf_tokenizer, reader.fields, model_type, out_dir, gguf_path)
+    try:
+        _convert_gguf_weights(reader, arch, config, out_dir)
+    finally:
+        tokenizer.shutdown(wait=True)  # (out_dir is removed on an error: not while it writes there)
+    converting.result()
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def _convert_gguf_weights(reader, arch: str, config: dict, out_dir: Path) -> None:
+    """model.safetensors and Q8_0_FILE; sets config's tie_word_embeddings (and rope_scaling
+    where the file holds llama3 rope factors)."""
+    import gguf
+    from safetensors.numpy import save_file
+
     layer_names = _GEMMA_LAYER_TENSORS if arch == "gemma3" else _LAYER_TENSORS
     tensors, blocks = {}, {}
     for tensor in reader.tensors:
@@ -113,7 +131,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
                     np.asarray(tensor.data, dtype=np.float32), config)
                 continue
             raise ValueError(f"GGUF tensor {tensor.name!r} has no place in a {arch} model")
-        weights = gguf.dequantize(tensor.data, tensor.tensor_type)
+        weights = _dequantize(tensor.data, tensor.tensor_type)
         parts = {"": np.ascontiguousarray(weights.reshape(tuple(reversed(tensor.shape))), dtype=np.float32)}
         if tensor.tensor_type == gguf.GGMLQuantizationType.Q8_0 and len(tensor.shape) == 2:
             parts.update(zip((Q8_0_VALUES, Q8_0_SCALES), _q8_0_blocks(tensor)))
@@ -128,9 +146,30 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})  # as torch writes it
     if blocks:
         save_file(blocks, str(out_dir / Q8_0_FILE))
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
-    from gristmill.tokenizer import convert_gguf_tokenizer
-    convert_gguf_tokenizer(reader.fields, model_type, out_dir, gguf_path)
+
+
+# Blocks dequantized per call: whole tensors at once but for the largest (an embedding's
+# 5M blocks would take gigabytes of numpy temporaries).
+_DEQUANTIZE_CHUNK_BLOCKS = 1 << 16
+
+
+def _dequantize(data: np.ndarray, tensor_type, chunk_blocks: int = _DEQUANTIZE_CHUNK_BLOCKS) -> np.ndarray:
+    """`gguf.dequantize(data, tensor_type)`, the same numbers (flattened): gguf's own
+    per-type block arithmetic, but over many blocks per call instead of 16 rows at a time,
+    whose per-call overhead took most of a conversion's dequantization time."""
+    import gguf
+
+    quant = getattr(gguf.quants, tensor_type.name, None)
+    block_size, type_size = gguf.GGML_QUANT_SIZES[tensor_type]
+    if quant is None or not hasattr(quant, "dequantize_blocks") or block_size == 1:
+        return gguf.dequantize(data, tensor_type).reshape(-1)  # (F32, F16, ...: plain values)
+    quant.init_grid()
+    blocks = np.asarray(data).view(np.uint8).reshape(-1, type_size)
+    out = np.empty((len(blocks), block_size), dtype=np.float32)
+    for start in range(0, len(blocks), chunk_blocks):
+        stop = start + chunk_blocks
+        out[start:stop] = quant.dequantize_blocks(blocks[start:stop])
+    return out.reshape(-1)
 
 
 def _q8_0_blocks(tensor) -> tuple[np.ndarray, np.ndarray]:
@@ -213,14 +252,6 @@ def _unpermute_rotary(weights: np.ndarray, num_heads: int) -> np.ndarray:
     head_dim = weights.shape[0] // num_heads
     w = weights.reshape(num_heads, head_dim // 2, 2, *weights.shape[1:])
     return np.ascontiguousarray(w.swapaxes(1, 2).reshape(weights.shape))
-
-
-def load_config(model_dir: Path):
-    from transformers import AutoConfig
-    config = AutoConfig.from_pretrained(str(model_dir))
-    if config.model_type == "gemma3":  # multimodal wrapper: use its text half
-        config = config.text_config
-    return config
 
 
 def load_weights(model: torch.nn.Module, model_dir: Path, skip: set[str] = frozenset(),

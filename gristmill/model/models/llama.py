@@ -15,9 +15,9 @@ class LlamaAttention(nn.Module):
         hidden = config.hidden_size
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or hidden // self.num_heads
+        self.head_dim = config.head_dim
         # HF: `attention_bias` (Llama, Qwen3) biases q, k, v and o; Qwen2 always biases q, k, v.
-        bias = getattr(config, "attention_bias", False)
+        bias = config.attention_bias
         self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=qkv_bias or bias)
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias or bias)
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias or bias)
@@ -38,7 +38,7 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = LlamaAttention(config, max_positions, qkv_bias, qk_norm)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
-                            bias=getattr(config, "mlp_bias", False))
+                            bias=config.mlp_bias)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
