@@ -1,7 +1,7 @@
 """Builds an engine's parts: the one place the engine package reaches the model package.
 
-`LLM` (everything in one process), `AsyncEngine` (the client side) and the engine-core
-process all build through here:
+The `EngineClient` (client.py; the core in its process or a child's) and the
+engine-core process build through here:
 
 - `start_kernels(config)`: on a first start on a CPU, starts compiling the C++ kernels on
   a thread (once per machine), so the model is converted and loaded meanwhile.
@@ -31,13 +31,6 @@ def start_kernels(config: EngineConfig) -> None:
 def resolve_model_dir(config: EngineConfig) -> Path:
     from gristmill.model.loader import resolve_model  # imports no torch
     return resolve_model(config.model, config.cache_dir)
-
-
-def model_config(model_dir: Path):
-    """The model's config (what the core reads first): config.json read as JSON into the
-    fields the model classes use; imports no torch and no transformers."""
-    from gristmill.model.loader.config import load_config
-    return load_config(model_dir)
 
 
 def build_core(config: EngineConfig, model_dir: Path | None = None) -> EngineCore:

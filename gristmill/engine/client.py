@@ -184,10 +184,8 @@ class EngineClient:
         self.core_config = dataclasses.replace(config, model=str(self.model_dir))
         self._core_factory = core_factory
         if core_factory is None:
-            # The tokenizer loads on a thread while the model loads (each takes seconds).
-            # What the model needs of transformers is imported first, here: two threads
-            # importing from transformers at once can find its lazy modules half made.
-            builder.model_config(self.model_dir)
+            # The tokenizer loads on a thread while the model loads (each takes seconds;
+            # only the tokenizer imports transformers).
             pool = concurrent.futures.ThreadPoolExecutor(1, "gristmill-tokenizer")
             loading = pool.submit(builder.load_tokenizer, self.model_dir, config.cache_dir)
             pool.shutdown(wait=False)
