@@ -2,11 +2,22 @@
 under `if TYPE_CHECKING:` too): `model/` imports nothing from `engine/`, `batch/` nothing
 from `ray/`, the leaves (`paths.py`, `structured/`) nothing from `model/`; no module
 reaches itself again through its imports, and no two parts of the package (its
-subpackages and the modules beside them) import each other."""
+subpackages and the modules beside them) import each other.
+
+What importing a module really loads is checked in a fresh interpreter, since other test
+modules of a run import torch, Ray and every part of the package: `fresh_imports()` runs
+ONE such interpreter for every "importing X loads no Y" check of the suite (the step
+contract, batch/ and the CLI, the CLI's help, the kernels' check), each test reading its
+own part of the report.
+"""
 
 from __future__ import annotations
 
 import ast
+import functools
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,8 +41,9 @@ def _imported(node: ast.ImportFrom, module: str, path: Path) -> str:
     return f"{package}.{node.module}" if node.module else package
 
 
+@functools.cache
 def import_graph() -> dict[str, set[str]]:
-    """module -> the gristmill modules it imports."""
+    """module -> the gristmill modules it imports (read once per run; not to be changed)."""
     modules = _modules()
     return {name: _imports(ast.parse(path.read_text()), name, path, modules) for name, path in modules.items()}
 
@@ -139,3 +151,63 @@ def test_the_cycle_finders_find_one():
     graph = {"gristmill.model.a": {"gristmill.paths"}, "gristmill.paths": {"gristmill.model.b"},
              "gristmill.model.b": set()}
     assert cycles(graph) == [] and cycles(part_graph(graph)) == [["gristmill.model", "gristmill.paths"]]
+
+
+# -- what importing loads, in one fresh interpreter ------------------------------------------
+
+# Run in this order in one interpreter. sys.modules only grows, so each stage's check is on
+# everything loaded up to its end (at least as strict as on what the stage alone loaded):
+# the stages that forbid the most come first, and the one that loads torch comes last.
+_FRESH_IMPORTS = r"""
+import contextlib, importlib, io, json, sys
+from pathlib import Path
+
+report = {}
+
+def loaded(*names, prefixes=()):
+    return sorted(m for m in sys.modules if m in names or m.startswith(tuple(prefixes)))
+
+# 1. The step contract (gristmill/step.py) belongs to neither engine/ nor model/.
+import gristmill.step
+report["step"] = loaded("torch", prefixes=("gristmill.engine", "gristmill.model"))
+
+# 2. The CLI's help needs no torch.
+out = io.StringIO()
+from gristmill.cli import main
+for command in (["serve", "--help"], ["batch", "--help"], ["generate", "--help"]):
+    with contextlib.redirect_stdout(out):
+        try:
+            main(command)
+        except SystemExit as exc:
+            assert exc.code == 0, command
+report["cli_help"] = {"torch": loaded("torch"), "stdout": out.getvalue()}
+
+# 3. batch/ and the CLI import no Ray: batch/ reaches the Ray parts it offers by name.
+import gristmill.batch
+batch = sorted(f"gristmill.batch.{p.stem}" for p in Path(gristmill.batch.__file__).parent.glob("*.py")
+               if p.stem != "__init__")
+for name in ["gristmill.cli", *batch]:
+    importlib.import_module(name)
+report["batch"] = {"modules": batch, "ray": loaded("ray", prefixes=("ray.", "gristmill.ray"))}
+
+# 4. Whether the kernels must compile is answered without torch; then the extensions (torch).
+from gristmill.model.cpu import kernels
+built = kernels.is_built()
+torch_before = loaded("torch")
+ext = kernels.extension()
+report["kernels"] = {"built": built, "torch_before_loading": torch_before,
+                     "int8_has": [hasattr(ext, "int8_linear"), hasattr(ext, "q4_linear")],
+                     "q4_has_q4": hasattr(kernels.q4_extension(), "q4_linear"),
+                     "one_module_after_q4": kernels.extension() is kernels.q4_extension()}
+print("REPORT", json.dumps(report))
+"""
+
+
+@functools.cache
+def fresh_imports() -> dict:
+    """What each stage of `_FRESH_IMPORTS` loaded, from one fresh interpreter (run once per
+    test run; the kernels' stage may compile the 4-bit kernel, minutes on a first run)."""
+    done = subprocess.run([sys.executable, "-c", _FRESH_IMPORTS], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [line] = [line for line in done.stdout.splitlines() if line.startswith("REPORT ")]
+    return json.loads(line.removeprefix("REPORT "))

@@ -211,10 +211,13 @@ def test_per_request_failure_is_an_error_output_and_the_rest_complete(default_ll
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
 
 
-def test_a_failed_forward_pass_raises_engine_dead_error(monkeypatch):
+def test_a_failed_forward_pass_raises_engine_dead_error(monkeypatch, tmp_path):
+    # An engine of its own, to break: a tiny random-weight model (the failure is the point).
     from gristmill import EngineDeadError
     from gristmill import faults
-    llm = LLM(device="cpu", num_kv_blocks=64)
+    from tests.model.test_loader import write_tiny_gguf
+    model = write_tiny_gguf(tmp_path / "tiny.gguf", "llama", "gpt2")
+    llm = LLM(str(model), device="cpu", num_kv_blocks=64, cache_dir=str(tmp_path / "cache"))
     monkeypatch.setenv("GRISTMILL_FAULTS", "forward@step=3")
     faults.load()
     try:

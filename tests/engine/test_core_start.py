@@ -12,7 +12,6 @@ import time
 import pytest
 
 from gristmill import AsyncEngine, EngineConfig, EngineDeadError
-from gristmill.engine import builder
 from gristmill.engine.core_process import EXIT_ENGINE_ERROR
 from tests.harness import process_gone, run_script, wait_for_core_child
 from tests.server.conftest import free_port
@@ -117,20 +116,27 @@ def wait_exit(pid: int) -> float:
 
 @pytest.fixture(scope="module")
 def corrupt_model(tmp_path_factory):
-    """The bundled model with its weights file cut to its first MiB."""
-    source = builder.resolve_model_dir(EngineConfig())
-    target = tmp_path_factory.mktemp("corrupt-model")
+    """A tiny model (converted from a random-weight GGUF) with its weights file cut in half:
+    what is corrupt is the point, not which model (a small one keeps each start short)."""
+    from gristmill.model.loader import resolve_model
+    from tests.model.test_loader import write_tiny_gguf
+
+    root = tmp_path_factory.mktemp("corrupt-model")
+    source = resolve_model(str(write_tiny_gguf(root / "tiny.gguf", "gemma3", "llama")), str(root / "cache"))
+    target = root / "model"
+    target.mkdir()
     for path in source.iterdir():
         if path.name != "model.safetensors":
             (target / path.name).symlink_to(path)
-    with open(source / "model.safetensors", "rb") as f:
-        (target / "model.safetensors").write_bytes(f.read(1 << 20))
+    data = (source / "model.safetensors").read_bytes()
+    (target / "model.safetensors").write_bytes(data[:len(data) // 2])
     return target
 
 
 def test_a_corrupt_model_fails_at_once_every_time(corrupt_model):
     for attempt in range(4):  # every start fails at once, not only the first
-        start = _Start(EngineConfig(model=str(corrupt_model), device="cpu"))
+        start = _Start(EngineConfig(model=str(corrupt_model), device="cpu",
+                                    cache_dir=str(corrupt_model.parent / "cache")))
         pid = wait_for_core_child()
         exited_at = wait_exit(pid)
         error = start.join()

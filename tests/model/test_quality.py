@@ -20,10 +20,19 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at", "T
 TIE = 0.1  # logprob: closer than this in the float model, two tokens are a tie
 
 
+# The text's first ~1,000 tokens (2,706 in all): scoring is most of this test's time. Over
+# them, int8 is within 0.2% of float and q4 (4-bit weights: the figure a broken quantization
+# gives) +105%; over the whole text, +0.7% and +87%. Prefixes of 256 to 2,048 tokens put
+# int8 between -0.2% and +1.7%: the 2% bound stays as strict, on a sample that still
+# tells a broken quantization from a good one.
+PERPLEXITY_CHARS = 5300
+
+
 def test_int8_perplexity_within_two_percent_of_float():
-    float_ppl, num_tokens = perplexity(TEXT.read_text(), None)
-    int8_ppl, _ = perplexity(TEXT.read_text(), "int8")
-    assert num_tokens > 2500
+    text = TEXT.read_text()[:PERPLEXITY_CHARS]
+    float_ppl, num_tokens = perplexity(text, None, max_tokens=2048)
+    int8_ppl, _ = perplexity(text, "int8", max_tokens=2048)
+    assert num_tokens > 1000
     assert 1 < float_ppl < 100, f"float perplexity {float_ppl:.2f}: the model or the text is off"
     change = int8_ppl / float_ppl - 1
     print(f"perplexity over {num_tokens} tokens: float {float_ppl:.3f}, int8 {int8_ppl:.3f} ({change:+.2%})")

@@ -191,40 +191,51 @@ def test_cli_takes_quantization_flag():
 
 
 
-def _runner_factory(tmp_path: Path):
-    """ModelRunners of the default model with their own quantized-weight cache under
-    `tmp_path`; the GGUF's converted copy is shared with the default cache (converting
-    it takes most of a minute and is not what these tests are about)."""
-    from gristmill.model.loader import resolve_model
+def _runner_factory(cache_dir: Path | None = None, model: Path | None = None):
+    """ModelRunners of `model` (None: the bundled Gemma 3 270M) with their quantized weights
+    cached under `cache_dir` (None: the machine's cache, shared with every other test and
+    run, so the 270M model is quantized once per machine, not once per test)."""
     from gristmill.model.runner import ModelRunner
-    from gristmill.paths import cache_root
-
-    converted = resolve_model(None)
-    if converted.parent == cache_root() / "gguf":
-        (tmp_path / "gguf").mkdir(parents=True, exist_ok=True)
-        (tmp_path / "gguf" / converted.name).symlink_to(converted, target_is_directory=True)
 
     def runner(quantization):
-        return ModelRunner(EngineConfig(device="cpu", quantization=quantization, cache_dir=str(tmp_path),
-                                        num_kv_blocks=8, max_model_len=64))
+        return ModelRunner(EngineConfig(model=None if model is None else str(model), device="cpu",
+                                        quantization=quantization, num_kv_blocks=8, max_model_len=64,
+                                        cache_dir=None if cache_dir is None else str(cache_dir)))
     return runner
 
 
-def test_engine_model_is_int8_by_default_and_cached_on_disk(tmp_path):
-    runner = _runner_factory(tmp_path)
+@pytest.fixture(scope="module")
+def tiny_gemma(tmp_path_factory) -> Path:
+    """A one-layer Gemma 3 GGUF with random weights: tied embeddings in Q8_0, as the bundled
+    model has them. Quantizing it cold takes a blink (the 270M model: a minute for int8,
+    two for q4), so the cold path and the cache's life are checked on it."""
+    from tests.model.test_loader import write_tiny_gguf
+    return write_tiny_gguf(tmp_path_factory.mktemp("tiny-gemma") / "tiny.gguf", "gemma3", "llama")
 
-    first = runner("auto")
+
+def _embeddings_equal(a, b, vocab_size: int) -> bool:
+    return all(torch.equal(a.model.model.embed_tokens(ids), b.model.model.embed_tokens(ids))
+               for ids in torch.arange(vocab_size).split(1 << 15))
+
+
+def test_engine_model_is_int8_by_default_and_cached_on_disk(tmp_path, tiny_gemma):
+    from tests.model.test_loader import HEAD_DIM, HEADS, KV_HEADS
+
+    runner = _runner_factory(tmp_path, tiny_gemma)
+
+    first = runner("auto")  # a cold start: quantized here, and written to the cache
     assert first.quantization == "int8"
     assert not any(isinstance(m, nn.Linear) for m in first.model.modules())
     linears = [m for m in first.model.modules() if isinstance(m, Int8Linear)]
-    assert len(linears) == 18 * 4 + 1  # fused qkv, o, fused gate_up, down per layer, and the LM head
+    assert len(linears) == 1 * 4 + 1  # fused qkv, o, fused gate_up, down per layer, and the LM head
     attention = first.model.model.layers[0].self_attn
-    assert attention.qkv_proj.split_sizes == [4 * 256, 256, 256] and not hasattr(attention, "q_proj")
+    qkv = [HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM]
+    assert attention.qkv_proj.split_sizes == qkv and not hasattr(attention, "q_proj")
     [cache] = (tmp_path / "quantized").glob("*.safetensors")
     written = cache.stat().st_mtime_ns
     second = runner("int8")  # a warm start: the linears come from the cache, never made in float
     assert cache.stat().st_mtime_ns == written  # loaded, not quantized and written again
-    assert second.model.model.layers[0].self_attn.qkv_proj.split_sizes == [4 * 256, 256, 256]
+    assert second.model.model.layers[0].self_attn.qkv_proj.split_sizes == qkv
     assert isinstance(second.model.lm_head, Int8Linear) and second.model.lm_head.reuse_output
     cache.write_bytes(b"not a safetensors file")  # a damaged cache is rebuilt, not fatal
     rebuilt = runner("int8")
@@ -243,21 +254,20 @@ def test_engine_model_is_int8_by_default_and_cached_on_disk(tmp_path):
     assert all(torch.equal(getattr(first.model.lm_head, name), tensor)
                for name, tensor in zip(("qweight", "scale", "qsum"), packed))
     assert not any(hasattr(p, "q8_0") for r in (first, reference) for p in r.model.parameters())
-    for ids in torch.arange(first.vocab_size).split(1 << 15):
-        assert torch.equal(first.model.model.embed_tokens(ids), reference.model.model.embed_tokens(ids))
-        assert torch.equal(second.model.model.embed_tokens(ids), reference.model.model.embed_tokens(ids))
+    assert _embeddings_equal(first, reference, first.vocab_size)
+    assert _embeddings_equal(second, reference, first.vocab_size)
     ids = list(range(2, 40))
     scores = [r.score(ids) for r in (first, second, rebuilt, reference)]
     assert torch.equal(scores[0], scores[1]) and torch.equal(scores[0], scores[2])
     assert (scores[0] - scores[3]).abs().mean() < 0.1 * scores[3].abs().mean()
 
 
-def test_q4_model_has_4bit_layers_an_int8_lm_head_and_its_own_cache(tmp_path):
-    runner = _runner_factory(tmp_path)
+def test_q4_model_has_4bit_layers_an_int8_lm_head_and_its_own_cache(tmp_path, tiny_gemma):
+    runner = _runner_factory(tmp_path, tiny_gemma)
 
-    q4 = runner("q4")
+    q4 = runner("q4")  # cold
     assert q4.quantization == "q4"
-    assert sum(isinstance(m, Q4Linear) for m in q4.model.modules()) == 18 * 4
+    assert sum(isinstance(m, Q4Linear) for m in q4.model.modules()) == 1 * 4
     assert isinstance(q4.model.lm_head, Int8Linear)  # 4 bits there doubled perplexity
     assert len(list((tmp_path / "quantized").glob("*.safetensors"))) == 1
     int8 = runner("int8")  # a cache file of its own, next to q4's
@@ -269,6 +279,43 @@ def test_q4_model_has_4bit_layers_an_int8_lm_head_and_its_own_cache(tmp_path):
     # q4 is further from float than int8, but still the same model.
     q4_error = (scores["q4"] - scores["float"]).abs().mean()
     int8_error = (scores["int8"] - scores["float"]).abs().mean()
+    assert int8_error < q4_error < 0.5 * scores["float"].abs().mean(), (int8_error, q4_error)
+
+
+def test_the_bundled_model_int8_and_q4_from_the_shared_cache():
+    """The 270M model's own shapes and numbers, its quantized weights from the machine's
+    cache (quantized on this machine's first run; the cold path: the tests above)."""
+    from gristmill.model.cpu.quant import cache_file_for
+    from gristmill.paths import cache_root
+
+    runner = _runner_factory()
+    int8, q4, reference = runner("auto"), runner("q4"), runner(None)
+    assert int8.quantization == "int8" and q4.quantization == "q4"
+    assert not any(isinstance(m, nn.Linear) for m in int8.model.modules())
+    assert sum(isinstance(m, Int8Linear) for m in int8.model.modules()) == 18 * 4 + 1
+    assert sum(isinstance(m, Q4Linear) for m in q4.model.modules()) == 18 * 4
+    assert isinstance(q4.model.lm_head, Int8Linear)  # 4 bits there doubled perplexity
+    attention = int8.model.model.layers[0].self_attn
+    assert attention.qkv_proj.split_sizes == [4 * 256, 256, 256] and not hasattr(attention, "q_proj")
+    assert isinstance(int8.model.lm_head, Int8Linear) and int8.model.lm_head.reuse_output
+    files = {scheme: cache_file_for(int8.model_dir, cache_root(), scheme) for scheme in ("int8", "q4")}
+    assert files["int8"] != files["q4"] and all(f.exists() for f in files.values())  # a file each
+    assert any(isinstance(m, nn.Linear) for m in reference.model.modules())
+    for model in (int8.model, q4.model):  # the embeddings are read from the tied int8 head
+        assert isinstance(model.model.embed_tokens, Int8Embedding)
+        assert not any(p.numel() >= int8.vocab_size for p in model.parameters())
+    # The cached head is the GGUF's Q8_0 table packed as it is: what quantizing its float32
+    # dequantization gives; so the embeddings come back exactly, row for row.
+    packed = quantize_weight(reference.model.model.embed_tokens.weight)
+    assert all(torch.equal(getattr(int8.model.lm_head, name), tensor)
+               for name, tensor in zip(("qweight", "scale", "qsum"), packed))
+    assert _embeddings_equal(int8, reference, int8.vocab_size)
+    ids = list(range(2, 40))
+    scores = {name: r.score(ids) for name, r in (("q4", q4), ("int8", int8), ("float", reference))}
+    # q4 is further from float than int8, but still the same model.
+    q4_error = (scores["q4"] - scores["float"]).abs().mean()
+    int8_error = (scores["int8"] - scores["float"]).abs().mean()
+    assert int8_error < 0.1 * scores["float"].abs().mean()
     assert int8_error < q4_error < 0.5 * scores["float"].abs().mean(), (int8_error, q4_error)
 
 
@@ -336,13 +383,13 @@ def test_a_build_lock_left_by_a_killed_builder_does_not_hang_the_next_start(tmp_
 def test_the_4bit_kernel_is_built_only_for_4bit_models_and_checking_needs_no_torch():
     # What a first start compiles follows the quantization: the int8 default leaves the
     # q4 kernel out; a client asks whether anything must compile without importing torch.
-    code = ("import sys\nfrom gristmill.model.cpu import kernels\nbuilt = kernels.is_built()\n"
-            "assert 'torch' not in sys.modules\next = kernels.extension()\n"
-            "print(built, hasattr(ext, 'int8_linear'), hasattr(ext, 'q4_linear'), "
-            "hasattr(kernels.q4_extension(), 'q4_linear'), kernels.extension() is kernels.q4_extension())")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["True", "True", "False", "True", "True"]
+    # In a fresh interpreter, one for all such checks (tests/test_layering.py).
+    from tests.test_layering import fresh_imports
+
+    report = fresh_imports()["kernels"]
+    assert report["built"] is True and report["torch_before_loading"] == []
+    assert report["int8_has"] == [True, False]  # the int8 build has no 4-bit kernel
+    assert report["q4_has_q4"] is True and report["one_module_after_q4"] is True
 
 
 @pytest.mark.parametrize("out_features", [64, 50])  # 50: padded to 64 rows

@@ -19,6 +19,23 @@ ray = pytest.importorskip("ray")
 FAULTS = "detokenize_init@prompt~BADROW,core_exit@prompt~POISON"
 ENGINE = EngineConfig(device="cpu", max_model_len=512)
 GREEDY = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+TINY_MAX_MODEL_LEN = 128
+
+
+@pytest.fixture(scope="package")
+def tiny_model(tmp_path_factory):
+    """A one-layer random-weight model with a chat template, converted once into the
+    machine's cache (kilobytes; the workers' engines find it there): for tests where the
+    runners' outputs are compared, not the real model's. `tiny_engine(tiny_model)` is its
+    EngineConfig."""
+    from gristmill.model.loader import resolve_model
+    from tests.model.test_loader import write_tiny_gguf
+
+    return resolve_model(str(write_tiny_gguf(tmp_path_factory.mktemp("tiny-model") / "tiny.gguf", "llama", "gpt2")))
+
+
+def tiny_engine(tiny_model) -> EngineConfig:
+    return EngineConfig(model=str(tiny_model), device="cpu", max_model_len=TINY_MAX_MODEL_LEN)
 
 
 @pytest.fixture(scope="package", autouse=True)

@@ -10,6 +10,8 @@ import sys
 import pytest
 import ray
 
+from tests.on_ray.conftest import TINY_MAX_MODEL_LEN
+
 pytestmark = pytest.mark.timeout(240)
 
 
@@ -18,13 +20,15 @@ def batch_cli(*args) -> subprocess.CompletedProcess:
                           text=True, timeout=200)
 
 
-def test_runner_ray_writes_what_the_local_runner_writes(tmp_path):
+def test_runner_ray_writes_what_the_local_runner_writes(tmp_path, tiny_model):
+    # The tiny model: the two runners' outputs are compared, whatever the model.
     rows = [{"prompt": f"Story {i}: once upon a time", "sampling_params": {"max_tokens": 6}} for i in range(8)]
     rows[2:2] = [{"prompt": 42}, {"messages": [{"role": "user", "content": "Hi BADROW"}]},
-                 {"prompt": "word " * 600}, {"messages": [{"role": "user", "content": "Name a colour."}]}]
+                 {"prompt": "word " * 300}, {"messages": [{"role": "user", "content": "Name a colour."}]}]
     source = tmp_path / "in.jsonl"
     source.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    common = ["--temperature", "0", "--max-tokens", "8", "--max-model-len", "512", "--batch-size", "4"]
+    common = ["--temperature", "0", "--max-tokens", "8", "--max-model-len", TINY_MAX_MODEL_LEN, "--batch-size", "4",
+              "--model", tiny_model]
     local = batch_cli(source, "-o", tmp_path / "local.jsonl", *common)
     assert local.returncode == 0, local.stderr
     on_ray = batch_cli(source, "-o", tmp_path / "ray.jsonl", *common, "--runner", "ray",

@@ -9,7 +9,7 @@ import ray
 
 from gristmill.batch import ERROR_COLUMN, EngineProcessorConfig, build_processor
 from gristmill.errors import EngineDeadError, PromptTooLongError, RequestError, is_fatal, root_cause
-from tests.on_ray.conftest import ENGINE, GREEDY, by_key, story_rows
+from tests.on_ray.conftest import ENGINE, GREEDY, TINY_MAX_MODEL_LEN, by_key, story_rows, tiny_engine
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -73,9 +73,10 @@ def test_engine_stage_keeps_going_past_bad_rows_with_the_local_runners_output():
             (row["generated_text"], row["generated_tokens"], row[ERROR_COLUMN])
 
 
-def test_a_row_that_kills_the_engine_fails_the_job_fast_as_a_fatal_error():
+def test_a_row_that_kills_the_engine_fails_the_job_fast_as_a_fatal_error(tiny_model):
+    # The tiny model: the engine's death, not the model, is the point.
     rows = story_rows(6) + [{"key": 6, "prompt": "Story POISON", "sampling_params": dict(GREEDY)}]
-    config = EngineProcessorConfig(engine=ENGINE, should_continue_on_error=True, max_engine_restarts=0,
+    config = EngineProcessorConfig(engine=tiny_engine(tiny_model), should_continue_on_error=True, max_engine_restarts=0,
                                    id_column="key")
     dataset = build_processor(config)(ray.data.from_items(rows))
     started = time.monotonic()
@@ -90,12 +91,12 @@ def test_a_row_that_kills_the_engine_fails_the_job_fast_as_a_fatal_error():
     assert "max_engine_restarts=0" in cause.message and "6" in cause.message
 
 
-def test_a_row_error_without_continue_on_error_stops_the_job_and_is_not_fatal():
+def test_a_row_error_without_continue_on_error_stops_the_job_and_is_not_fatal(tiny_model):
     context = ray.data.DataContext.get_current()
     context.raise_original_map_exception = True
     try:
-        rows = story_rows(3) + [{"key": 3, "prompt": "word " * 600, "sampling_params": dict(GREEDY)}]
-        config = EngineProcessorConfig(engine=ENGINE, id_column="key")
+        rows = story_rows(3) + [{"key": 3, "prompt": "word " * 300, "sampling_params": dict(GREEDY)}]
+        config = EngineProcessorConfig(engine=tiny_engine(tiny_model), id_column="key")
         with pytest.raises(Exception) as caught:
             build_processor(config)(ray.data.from_items(rows)).take_all()
     finally:
@@ -103,7 +104,8 @@ def test_a_row_error_without_continue_on_error_stops_the_job_and_is_not_fatal():
     assert not is_fatal(caught.value)
     cause = root_cause(caught.value)
     assert isinstance(cause, PromptTooLongError)
-    assert cause.message.startswith("row 3: prompt (") and "exceeds max_model_len (512)" in cause.message
+    assert cause.message.startswith("row 3: prompt (")
+    assert f"exceeds max_model_len ({TINY_MAX_MODEL_LEN})" in cause.message
 
 
 def test_actors_that_can_never_fit_fail_at_once_saying_what_to_change():

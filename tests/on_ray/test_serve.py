@@ -136,6 +136,27 @@ def test_ray_data_llm_serve_processor_drives_the_deployment_with_bad_rows_per_ro
     assert "exceeds max_model_len (512)" in out[5]["__inference_error__"]
 
 
+def test_a_deployment_refuses_what_it_cannot_honour_rather_than_doing_otherwise(shared):
+    # (from test_review_fixes.py, on this module's deployment instead of one of its own)
+    rows = [{"key": 0, "prompt": "Hello there"}, {"key": 1, "messages": [{"role": "user", "content": "Hi"}]}]
+    config = DeploymentProcessorConfig(deployment_name="shared", app_name=APP, generate=False,
+                                       should_continue_on_error=True, id_column="key")
+    out = by_key(build_processor(config)(rows))
+    for row in out.values():
+        assert row["tokenized_prompt"] == []
+        assert row[ERROR_COLUMN].startswith("RequestError: generate=False needs a tokenizer beside the processor")
+    # A chat with the template off is refused, as by an engine of the processor's own
+    # (the replica used to apply the template all the same).
+    config = DeploymentProcessorConfig(deployment_name="shared", app_name=APP, apply_chat_template=False,
+                                       should_continue_on_error=True)
+    chat, prompt = build_processor(config)([{"messages": [{"role": "user", "content": "Hi"}], "sampling_params":
+                                             dict(GREEDY)}, {"prompt": "Hello there", "sampling_params": dict(GREEDY)}])
+    assert chat[ERROR_COLUMN] == "RequestError: the row has 'messages' but apply_chat_template is off; send " \
+                                 "'prompt' or turn it on"
+    # Generating, the same deployment answers as usual.
+    assert prompt[ERROR_COLUMN] == "" and prompt["num_generated_tokens"] == 6
+
+
 def test_a_deployment_that_is_not_running_fails_the_job_at_once_saying_how_to_start_it():
     started = time.monotonic()
     config = DeploymentProcessorConfig(deployment_name="missing", app_name="missing", should_continue_on_error=True)
