@@ -14,8 +14,6 @@ from gristmill.config import EngineConfig
 from gristmill.engine.client import EngineClient
 from gristmill.engine.core import EngineCore
 from gristmill.engine.messages import Capacity
-from gristmill.engine.output_processor import OutputProcessor
-from gristmill.engine.processor import InputProcessor
 from gristmill.errors import EngineDeadError, GenerationError, RequestError, error_string
 from gristmill.outputs import CompletionOutput, RequestOutput
 from gristmill.prompts import is_token_ids, prompt_item
@@ -71,11 +69,13 @@ class LLM:
         return self.client.capacity
 
     @property
-    def inputs(self) -> InputProcessor:
+    def inputs(self):
+        """The client's InputProcessor (validation, tokenizing)."""
         return self.client.inputs
 
     @property
-    def outputs(self) -> OutputProcessor:
+    def outputs(self):
+        """The client's OutputProcessor (detokenizing, stop strings)."""
         return self.client.outputs
 
     @property

@@ -178,8 +178,8 @@ def test_abort_from_another_thread_ends_the_stream_on_its_loop(engine):
 
 @pytest.mark.parametrize("final_only", [False, True], ids=["streamed", "final-only"])
 def test_a_stream_left_open_when_its_loop_ends_stops_generating(engine, final_only):
-    # A final-only request (what batch rows ask) sends the client nothing before its end
-    # but a beat every FINAL_ONLY_PULSE tokens, which is when the engine hears of it.
+    # A final-only request (what batch rows ask) sends the client nothing before its end:
+    # the engine hears of it when the stream, never closed, is dropped with its loop.
     kind = dict(output_kind="final", token_times=False) if final_only else {}
 
     async def leave_open():

@@ -128,6 +128,18 @@ def test_model_imports_nothing_from_engine_and_batch_nothing_from_ray():
     assert _crossing(graph, "gristmill.structured", "gristmill.model") == []
 
 
+def test_every_face_of_the_engine_stands_on_the_one_engine_client():
+    """LLM and AsyncEngine are faces over engine/client.py; neither wires the engine's
+    parts (processors, core, model) itself."""
+    graph = import_graph()
+    parts = {"gristmill.engine.builder", "gristmill.engine.core_client", "gristmill.engine.processor",
+             "gristmill.engine.output_processor", "gristmill.engine.core_process"}
+    for face in ("gristmill.llm", "gristmill.engine.async_engine"):
+        assert "gristmill.engine.client" in graph[face], face
+        assert not graph[face] & parts, (face, graph[face] & parts)
+        assert not {m for m in graph[face] if m.startswith("gristmill.model")}, face
+
+
 def test_the_import_graph_has_no_cycles():
     assert cycles(import_graph()) == []
 
