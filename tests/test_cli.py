@@ -1,4 +1,6 @@
-"""`gristmill generate` and `gristmill --help` as a user runs them."""
+"""`gristmill generate` and `gristmill --help` as a user runs them: the real command line,
+run in this process (`cli.main`, tests/batch/inprocess.py) with the exit status, stdout
+and stderr a shell would see, without a new interpreter for each."""
 
 from __future__ import annotations
 
@@ -6,8 +8,6 @@ import dataclasses
 import json
 import os
 import re
-import subprocess
-import sys
 import typing
 
 import pytest
@@ -16,13 +16,13 @@ from gristmill.cli import build_parser, generate_rows
 from gristmill.config import EngineConfig, field_doc
 from gristmill.engine_flags import engine_config, engine_options
 from gristmill.errors import RequestError
+from tests.batch.inprocess import run_main
 
 ENGINE_FIELDS = dataclasses.fields(EngineConfig)
 
 
-def run_cli(*args, timeout=300, env=None):
-    return subprocess.run([sys.executable, "-m", "gristmill.cli", *args], capture_output=True,
-                          text=True, timeout=timeout, env=env)
+def run_cli(*args, env=None):
+    return run_main(*args, env=env)
 
 
 def engine_flag(name: str) -> str:
@@ -170,7 +170,7 @@ def test_no_enable_prefix_caching_turns_prefix_caching_off(command):
 def test_a_bad_engine_value_exits_with_the_config_message(command):
     with pytest.raises(RequestError) as expected:
         EngineConfig(block_size=3)
-    result = run_cli(*command, "--block-size", "3", "--device", "cpu", timeout=60)
+    result = run_cli(*command, "--block-size", "3", "--device", "cpu")
     assert result.returncode != 0
     assert str(expected.value) in result.stderr and "--block-size" in result.stderr
     assert "Traceback" not in result.stderr

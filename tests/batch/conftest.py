@@ -38,6 +38,15 @@ def shared(marked_row_faults):
         yield deployment
 
 
+def tiny_engine(**options) -> EngineConfig:
+    """An engine on the tiny random-weight model (context 256), for tests of what a job or
+    an engine does (restarts, deaths, rows, files) where the bundled model's text is not
+    what is checked: it starts and generates in a fraction of the bundled model's time."""
+    from tests.batch.inprocess import tiny_model
+
+    return EngineConfig(**{"model": str(tiny_model()), "device": "cpu", "max_model_len": 256, **options})
+
+
 def rows_of(n: int, start: int = 0) -> list[dict]:
     return [{"id": i, "prompt": f"Story {i}: once upon a time",
              "sampling_params": {"max_tokens": 6, "temperature": 0, "ignore_eos": True}}

@@ -1,8 +1,15 @@
-"""`gristmill batch` as a user runs it: the real CLI in a subprocess on the bundled model.
+"""`gristmill batch` as a user runs it: the real CLI, with the exit status and the stderr
+a shell would see.
 
-Each run loads the model (seconds on CPU), so the runs are few and each is checked
-for everything a user would look at: the output rows, the errors file, the summary,
-the exit status. The package's GRISTMILL_FAULTS reach the subprocesses: a prompt
+Where the job's files are the point (rows, errors file, formats, schemas) the command
+runs in this process (`cli.main`, tests/batch/inprocess.py); a job that is killed or
+stopped by a signal is a real process. Runs whose rows must have text (the bundled
+model's) are on the bundled model; the others (signals, --fail-fast, JSON schemas, whose
+documents are checked against the schema) on the tiny random-weight model, which starts
+and generates in a fraction of the time (its text is bytes at random, often none). Each run starts an
+engine (an engine-core process importing torch: seconds), so the runs are few and each
+is checked for everything a user would look at: the output rows, the errors file, the
+summary, the exit status. The package's GRISTMILL_FAULTS reach the engines: a prompt
 holding BADROW fails its detokenizer (a GenerationError row).
 """
 
@@ -24,6 +31,7 @@ from gristmill.batch import ERROR_COLUMN
 from gristmill.batch.io import CsvWriter, cut_at, read_written
 from gristmill.cli import build_parser
 from gristmill.engine_flags import engine_config
+from tests.batch.inprocess import batch_main, tiny_model
 from tests.harness import core_children, process_gone
 from tests.server.conftest import Server
 
@@ -43,9 +51,15 @@ MIXED_ERRORS = {"long": "PromptTooLongError: prompt (", "params": "RequestError:
                 "detok": "GenerationError: setting up the detokenizer failed"}
 
 
-def batch_cli(*args, timeout=300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "gristmill.cli", "batch", *map(str, args)], capture_output=True,
-                          text=True, timeout=timeout)
+def tiny(*args) -> list:
+    """Engine flags for the tiny model (its context is 256 tokens)."""
+    return ["--model", tiny_model(), "--device", "cpu", *args]
+
+
+def batch_job(*args) -> subprocess.Popen:
+    """`gristmill batch ARGS...` as a process of its own (stderr: a file, or nothing)."""
+    return subprocess.Popen([sys.executable, "-m", "gristmill.cli", "batch", *map(str, args)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def write_jsonl(path, rows) -> str:
@@ -62,8 +76,8 @@ def mixed_run(tmp_path_factory):
     """The mixed input, run once on a local engine; (result, output rows, errors rows)."""
     tmp = tmp_path_factory.mktemp("mixed")
     source = write_jsonl(tmp / "in.jsonl", MIXED)
-    result = batch_cli(source, "-o", tmp / "out.jsonl", "--errors", tmp / "errors.jsonl", *GREEDY,
-                       "--device", "cpu", "--max-model-len", "512", "--batch-size", "3")
+    result = batch_main(source, "-o", tmp / "out.jsonl", "--errors", tmp / "errors.jsonl", *GREEDY,
+                        "--device", "cpu", "--max-model-len", "512", "--batch-size", "3")
     assert result.returncode == 0, result.stderr
     return result, read_jsonl(tmp / "out.jsonl"), read_jsonl(tmp / "errors.jsonl")
 
@@ -91,8 +105,8 @@ def test_bad_rows_become_error_rows_and_the_errors_file_holds_exactly_them(mixed
 
 def test_fail_fast_stops_at_the_first_bad_row_in_input_order(tmp_path):
     source = write_jsonl(tmp_path / "in.jsonl", MIXED)
-    result = batch_cli(source, "-o", tmp_path / "out.jsonl", *GREEDY, "--device", "cpu", "--max-model-len", "512",
-                       "--fail-fast")
+    result = batch_main(source, "-o", tmp_path / "out.jsonl", *GREEDY, *tiny("--max-model-len", "256"),
+                        "--fail-fast")
     assert result.returncode != 0
     assert "error: row 1: PromptTooLongError: prompt (" in result.stderr
     assert "1 row written to" in result.stderr and "--resume" in result.stderr
@@ -109,8 +123,8 @@ def test_csv_in_parquet_out_keeps_one_type_per_column(tmp_path):
         writer.writerow([11, "A poem about the sea,\nin two lines:", ""])
         writer.writerow([12, "", ""])  # an empty prompt: an error row
     target = tmp_path / "out.parquet"
-    result = batch_cli(source, "-o", target, "--prompt-column", "question", "--id-column", "qid", *GREEDY,
-                       "--device", "cpu")
+    result = batch_main(source, "-o", target, "--prompt-column", "question", "--id-column", "qid", *GREEDY,
+                        "--device", "cpu")
     assert result.returncode == 0, result.stderr
     table = pq.read_table(target)
     assert table.column("qid").to_pylist() == ["10", "11", "12"] and "__row_id__" not in table.column_names
@@ -137,7 +151,7 @@ def test_openai_batch_file_gets_openai_batch_output_lines(tmp_path):
         line("detok-1", "/v1/completions", {"prompt": "BADROW", "max_tokens": 4}),
     ]
     source = write_jsonl(tmp_path / "batch.jsonl", requests)
-    result = batch_cli(source, "-o", tmp_path / "out.jsonl", "--device", "cpu")
+    result = batch_main(source, "-o", tmp_path / "out.jsonl", "--device", "cpu")
     assert result.returncode == 0, result.stderr
     out = {row["custom_id"]: row for row in read_jsonl(tmp_path / "out.jsonl")}
     assert list(out) == [r["custom_id"] for r in requests]
@@ -156,25 +170,35 @@ def test_openai_batch_file_gets_openai_batch_output_lines(tmp_path):
     assert errors["detok-1"]["code"] == "GenerationError"
 
     (tmp_path / "broken.jsonl").write_text(json.dumps(requests[0]) + "\n" + '{"custom_id": "x", "url": "/v1/co\n')
-    broken = batch_cli(tmp_path / "broken.jsonl", "-o", tmp_path / "never.jsonl", timeout=60)
+    broken = batch_main(tmp_path / "broken.jsonl", "-o", tmp_path / "never.jsonl")
     assert broken.returncode != 0 and f"{tmp_path / 'broken.jsonl'}:2: not valid JSON" in broken.stderr
     assert "Traceback" not in broken.stderr and not (tmp_path / "never.jsonl").exists()
 
 
+def rows_with_a_slow_tail(n: int) -> list[dict]:
+    """`n` rows: the first 10 ask for 4 tokens, the others for 120, so that a job writes its
+    first rows at once and is still at work seconds later, whenever the signal comes (the
+    tiny model is quick: rows of 4 tokens only would all be done before it)."""
+    return [{"prompt": f"Story {i}: once upon a time",
+             "sampling_params": {"max_tokens": 4 if i < 10 else 120, "ignore_eos": True}} for i in range(n)]
+
+
+def wait_for_rows(job: subprocess.Popen, target, n: int) -> None:
+    deadline = time.monotonic() + 240
+    while not (target.exists() and len(target.read_bytes().splitlines()) >= n):
+        assert job.poll() is None and time.monotonic() < deadline, "the job ended before the signal"
+        time.sleep(0.05)
+
+
 def test_a_job_killed_with_sigkill_resumes_to_each_row_exactly_once_in_order(tmp_path):
-    rows = [{"prompt": f"Story {i}: once upon a time", "sampling_params": {"max_tokens": 4, "ignore_eos": True}}
-            for i in range(60)]
+    rows = rows_with_a_slow_tail(60)
     rows[2] = {"prompt": "y", "sampling_params": {"top_p": 0}}   # written before the kill
     rows[30] = {"prompt": "x", "sampling_params": {"top_p": 5}}  # most likely written after it
     source, target, errors = write_jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out.jsonl", tmp_path / "err.jsonl"
-    command = [source, "-o", target, "--errors", errors, "--batch-size", "4", "--temperature", "0", "--device", "cpu"]
-    job = subprocess.Popen([sys.executable, "-m", "gristmill.cli", "batch", *map(str, command)],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    command = [source, "-o", target, "--errors", errors, "--batch-size", "4", "--temperature", "0", *tiny()]
+    job = batch_job(*command)
     try:
-        deadline = time.monotonic() + 240
-        while not (target.exists() and len(target.read_bytes().splitlines()) >= 8):
-            assert job.poll() is None and time.monotonic() < deadline, "the job ended before it could be killed"
-            time.sleep(0.05)
+        wait_for_rows(job, target, 8)
         cores = core_children(job.pid)
         job.send_signal(signal.SIGKILL)
         job.wait()
@@ -185,7 +209,7 @@ def test_a_job_killed_with_sigkill_resumes_to_each_row_exactly_once_in_order(tmp
     assert 8 <= len(kept) < 60
     with open(target, "a") as f:
         f.write('{"__row_id__": %d, "prompt": "Story' % len(kept))  # a kill in the middle of a line
-    result = batch_cli(*command, "--resume")
+    result = batch_main(*command, "--resume")  # (the resumed job: what it writes is the point, run here)
     assert result.returncode == 0, result.stderr
     out = read_jsonl(target)
     assert [row["__row_id__"] for row in out] == list(range(60))
@@ -201,19 +225,15 @@ def test_a_job_stopped_by_a_signal_says_how_to_resume_and_exits_128_plus_the_sig
     are whole lines, the last line says how to go on, naming the output, the exit code is
     128 + the signal's number, and --resume then runs each row exactly once, in order. The
     engine shut down under the rows in flight is no death to report or restart from."""
-    rows = [{"prompt": f"Story {i}: once upon a time", "sampling_params": {"max_tokens": 4, "ignore_eos": True}}
-            for i in range(40)]
+    rows = rows_with_a_slow_tail(40)
     source, target = write_jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out.jsonl"
-    command = [source, "-o", target, "--batch-size", "4", "--temperature", "0", "--device", "cpu",
+    command = [source, "-o", target, "--batch-size", "4", "--temperature", "0", *tiny(),
                "--max-engine-restarts", "1"]
     with open(tmp_path / "stderr.txt", "w") as stderr:
         job = subprocess.Popen([sys.executable, "-m", "gristmill.cli", "batch", *map(str, command)],
                                stdout=subprocess.DEVNULL, stderr=stderr)
     try:
-        deadline = time.monotonic() + 240
-        while not (target.exists() and len(target.read_bytes().splitlines()) >= 8):
-            assert job.poll() is None and time.monotonic() < deadline, "the job ended before the signal"
-            time.sleep(0.05)
+        wait_for_rows(job, target, 8)
         cores = core_children(job.pid)
         job.send_signal(sig)
         assert job.wait(60) == code
@@ -227,7 +247,7 @@ def test_a_job_stopped_by_a_signal_says_how_to_resume_and_exits_128_plus_the_sig
     assert last == f"interrupted, resume with --resume: {len(kept)} rows written to {target}"
     assert "Traceback" not in stderr and "engine died" not in stderr, stderr[-2000:]
     if sig == signal.SIGTERM:
-        result = batch_cli(*command, "--resume")
+        result = batch_main(*command, "--resume")
         assert result.returncode == 0, result.stderr
         assert [row["__row_id__"] for row in read_jsonl(target)] == list(range(40))
         assert read_jsonl(target)[:len(kept)] == kept
@@ -238,8 +258,8 @@ def test_deployment_url_gives_the_texts_of_the_local_engine(mixed_run, tmp_path)
     server = Server("--max-model-len", "512")
     try:
         source = write_jsonl(tmp_path / "in.jsonl", MIXED)
-        result = batch_cli(source, "-o", tmp_path / "out.jsonl", *GREEDY, "--deployment-url", server.url,
-                           "--max-model-len", "512", "--concurrency", "2")
+        result = batch_main(source, "-o", tmp_path / "out.jsonl", *GREEDY, "--deployment-url", server.url,
+                            "--max-model-len", "512", "--concurrency", "2")
         assert result.returncode == 0, result.stderr
         assert ("warning: engine flags (--max-model-len, --concurrency) configure a local engine and are ignored "
                 "with --deployment-url") in result.stderr
@@ -266,7 +286,7 @@ def test_batch_takes_every_engine_flag_and_checks_its_own_flags(tmp_path):
                         (["-o", tmp_path / "out.jsonl", "--batch-size", "0"], "batch_size: must be a positive"),
                         (["-o", tmp_path / "out.txt"], "name it .jsonl, .csv or .parquet"),
                         (["-o", tmp_path / "out.jsonl", "--repetition-penalty", "0"], "(flag --repetition-penalty)")]:
-        result = batch_cli(source, *flags, timeout=60)
+        result = batch_main(source, *flags)
         assert result.returncode != 0 and says in result.stderr and "Traceback" not in result.stderr
 
 
@@ -297,6 +317,8 @@ def _gone_within(pids: list[int], seconds: float) -> bool:
 
 
 def test_json_schema_constrains_every_row_and_a_rows_own_constraint_wins(tmp_path):
+    """Constraining works on any model: the tiny one's documents parse and hold to the
+    schema as the bundled model's would."""
     schema = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 12}},
               "required": ["answer"], "additionalProperties": False}
     (tmp_path / "schema.json").write_text(json.dumps(schema))
@@ -304,10 +326,11 @@ def test_json_schema_constrains_every_row_and_a_rows_own_constraint_wins(tmp_pat
             {"id": "b", "messages": [{"role": "user", "content": "Name a color, as JSON."}]},
             {"id": "own", "prompt": "Is water wet?", "sampling_params": {"structured_output": {"choice": ["yes", "no"]}}},
             {"id": "bad", "prompt": "x", "sampling_params": {"structured_output": {"regex": "[0-9"}}},
-            {"id": "free", "prompt": "The capital of France is", "sampling_params": {"structured_output": False}}]
+            {"id": "free", "prompt": "The capital of France is",
+             "sampling_params": {"structured_output": False, "max_tokens": 5}}]
     source = write_jsonl(tmp_path / "in.jsonl", rows)
-    result = batch_cli(source, "-o", tmp_path / "out.jsonl", "--json-schema", tmp_path / "schema.json",
-                       "--temperature", "0", "--max-tokens", "40", "--device", "cpu", "--max-model-len", "512")
+    result = batch_main(source, "-o", tmp_path / "out.jsonl", "--json-schema", tmp_path / "schema.json",
+                        "--temperature", "0", "--max-tokens", "40", *tiny("--max-model-len", "256"))
     assert result.returncode == 0, result.stderr
     out = {row["id"]: row for row in read_jsonl(tmp_path / "out.jsonl")}
     for row_id in ("a", "b"):
@@ -317,14 +340,15 @@ def test_json_schema_constrains_every_row_and_a_rows_own_constraint_wins(tmp_pat
     assert out["own"]["generated_text"] in ("yes", "no") and out["own"][ERROR_COLUMN] == ""
     assert out["bad"][ERROR_COLUMN].startswith("RequestError: structured_output.regex is not valid")
     # A row that opts out runs free: the same text as the model's unconstrained greedy answer.
-    free = batch_cli(write_jsonl(tmp_path / "free.jsonl", [rows[-1]]), "-o", tmp_path / "free_out.jsonl",
-                     "--temperature", "0", "--max-tokens", "40", "--device", "cpu", "--max-model-len", "512")
+    free = batch_main(write_jsonl(tmp_path / "free.jsonl", [rows[-1]]), "-o", tmp_path / "free_out.jsonl",
+                      "--temperature", "0", "--max-tokens", "40", *tiny("--max-model-len", "256"))
     assert free.returncode == 0, free.stderr
     [unconstrained] = read_jsonl(tmp_path / "free_out.jsonl")
     assert out["free"][ERROR_COLUMN] == "" and out["free"]["generated_text"] == unconstrained["generated_text"]
+    assert out["free"]["generated_tokens"] == unconstrained["generated_tokens"] != []
     assert not out["free"]["generated_text"].lstrip().startswith("{")
     # A schema file that is not one is refused before any engine starts.
     (tmp_path / "broken.json").write_text("{not json")
-    refused = batch_cli(source, "-o", tmp_path / "out2.jsonl", "--json-schema", tmp_path / "broken.json")
+    refused = batch_main(source, "-o", tmp_path / "out2.jsonl", "--json-schema", tmp_path / "broken.json")
     assert refused.returncode != 0 and "--json-schema" in refused.stderr and "is not JSON" in refused.stderr
     assert "Traceback" not in refused.stderr

@@ -3,6 +3,11 @@ appears on row 2, ids with leading zeros, numbers as prompts, bytes that are not
 an OpenAI batch line without max_tokens. Input that cannot run is refused before the
 model loads, naming the line and what to change; input that can runs as it was written.
 
+The commands run in this process (`cli.main`, tests/batch/inprocess.py) with the exit
+status and stderr a shell would see; `serve --port 70000` runs as a process (it must not
+serve, and a process can be stopped if it does). Rows whose text is not checked run on
+the tiny random-weight model.
+
 Then the files and flags a command cannot use, for `batch`, `generate` and `serve`
 alike: an input or output that cannot be read, an output that is not this job's, a
 model file cut short, a port out of range. Each is one `error:` line that names the file
@@ -26,9 +31,9 @@ import pytest
 
 from gristmill.batch import ERROR_COLUMN
 from gristmill.cli import main
-from tests.batch.test_cli_batch import batch_cli, read_jsonl, write_jsonl
+from tests.batch.inprocess import Ran, batch_main, run_main, tiny_model, without_faults
+from tests.batch.test_cli_batch import read_jsonl, write_jsonl
 from tests.harness import core_children
-from tests.model.test_loader import write_tiny_gguf
 
 
 def _batch_line(custom_id, prompt="Hello", **body):
@@ -60,7 +65,7 @@ def test_input_that_cannot_run_is_refused_before_the_model_loads_naming_the_line
     for name, content, flags, says in cases:
         (tmp_path / name).write_bytes(content)
         target = tmp_path / f"{name}.out.jsonl"
-        result = batch_cli(tmp_path / name, "-o", target, *flags, timeout=60)
+        result = batch_main(tmp_path / name, "-o", target, *flags)
         assert result.returncode != 0, name
         for part in says:
             assert part in result.stderr, (name, part, result.stderr)
@@ -75,7 +80,8 @@ def test_jsonl_with_a_bom_and_a_late_column_runs_to_parquet(tmp_path):
     source = tmp_path / "in.jsonl"
     source.write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(row) + "\n" for row in rows).encode())
     target = tmp_path / "out.parquet"
-    result = batch_cli(source, "-o", target, "--temperature", "0", "--max-tokens", "3", "--device", "cpu")
+    result = batch_main(source, "-o", target, "--temperature", "0", "--max-tokens", "3", "--device", "cpu",
+                        "--model", tiny_model())  # (no text is checked: the tiny model)
     assert result.returncode == 0, result.stderr
     table = pq.read_table(target)
     assert table.column("__row_id__").to_pylist() == [0, 1, 2]
@@ -98,8 +104,8 @@ def test_csv_cells_are_text_as_written_and_a_refused_resume_leaves_the_output(tm
         writer.writerows([["007", "12345", "2024-01-01", ""], ["7", "67890", "true", ""], ["010", "", "1e3", ""],
                           ["t1", "", "", "[1, 2"], ["t2", "", "", "abc"], ["t3", "", "", "[1, 2]"]])
     target = tmp_path / "out.csv"
-    result = batch_cli(source, "-o", target, "--id-column", "qid", "--temperature", "0", "--max-tokens", "2",
-                       "--device", "cpu")
+    result = batch_main(source, "-o", target, "--id-column", "qid", "--temperature", "0", "--max-tokens", "2",
+                        "--device", "cpu")
     assert result.returncode == 0, result.stderr
     with open(target, newline="") as f:
         out = list(csv.DictReader(f))
@@ -116,7 +122,7 @@ def test_csv_cells_are_text_as_written_and_a_refused_resume_leaves_the_output(tm
     before = target.read_bytes()
     other = tmp_path / "other.csv"
     other.write_text("qid,prompt\n999,Hello\n")
-    refused = batch_cli(other, "-o", target, "--id-column", "qid", "--resume", "--max-tokens", "2", timeout=60)
+    refused = batch_main(other, "-o", target, "--id-column", "qid", "--resume", "--max-tokens", "2")
     assert refused.returncode != 0 and "--resume" in refused.stderr and "Traceback" not in refused.stderr
     assert "0 rows written" not in refused.stderr
     assert target.read_bytes() == before
@@ -127,10 +133,11 @@ def test_a_batch_line_without_max_tokens_runs_to_the_context_and_one_line_is_one
              {"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions",
               "body": {"messages": [{"role": "user", "content": "Hi"}], "temperature": 0, "ignore_eos": True}},
              _batch_line("capped", "Once upon a time", temperature=0, ignore_eos=True, max_tokens=3),
-             _batch_line("ids", [[2, 9259]], max_tokens=2),  # one prompt of token ids, in a list
+             _batch_line("ids", [[2, 259]], max_tokens=2),  # one prompt of token ids, in a list
              _batch_line("two", ["a", "b"], max_tokens=2)]
     source = write_jsonl(tmp_path / "batch.jsonl", lines)
-    result = batch_cli(source, "-o", tmp_path / "out.jsonl", "--device", "cpu", "--max-model-len", "64")
+    result = batch_main(source, "-o", tmp_path / "out.jsonl", "--device", "cpu", "--max-model-len", "64",
+                        "--model", tiny_model())  # (no text is checked: the tiny model)
     assert result.returncode == 0, result.stderr
     out = {row["custom_id"]: row["response"] for row in read_jsonl(tmp_path / "out.jsonl")}
     for custom_id in ("free", "chat"):
@@ -160,8 +167,8 @@ def test_parquet_rows_with_json_schemas_of_different_shapes_each_get_their_own(t
     source = tmp_path / "in.parquet"
     pq.write_table(pa.Table.from_pylist(rows), source)
     target = tmp_path / "out.jsonl"
-    result = batch_cli(source, "-o", target, "--temperature", "0", "--max-tokens", "24", "--device", "cpu",
-                       "--max-model-len", "256")
+    result = batch_main(source, "-o", target, "--temperature", "0", "--max-tokens", "24", "--device", "cpu",
+                        "--max-model-len", "256", "--model", tiny_model())  # (any model keeps to a schema)
     assert result.returncode == 0, result.stderr
     out = read_jsonl(target)
     assert [row[ERROR_COLUMN] for row in out] == ["", "", ""], out
@@ -174,13 +181,12 @@ def test_parquet_rows_with_json_schemas_of_different_shapes_each_get_their_own(t
 
 # -- files and flags a command cannot use ---------------------------------------------------
 
-def cli(*args, timeout=120) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "GRISTMILL_FAULTS"}
-    return subprocess.run([sys.executable, "-m", "gristmill.cli", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+def cli(*args) -> Ran:
+    """`gristmill ARGS...` in this process, without the package's GRISTMILL_FAULTS."""
+    return run_main(*args, env=without_faults())
 
 
-def refused_cleanly(result: subprocess.CompletedProcess, *says: str) -> None:
+def refused_cleanly(result: Ran, *says: str) -> None:
     assert result.returncode not in (0, None), result.stderr[-2000:]
     assert "Traceback" not in result.stderr, result.stderr[-2000:]
     for part in says:
@@ -188,8 +194,8 @@ def refused_cleanly(result: subprocess.CompletedProcess, *says: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return write_tiny_gguf(tmp_path_factory.mktemp("models") / "tiny.gguf", "llama", "gpt2")
+def tiny():
+    return tiny_model()
 
 
 @pytest.fixture(scope="module")
@@ -210,7 +216,7 @@ def test_a_truncated_or_empty_parquet_input_is_refused_without_a_traceback(tmp_p
     (tmp_path / "cut.parquet").write_bytes(whole.read_bytes()[:whole.stat().st_size // 2])
     (tmp_path / "empty.parquet").write_bytes(b"")
     for name in ("cut.parquet", "empty.parquet"):
-        result = cli("batch", tmp_path / name, "-o", tmp_path / f"{name}.out.jsonl", "--device", "cpu", timeout=60)
+        result = cli("batch", tmp_path / name, "-o", tmp_path / f"{name}.out.jsonl", "--device", "cpu")
         refused_cleanly(result, name, "not a readable Parquet file")
         assert not (tmp_path / f"{name}.out.jsonl").exists()
 
@@ -224,7 +230,7 @@ def test_resume_onto_a_jsonl_output_whose_line_is_not_an_object_is_refused_witho
     for i, line in enumerate(('[1, 2]\n', '"just text"\n')):
         target = tmp_path / f"out{i}.jsonl"
         target.write_text(line)
-        result = cli("batch", source, "-o", target, "--resume", "--device", "cpu", timeout=60)
+        result = cli("batch", source, "-o", target, "--resume", "--device", "cpu")
         refused_cleanly(result, f"out{i}.jsonl:1", "--resume")
         assert target.read_text() == line
 
@@ -237,7 +243,7 @@ def test_resume_onto_a_csv_output_that_is_not_utf8_is_refused_without_a_tracebac
     source.write_text("prompt\nhello\n")
     target = tmp_path / "mine.csv"
     target.write_bytes(b"name,city\nJos\xe9,M\xe1laga\n")
-    result = cli("batch", source, "-o", target, "--resume", "--device", "cpu", timeout=60)
+    result = cli("batch", source, "-o", target, "--resume", "--device", "cpu")
     refused_cleanly(result, "mine.csv", "not UTF-8", "--resume")
     assert target.read_bytes() == b"name,city\nJos\xe9,M\xe1laga\n"
 
@@ -255,8 +261,7 @@ def test_resume_onto_a_jsonl_output_with_other_columns_is_refused(tmp_path):
                       for i, p in enumerate("ab"))
     target.write_text(written)  # what a job over [{"prompt": "a"}, {"prompt": "b"}] wrote
     other = write_jsonl(tmp_path / "questions.jsonl", [{"question": "What is 2+2?"}, {"question": "Name a color."}])
-    result = cli("batch", other, "-o", target, "--prompt-column", "question", "--resume", "--device", "cpu",
-                 timeout=60)
+    result = cli("batch", other, "-o", target, "--prompt-column", "question", "--resume", "--device", "cpu")
     refused_cleanly(result, "--resume", "'prompt'")
     assert target.read_text() == written
 
@@ -272,7 +277,7 @@ def test_a_job_that_cannot_start_does_not_empty_the_existing_output(tmp_path):
     for flags, says in ((["--model", tmp_path / "no-such-model.gguf"], "not found"),
                         (["--errors", tmp_path / "no-dir" / "errors.jsonl"], "--errors")):
         target.write_text(before)
-        result = cli("batch", source, "-o", target, "--device", "cpu", *flags, timeout=60)
+        result = cli("batch", source, "-o", target, "--device", "cpu", *flags)
         refused_cleanly(result, says)
         assert target.read_text() == before, (flags, result.stderr[-500:])
 
@@ -352,10 +357,10 @@ def test_generate_input_that_cannot_be_read_is_refused_without_a_traceback(tmp_p
     """`generate --input` with a file that does not exist, or with a byte that is not UTF-8,
     exits with one `error:` line naming the file (and for the byte, the line); it once died
     with a FileNotFoundError or UnicodeDecodeError traceback."""
-    result = cli("generate", "--input", tmp_path / "missing.jsonl", "--device", "cpu", timeout=60)
+    result = cli("generate", "--input", tmp_path / "missing.jsonl", "--device", "cpu")
     refused_cleanly(result, "missing.jsonl")
     (tmp_path / "latin1.jsonl").write_bytes(b'{"prompt": "a"}\n{"prompt": "caf\xe9"}\n')
-    result = cli("generate", "--input", tmp_path / "latin1.jsonl", "--device", "cpu", timeout=60)
+    result = cli("generate", "--input", tmp_path / "latin1.jsonl", "--device", "cpu")
     refused_cleanly(result, "latin1.jsonl:2", "UTF-8")
 
 

@@ -113,7 +113,10 @@ def test_a_pool_on_a_machine_with_two_gpus_gives_each_core_its_own(monkeypatch):
     from gristmill.sampling import SamplingParams
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
-    pool = start_pool(EngineConfig(device="auto", max_model_len=128), concurrency=2)
+    from tests.batch.conftest import tiny_engine
+
+    # (the tiny model: which GPU each core sees is the point, not what it generates)
+    pool = start_pool(tiny_engine(device="auto", max_model_len=128), concurrency=2)
     try:
         engines = [replica.engine for replica in pool.replicas]
         assert [core_environ(e)["CUDA_VISIBLE_DEVICES"] for e in engines] == ["0", "1"]

@@ -1,4 +1,7 @@
-"""Engine deaths in the middle of a job: restarts, failing fast, poison rows."""
+"""Engine deaths in the middle of a job: restarts, failing fast, poison rows.
+
+Every death here starts a new engine core (a process importing torch and loading the
+model), and no text is checked: the engines run the tiny random-weight model."""
 
 from __future__ import annotations
 
@@ -10,8 +13,10 @@ import pytest
 
 from gristmill import EngineDeadError
 from gristmill.batch import ERROR_COLUMN, EngineProcessorConfig, build_processor
-from tests.batch.conftest import ENGINE, rows_of
+from tests.batch.conftest import rows_of, tiny_engine
 from tests.harness import core_children
+
+ENGINE = tiny_engine()
 
 
 @pytest.fixture

@@ -1,13 +1,11 @@
 """Review of the batch faces: each test reproduces a bug a user hits, with real parts
-(the real CLI in a subprocess, real engines, a real `gristmill serve` on loopback),
+(the real CLI, run in this process, real engines, a real `gristmill serve` on loopback),
 and asserts what the user should see instead. Each fails until its bug is fixed."""
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 
 import pytest
@@ -15,13 +13,12 @@ import pytest
 from gristmill import EngineDeadError, faults
 from gristmill.batch import (ERROR_COLUMN, DeploymentProcessorConfig, EngineProcessorConfig, HttpProcessorConfig,
                              build_processor, deploy)
-from tests.batch.conftest import ENGINE, FAULTS, rows_of
+from tests.batch.conftest import FAULTS, rows_of, tiny_engine
+from tests.batch.inprocess import batch_main as batch_cli  # (in this process: what the job writes is the point)
 from tests.server.conftest import Server
 
-
-def batch_cli(*args, timeout=120, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "gristmill.cli", "batch", *map(str, args)], capture_output=True,
-                          text=True, timeout=timeout, env=env)
+# Engine deaths and restarts, no text checked: the tiny random-weight model.
+ENGINE = tiny_engine()
 
 
 # -- --resume that is refused must leave the output as it was -----------------------------
@@ -148,7 +145,7 @@ def test_the_cli_can_send_rows_to_a_server_that_needs_an_api_key(keyed_server, t
     source = tmp_path / "in.jsonl"
     source.write_text("".join(json.dumps(row) + "\n" for row in rows_of(2)))
     target = tmp_path / "out.jsonl"
-    result = batch_cli(source, "-o", target, "--deployment-url", keyed_server.url, "--api-key", "secret", timeout=60)
+    result = batch_cli(source, "-o", target, "--deployment-url", keyed_server.url, "--api-key", "secret")
     assert result.returncode == 0, result.stderr[-500:]
     assert [json.loads(line)[ERROR_COLUMN] for line in target.read_text().splitlines()] == ["", ""]
 
