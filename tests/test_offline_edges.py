@@ -274,3 +274,14 @@ def test_stop_reason_and_cumulative_logprob(llm):
     [by_token] = llm.generate("Hello world", SamplingParams(max_tokens=20, stop_token_ids=[token], **GREEDY),
                               use_tqdm=False)
     assert by_token.finish_reason == "stop" and by_token.outputs[0].stop_reason == token
+
+
+def test_a_text_that_ends_inside_a_character_keeps_every_character_before_it(llm):
+    """The tiny model's byte-level tokens split characters: a completion cut after any
+    token has the text of the characters completed so far (an output decoded once, at
+    its end, used to lose all of its text when its last token ended inside one)."""
+    texts = [llm.generate("The capital of France is", SamplingParams(max_tokens=n, **GREEDY), use_tqdm=False)[0].text
+             for n in range(1, 9)]
+    for shorter, longer in zip(texts, texts[1:]):
+        assert longer.startswith(shorter), texts
+    assert texts[-1], texts

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 # Tokens re-decoded before the new ones, so word boundaries and spaces come out right.
 _CONTEXT_TOKENS = 5
+# Most byte tokens one character takes (UTF-8).
+_UTF8_MAX = 4
 
 
 def _stream(tokenizer, skip_special_tokens: bool, context: list[int]):
@@ -92,9 +94,14 @@ class IncrementalDetokenizer:
             fed = 0
             try:
                 if not self.stop:  # nothing to look for between tokens: one call for them all
-                    fed = len(token_ids)
-                    self.num_tokens += fed
-                    self._stream_text(list(token_ids), self._text_out)
+                    # ... but the last few one by one: a call gives no text at all while
+                    # its text ends inside a character (a UTF-8 character is at most 4
+                    # byte tokens), and the characters before it must still come out.
+                    body, tail = token_ids[:-_UTF8_MAX], token_ids[-_UTF8_MAX:]
+                    for chunk in ([list(body)] if body else []) + [[t] for t in tail]:
+                        fed += len(chunk)
+                        self.num_tokens += len(chunk)
+                        self._stream_text(chunk, self._text_out)
                     return False
                 for token_id in token_ids:
                     if self.stopped:

@@ -72,6 +72,14 @@ def test_held_tokens_decoded_once_at_the_end_give_the_same_text(tokenizer):
             assert held.add_tokens([token]) is False
         assert held.held == output  # nothing decoded yet
         assert held.text == _text(tokenizer, prompt, output)[0] and held.held == []
+    # Cut at every token of the multi-byte tail: a text that ends inside a character
+    # still gives every character before it (it used to give no text at all).
+    tail = ids[-60:]
+    for end in range(1, len(tail) + 1):
+        held = IncrementalDetokenizer(tokenizer, [2], [], incremental=False)
+        held.add_tokens(tail[:end])
+        assert held.text == _text(tokenizer, [2], tail[:end])[0], end
+    assert held.text.startswith(_text(tokenizer, [2], tail[:10])[0]) and "🙂" in held.text
     # With stop strings the text is still checked token by token.
     assert IncrementalDetokenizer(tokenizer, [2], ["x"], incremental=False).held is None
 
