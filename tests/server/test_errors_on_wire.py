@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.conftest import API_KEY, Server
+from tests.server.conftest import API_KEY, AppServer, faults_set, start_engine
 
 MODEL = "gemma-3-270m"
 
@@ -65,11 +65,16 @@ def test_validation_error_on_a_stream_is_a_plain_http_error(server, auth):
 
 
 @pytest.fixture(scope="module")
-def faulty():
-    srv = Server("--max-num-seqs", "2", "--max-waiting-requests", "1",
-                 faults="detokenize@prompt~BOOM,detokenize_init@prompt~KABOOM")
-    yield srv
-    srv.stop()
+def faulty(server_loop):
+    """`serve --max-num-seqs 2 --max-waiting-requests 1` with failing detokenizers, in
+    process (an engine of its own: its limits are the engine's)."""
+    flags = ("--max-num-seqs", "2", "--max-waiting-requests", "1")
+    with faults_set("detokenize@prompt~BOOM,detokenize_init@prompt~KABOOM"):
+        engine = start_engine(*flags)
+        srv = AppServer(server_loop, engine, *flags)
+        yield srv
+        srv.stop()
+        engine.shutdown()
 
 
 def test_generation_error_is_500_and_others_are_unaffected(faulty):
