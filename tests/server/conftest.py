@@ -1,14 +1,28 @@
-"""Real `gristmill serve` processes on loopback."""
+"""The server under test, two ways.
+
+In process (most tests): the app `gristmill serve FLAGS` builds (`build_app`, the same
+flags parsed by the real CLI parser) over an AsyncEngine started once per package and
+shared, served by uvicorn on loopback from one event-loop thread. Real HTTP, real engine;
+other flags (an API key, limits) are another app over the same engine, not another
+process. (httpx's ASGITransport would skip the app's lifespan, which attaches the engine
+supervisor, and in httpx 0.28 hands back a response only once the app has sent all of
+it, so streams, disconnects and slow readers could not be tested through it.)
+
+As a process (`Server`): a real `gristmill serve` subprocess, only where the process is
+the point (signals and the drain, exit codes, engine-core death and restarts).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -17,6 +31,7 @@ import pytest
 from tests.harness import core_children
 
 API_KEY = "test-key"
+MODEL = "gemma-3-270m"
 
 
 def free_port() -> int:
@@ -25,7 +40,194 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_until(condition, timeout: float, what: str, every: float = 0.02):
+    """Poll `condition()` until it is truthy (returned), or fail saying `what` never happened."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} (waited {timeout:g} s)")
+        time.sleep(every)
+
+
+def metric(url: str, name: str, default: float | None = None) -> float:
+    """A sample of the server's /metrics, by its full name (labels included)."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    found = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    if found is None:
+        if default is None:
+            raise AssertionError(f"{name} not in /metrics")
+        return default
+    return float(found.group(1))
+
+
+def wait_running(url: str, count: int, timeout: float = 60.0) -> None:
+    """Wait until at least `count` requests run in the server's engine."""
+    wait_until(lambda: metric(url, "gristmill_num_requests_running") >= count, timeout,
+               f"{count} request(s) never ran at once")
+
+
+async def wait_running_async(client: httpx.AsyncClient, url: str, count: int, timeout: float = 60.0) -> None:
+    """wait_running, from a coroutine (the requests it waits for run on the same loop)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = (await client.get(f"{url}/metrics")).text
+        running = float(re.search(r"^gristmill_num_requests_running (\S+)$", text, re.M).group(1))
+        if running >= count:
+            return
+        assert time.monotonic() < deadline, f"{count} request(s) never ran at once"
+        await asyncio.sleep(0.02)
+
+
+def wait_healthy(url: str, timeout: float = 120.0) -> None:
+    def healthy():
+        try:
+            return httpx.get(f"{url}/health", timeout=10).status_code == 200
+        except httpx.HTTPError:
+            return False
+    wait_until(healthy, timeout, "the server never became healthy", every=0.05)
+
+
+# -- in process ---------------------------------------------------------------------------
+
+
+def serve_args(*flags: str):
+    """`gristmill serve --device cpu FLAGS`, parsed by the real CLI parser."""
+    from gristmill.cli import build_parser
+    return build_parser().parse_args(["serve", "--device", "cpu", *flags])
+
+
+def start_engine(*flags: str):
+    """The AsyncEngine `gristmill serve --device cpu FLAGS` starts (its engine flags)."""
+    from gristmill import AsyncEngine
+    from gristmill.engine_flags import engine_config
+    return AsyncEngine(engine_config(serve_args(*flags)))
+
+
+class ServerLoop:
+    """One event loop on a thread of its own, where every in-process server runs: an
+    AsyncEngine takes requests from one loop at a time, so apps that share an engine
+    share this loop."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="test-server-loop", daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout: float | None = None):
+        """Run `coro` on the loop; its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(30)
+        self.loop.close()
+
+
+class AppServer:
+    """The app `gristmill serve FLAGS` would build, over `engine`, under the server
+    `serve` runs (DrainingServer, uvicorn) on a loopback port, on `loop`."""
+
+    def __init__(self, loop: ServerLoop, engine, *flags: str, model: str = MODEL):
+        import uvicorn
+
+        from gristmill.server.app import build_app
+        from gristmill.server.limits import ServerLimits
+        from gristmill.server.run import DrainingServer, bind_socket
+
+        args = serve_args(*flags)
+        limits = ServerLimits(max_request_bytes=args.max_request_bytes, max_prompt_chars=args.max_prompt_chars,
+                              max_stream_buffer=args.max_stream_buffer)
+        self.engine = engine
+        self.app = build_app(engine, args.served_model_name or model, api_key=args.api_key,
+                             max_engine_restarts=args.max_engine_restarts, restart_window_s=args.restart_window_s,
+                             start_seconds=engine.start_seconds, limits=limits)
+        sock = bind_socket("127.0.0.1", 0)
+        self.port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = DrainingServer(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",
+                                                    timeout_keep_alive=args.timeout_keep_alive,
+                                                    timeout_graceful_shutdown=5),
+                                     shutdown_grace_s=args.shutdown_grace_s)
+        self._socket = sock
+        self._serving = asyncio.run_coroutine_threadsafe(self.server.serve(sockets=[sock]), loop.loop)
+        wait_until(lambda: self.server.started or self._serving.done(), 60, "the in-process server never started",
+                   every=0.005)
+        if self._serving.done():
+            self._serving.result()  # (raises what stopped it)
+            raise RuntimeError("the in-process server stopped at once")
+
+    @property
+    def traffic(self):
+        """The app's /v1 requests in progress."""
+        return self.app.state.traffic
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        try:
+            self._serving.result(30)
+        finally:
+            self._socket.close()
+
+
+@pytest.fixture(scope="package")
+def server_loop():
+    loop = ServerLoop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="package")
+def engine():
+    """The engine `gristmill serve --device cpu` starts: the bundled model, the defaults;
+    shared by every in-process server of the package."""
+    engine = start_engine()
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="package")
+def server(server_loop, engine):
+    """The main server: default model, an API key (`serve --api-key test-key`)."""
+    srv = AppServer(server_loop, engine, "--api-key", API_KEY)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="package")
+def auth():
+    return {"Authorization": f"Bearer {API_KEY}"}
+
+
+class faults_set:
+    """GRISTMILL_FAULTS in this process's environment (read when an engine starts, by it
+    and its core), and cleared again after (`faults.load()` forgets them)."""
+
+    def __init__(self, spec: str):
+        self.spec = spec
+
+    def __enter__(self):
+        self.before = os.environ.get("GRISTMILL_FAULTS")
+        os.environ["GRISTMILL_FAULTS"] = self.spec
+        return self
+
+    def __exit__(self, *exc):
+        from gristmill import faults
+        if self.before is None:
+            os.environ.pop("GRISTMILL_FAULTS", None)
+        else:
+            os.environ["GRISTMILL_FAULTS"] = self.before
+        faults.load()
+
+
+# -- as a process ---------------------------------------------------------------------------
+
+
 class Server:
+    """A real `gristmill serve --device cpu ARGS` process on a free loopback port, healthy."""
+
     def __init__(self, *args: str, faults: str | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -44,7 +246,7 @@ class Server:
                     return
             except httpx.HTTPError:
                 pass
-            time.sleep(0.2)
+            time.sleep(0.05)
         self.stop()
         raise RuntimeError("server did not become healthy")
 
@@ -75,19 +277,6 @@ def pid_gone(pid: int) -> bool:
         return True
     with open(f"/proc/{pid}/stat") as f:
         return f.read().split()[2] == "Z"
-
-
-@pytest.fixture(scope="package")
-def server():
-    """The main server: default model, an API key."""
-    srv = Server("--api-key", API_KEY)
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="package")
-def auth():
-    return {"Authorization": f"Bearer {API_KEY}"}
 
 
 LONG = {"prompt": "Tell me a very long story.", "max_tokens": 3000, "ignore_eos": True}

@@ -12,7 +12,7 @@ import time
 import httpx
 
 from tests.harness import process_gone
-from tests.server.conftest import Server
+from tests.server.conftest import Server, wait_running, wait_until
 
 SHORT = {"prompt": "Once upon a time", "max_tokens": 24, "ignore_eos": True}
 LONG = {"prompt": "Tell me a very long story.", "max_tokens": 3000, "ignore_eos": True}
@@ -44,17 +44,10 @@ def _plain(url: str, body: dict) -> httpx.Response:
     return httpx.post(f"{url}/v1/completions", json=body, timeout=120)
 
 
-def _first_token_seen(srv: Server, count: int) -> None:
-    """Wait until `count` requests run in the engine."""
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        text = httpx.get(f"{srv.url}/metrics").text
-        running = next(float(line.split()[1]) for line in text.splitlines()
-                       if line.startswith("gristmill_num_requests_running "))
-        if running >= count:
-            return
-        time.sleep(0.05)
-    raise AssertionError("the requests never started running")
+def _draining(srv: Server) -> bool:
+    """Whether the server says it drains (it answers /health while it does)."""
+    health = httpx.get(f"{srv.url}/health", timeout=10)
+    return health.status_code == 503 and health.json()["status"] == "draining"
 
 
 def test_sigterm_lets_requests_in_flight_finish_then_exits_0():
@@ -63,10 +56,10 @@ def test_sigterm_lets_requests_in_flight_finish_then_exits_0():
     short_stream = _in_background(_stream, srv.url, SHORT)
     short_plain = _in_background(_plain, srv.url, SHORT)
     long_stream = _in_background(_stream, srv.url, LONG)
-    _first_token_seen(srv, 3)
+    wait_running(srv.url, 3)
     srv.process.send_signal(signal.SIGTERM)
     signalled = time.monotonic()
-    time.sleep(0.2)
+    wait_until(lambda: _draining(srv), 10, "the server never began to drain")
 
     refused = httpx.post(f"{srv.url}/v1/completions", json=SHORT, timeout=10)
     assert refused.status_code == 503
@@ -90,27 +83,21 @@ def test_sigterm_lets_requests_in_flight_finish_then_exits_0():
     assert error["type"] == "engine_dead_error" and "shutdown grace of 6 s ran out" in error["message"]
     assert 6 <= long_stream["ended"] - signalled < 6 + 3
     assert srv.process.wait(30) == 0
-    deadline = time.monotonic() + 5
-    while not process_gone(core) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert process_gone(core)
+    wait_until(lambda: process_gone(core), 5, "the engine core outlived the server")
 
 
 def test_sigint_twice_exits_at_once():
     srv = Server()  # the default grace: 30 s
     core = srv.core_pid
     long_stream = _in_background(_stream, srv.url, LONG)
-    _first_token_seen(srv, 1)
+    wait_running(srv.url, 1)
     srv.process.send_signal(signal.SIGINT)
-    time.sleep(0.3)
+    wait_until(lambda: _draining(srv), 10, "the server never began to drain")
     assert srv.process.poll() is None  # draining: the long stream may go on
     srv.process.send_signal(signal.SIGINT)
     interrupted = time.monotonic()
     srv.process.wait(15)
     assert time.monotonic() - interrupted < 8
-    deadline = time.monotonic() + 5
-    while not process_gone(core) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert process_gone(core)
+    wait_until(lambda: process_gone(core), 5, "the engine core outlived the server")
     long_stream["thread"].join(10)
     assert "ended" in long_stream  # the client was not left hanging

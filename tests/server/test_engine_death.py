@@ -11,14 +11,14 @@ import time
 
 import httpx
 
-from tests.server.conftest import Server, assert_ended_dead, long_requests, pid_gone
+from tests.server.conftest import Server, assert_ended_dead, long_requests, wait_running_async, pid_gone
 
 async def in_flight_then_kill(srv: Server):
     """Two streaming and two plain requests in flight, then SIGKILL of the engine core.
     Returns (kill time, /health's answer, when it came, [(kind, status, body, ended)])."""
     async with httpx.AsyncClient(timeout=60) as client:
         tasks = long_requests(client, srv)
-        await asyncio.sleep(2.0)
+        await wait_running_async(client, srv.url, 4)  # all four in flight
         killed_at = time.monotonic()
         os.kill(srv.core_pid, signal.SIGKILL)
         health = None

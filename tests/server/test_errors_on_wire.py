@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.conftest import API_KEY, Server
+from tests.server.conftest import API_KEY, AppServer, faults_set, start_engine
 
 MODEL = "gemma-3-270m"
 
@@ -28,35 +28,35 @@ def assert_envelope(response, status, type_, param=None):
 def test_request_errors_are_400_with_param(server, auth):
     url = f"{server.url}/v1/completions"
     long_prompt = "hello " * 40
-    too_long = httpx.post(url, headers=auth, json={"prompt": long_prompt, "max_tokens": 32_760})
+    too_long = httpx.post(url, headers=auth, json={"prompt": long_prompt, "max_tokens": 32_760}, timeout=60)
     error = assert_envelope(too_long, 400, "invalid_request_error", "max_tokens")
     assert re.search(r"prompt \(\d+ tokens\) \+ max_tokens \(32760\)", error["message"])
     assert "max_model_len (32768)" in error["message"]
-    over_context = httpx.post(url, headers=auth, json={"prompt": long_prompt, "max_tokens": 40_000})
+    over_context = httpx.post(url, headers=auth, json={"prompt": long_prompt, "max_tokens": 40_000}, timeout=60)
     error = assert_envelope(over_context, 400, "invalid_request_error", "max_tokens")
     assert "max_tokens is 40000; at most 32768" in error["message"]
-    bad_json = httpx.post(url, headers={**auth, "content-type": "application/json"}, content=b"{nope")
+    bad_json = httpx.post(url, headers={**auth, "content-type": "application/json"}, content=b"{nope", timeout=60)
     error = assert_envelope(bad_json, 400, "invalid_request_error")
     assert "not valid JSON" in error["message"] and error["code"] == 400  # as every other 400's
-    bad_field = httpx.post(url, headers=auth, json={"prompt": "x", "temperature": -1})
+    bad_field = httpx.post(url, headers=auth, json={"prompt": "x", "temperature": -1}, timeout=60)
     assert "temperature" in assert_envelope(bad_field, 400, "invalid_request_error", "temperature")["message"]
-    missing = httpx.post(url, headers=auth, json={"max_tokens": 3})
+    missing = httpx.post(url, headers=auth, json={"max_tokens": 3}, timeout=60)
     assert assert_envelope(missing, 400, "invalid_request_error", "prompt")["code"] == 400
-    empty = httpx.post(url, headers=auth, json={"prompt": ""})
+    empty = httpx.post(url, headers=auth, json={"prompt": ""}, timeout=60)
     error = assert_envelope(empty, 400, "invalid_request_error", "prompt")
     assert "empty" in error["message"] and error["code"] == 400
     chat = httpx.post(f"{server.url}/v1/chat/completions", headers=auth,
                       json={"messages": [{"role": "assistant", "content": "x"}, {"role": "assistant",
                                                                                   "content": "y"}]})
     assert_envelope(chat, 400, "invalid_request_error", "messages")
-    unknown = httpx.post(url, headers=auth, json={"prompt": "x", "model": "gpt-9"})
+    unknown = httpx.post(url, headers=auth, json={"prompt": "x", "model": "gpt-9"}, timeout=60)
     error = assert_envelope(unknown, 404, "invalid_request_error", "model")
     assert error["code"] == "model_not_found"
 
 
 def test_validation_error_on_a_stream_is_a_plain_http_error(server, auth):
     body = {"prompt": "x", "max_tokens": 40_000, "stream": True}
-    response = httpx.post(f"{server.url}/v1/completions", headers=auth, json=body)
+    response = httpx.post(f"{server.url}/v1/completions", headers=auth, json=body, timeout=60)
     assert_envelope(response, 400, "invalid_request_error", "max_tokens")
     assert not response.headers["content-type"].startswith("text/event-stream")
     with pytest.raises(openai.BadRequestError):
@@ -65,22 +65,27 @@ def test_validation_error_on_a_stream_is_a_plain_http_error(server, auth):
 
 
 @pytest.fixture(scope="module")
-def faulty():
-    srv = Server("--max-num-seqs", "2", "--max-waiting-requests", "1",
-                 faults="detokenize@prompt~BOOM,detokenize_init@prompt~KABOOM")
-    yield srv
-    srv.stop()
+def faulty(server_loop):
+    """`serve --max-num-seqs 2 --max-waiting-requests 1` with failing detokenizers, in
+    process (an engine of its own: its limits are the engine's)."""
+    flags = ("--max-num-seqs", "2", "--max-waiting-requests", "1")
+    with faults_set("detokenize@prompt~BOOM,detokenize_init@prompt~KABOOM"):
+        engine = start_engine(*flags)
+        srv = AppServer(server_loop, engine, *flags)
+        yield srv
+        srv.stop()
+        engine.shutdown()
 
 
 def test_generation_error_is_500_and_others_are_unaffected(faulty):
     url = f"{faulty.url}/v1/completions"
-    ok = httpx.post(url, json={"prompt": "Water boils at", "max_tokens": 4, "temperature": 0})
-    failed = httpx.post(url, json={"prompt": "BOOM goes", "max_tokens": 4, "temperature": 0})
+    ok = httpx.post(url, json={"prompt": "Water boils at", "max_tokens": 4, "temperature": 0}, timeout=60)
+    failed = httpx.post(url, json={"prompt": "BOOM goes", "max_tokens": 4, "temperature": 0}, timeout=60)
     error = assert_envelope(failed, 500, "internal_error")
     assert "detokenizing failed" in error["message"] and "injected fault" in error["message"]
-    failed_init = httpx.post(url, json={"prompt": "KABOOM goes", "max_tokens": 4})
+    failed_init = httpx.post(url, json={"prompt": "KABOOM goes", "max_tokens": 4}, timeout=60)
     assert "detokenizer" in assert_envelope(failed_init, 500, "internal_error")["message"]
-    again = httpx.post(url, json={"prompt": "Water boils at", "max_tokens": 4, "temperature": 0})
+    again = httpx.post(url, json={"prompt": "Water boils at", "max_tokens": 4, "temperature": 0}, timeout=60)
     assert ok.status_code == again.status_code == 200
     assert ok.json()["choices"][0]["text"] == again.json()["choices"][0]["text"]
 
@@ -102,16 +107,16 @@ def test_stream_that_fails_sends_one_error_event_then_done(faulty):
 
 def test_errors_stay_out_of_latency_histograms(faulty):
     def count():
-        text = httpx.get(f"{faulty.url}/metrics").text
+        text = httpx.get(f"{faulty.url}/metrics", timeout=60).text
         e2e = float(re.search(r"^gristmill_e2e_request_latency_seconds_count (\S+)$", text, re.M).group(1))
         errors = re.search(r'^gristmill_request_errors_total\{error_type="GenerationError"\} (\S+)$', text, re.M)
         return e2e, float(errors.group(1)) if errors else 0.0
 
     before = count()
-    httpx.post(f"{faulty.url}/v1/completions", json={"prompt": "BOOM", "max_tokens": 4})
+    httpx.post(f"{faulty.url}/v1/completions", json={"prompt": "BOOM", "max_tokens": 4}, timeout=60)
     after = count()
     assert after[0] == before[0] and after[1] == before[1] + 1
-    httpx.post(f"{faulty.url}/v1/completions", json={"prompt": "fine", "max_tokens": 2})
+    httpx.post(f"{faulty.url}/v1/completions", json={"prompt": "fine", "max_tokens": 2}, timeout=60)
     assert count()[0] == before[0] + 1
 
 

@@ -136,16 +136,22 @@ def test_a_client_that_does_not_read_its_stream_does_not_hold_up_others(server, 
 def test_a_huge_prompt_is_tokenized_while_the_server_answers_others(server, auth):
     # ~1M characters (the default --max-prompt-chars): about half a second of tokenizing,
     # on a worker thread, so /health and other requests are answered meanwhile.
-    huge = {"prompt": "word " * 199_000, "max_tokens": 4}
+    huge = json.dumps({"prompt": "word " * 199_000, "max_tokens": 4}).encode()
+    uploaded = threading.Event()
     done = {}
 
+    def body():  # (sent with its Content-Length, as json= would send it)
+        yield huge
+        uploaded.set()  # httpx asks for more only once the body is written
+
     def send_huge():
-        done["huge_response"] = _post(server, auth, huge)
+        done["huge_response"] = httpx.post(f"{server.url}/v1/completions", content=body(), timeout=60, headers={
+            **auth, "content-type": "application/json", "content-length": str(len(huge))})
         done["huge"] = time.monotonic()
 
     thread = threading.Thread(target=send_huge)
     thread.start()
-    time.sleep(0.2)  # it is uploaded and being tokenized
+    assert uploaded.wait(60)  # it is uploaded, and parsed and tokenized from now on
     health = httpx.get(f"{server.url}/health", timeout=60)
     done["health"] = time.monotonic()
     thread.join(60)

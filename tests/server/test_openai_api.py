@@ -1,8 +1,8 @@
-"""The server driven by the real `openai` client and raw httpx, against AsyncEngine output."""
+"""The server driven by the real `openai` client and raw httpx, against the output of the
+AsyncEngine it serves, asked directly."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import time
@@ -11,16 +11,16 @@ import httpx
 import openai
 import pytest
 
-from gristmill import AsyncEngine, EngineConfig, SamplingParams
+from gristmill import SamplingParams
 from tests.server.conftest import API_KEY
 
 MODEL = "gemma-3-270m"
 
 
 @pytest.fixture(scope="module")
-def reference():
-    """Greedy outputs of the same requests straight from an AsyncEngine."""
-    engine = AsyncEngine(EngineConfig(device="cpu"))
+def reference(engine, server_loop):
+    """Greedy outputs of the same requests straight from the AsyncEngine (`serve`'s
+    defaults) the server runs on, on the server's loop (an engine serves one loop)."""
 
     async def run(prompt, max_tokens, add_special_tokens=True):
         async for out in engine.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0),
@@ -29,12 +29,11 @@ def reference():
         return out
 
     def generate(prompt, max_tokens, add_special_tokens=True):
-        return asyncio.run(run(prompt, max_tokens, add_special_tokens))
+        return server_loop.run(run(prompt, max_tokens, add_special_tokens), 300)
 
     generate.chat = lambda messages, n: generate(
         engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), n, False)
-    yield generate
-    engine.shutdown()
+    return generate
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import json
 import httpx
 import pytest
 
-from tests.server.conftest import API_KEY, Server
+from tests.server.conftest import API_KEY, AppServer
 
 MODEL = "gemma-3-270m"
 
@@ -122,8 +122,10 @@ def test_the_bearer_scheme_is_case_insensitive(server):
 
 
 @pytest.fixture(scope="module")
-def small_buffer_server():
-    srv = Server("--max-stream-buffer", "4")
+def small_buffer_server(server_loop, engine):
+    """`serve --max-stream-buffer 4`: a server option, so the package's engine under
+    another app."""
+    srv = AppServer(server_loop, engine, "--max-stream-buffer", "4")
     yield srv
     srv.stop()
 

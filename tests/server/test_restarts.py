@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from tests.harness import process_gone
-from tests.server.conftest import Server, assert_ended_dead, long_requests
+from tests.server.conftest import Server, assert_ended_dead, long_requests, wait_running_async
 
 GREEDY = {"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0}
 
@@ -33,7 +33,7 @@ async def _fault_mid_load(srv: Server, trigger: str):
     url = f"{srv.url}/v1/completions"
     async with httpx.AsyncClient(timeout=120) as client:
         tasks = long_requests(client, srv)
-        await asyncio.sleep(2.0)
+        await wait_running_async(client, srv.url, 4)  # all four in flight
         sent = time.monotonic()
         fault = asyncio.create_task(client.post(url, json={"prompt": f"{trigger} now", "max_tokens": 50}))
         results = await asyncio.gather(*tasks)
