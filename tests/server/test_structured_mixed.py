@@ -17,7 +17,8 @@ import openai
 import pytest
 
 from gristmill import SamplingParams
-from tests.batch.test_cli_batch import batch_cli, read_jsonl, write_jsonl
+from tests.batch.inprocess import batch_main
+from tests.batch.test_cli_batch import read_jsonl, write_jsonl
 from tests.server.conftest import API_KEY
 
 MODEL = "gemma-3-270m"
@@ -129,8 +130,8 @@ def test_gristmill_batch_with_json_schema(offline, tmp_path):
             rows.append({"id": i, "prompt": prompt, "sampling_params": params})
     constrained = [row["id"] for row in rows]
     source = write_jsonl(tmp_path / "in.jsonl", rows)
-    result = batch_cli(source, "-o", tmp_path / "out.jsonl", "--json-schema", tmp_path / "customer.json",
-                       "--temperature", "0", "--device", "cpu", "--batch-size", "64", timeout=600)
+    result = batch_main(source, "-o", tmp_path / "out.jsonl", "--json-schema", tmp_path / "customer.json",
+                        "--temperature", "0", "--device", "cpu", "--batch-size", "64")
     assert result.returncode == 0, result.stderr
     out = sorted(read_jsonl(tmp_path / "out.jsonl"), key=lambda row: row["id"])
     assert [row["id"] for row in out] == constrained
@@ -148,8 +149,7 @@ def test_an_openai_batch_file(offline, tmp_path):
             body["structured_outputs"] = structured
         lines.append({"custom_id": f"row-{i}", "method": "POST", "url": "/v1/completions", "body": body})
     source = write_jsonl(tmp_path / "batch.jsonl", lines)
-    result = batch_cli(source, "-o", tmp_path / "results.jsonl", "--device", "cpu", "--batch-size", "64",
-                       timeout=600)
+    result = batch_main(source, "-o", tmp_path / "results.jsonl", "--device", "cpu", "--batch-size", "64")
     assert result.returncode == 0, result.stderr
     by_id = {line["custom_id"]: line for line in read_jsonl(tmp_path / "results.jsonl")}
     assert len(by_id) == N
