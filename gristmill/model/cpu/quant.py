@@ -100,14 +100,21 @@ def load_quantized(model: nn.Module, scheme: str, cache_file: Path) -> set[str] 
         with safe_open(str(cache_file), framework="pt") as f:
             stored_names = set(f.keys())
             for name, linear in linears.items():
-                _, layer = _empty_layer(scheme, name, linear)
+                # Built on the meta device, then given copies of the stored tensors: no
+                # zero-filled buffers for the weights to be copied into. (A copy, not the
+                # stored tensors themselves: safetensors maps the file, and a cache file
+                # overwritten or truncated in place would then crash the engine with
+                # SIGBUS at its next step.)
+                with torch.device("meta"):
+                    _, layer = _empty_layer(scheme, name, linear)
                 buffers = dict(layer.named_buffers(recurse=False))
                 if any(f"{name}.{buf}" not in stored_names for buf in buffers):
                     return None
                 stored = {buf: f.get_tensor(f"{name}.{buf}") for buf in buffers}
                 if any(t.shape != buffers[buf].shape for buf, t in stored.items()):
                     return None
-                layer.load_state_dict(stored)
+                for buf, tensor in stored.items():  # (a dtype the file differs in: cast, as load_state_dict did)
+                    setattr(layer, buf, tensor.to(buffers[buf].dtype, copy=True))
                 layers[name] = layer
     except Exception as exc:  # noqa: BLE001 - a damaged cache: the cold path rebuilds it
         logger.warning("ignoring unreadable quantized cache %s (%s)", cache_file, exc)
