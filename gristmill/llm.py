@@ -7,13 +7,11 @@ import itertools
 import threading
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 from gristmill import startup
 from gristmill.config import EngineConfig
-from gristmill.engine.client import EngineClient
+from gristmill.engine.client import EngineClient, EngineFace
 from gristmill.engine.core import EngineCore
-from gristmill.engine.messages import Capacity
 from gristmill.errors import EngineDeadError, GenerationError, RequestError, error_string
 from gristmill.outputs import CompletionOutput, RequestOutput
 from gristmill.prompts import is_token_ids, prompt_item
@@ -22,7 +20,7 @@ from gristmill.sampling import SamplingParams
 Prompt = str | list[int]
 
 
-class LLM:
+class LLM(EngineFace):
     """Offline generation over the engine.
 
     >>> llm = LLM()  # the bundled Gemma 3 270M
@@ -47,44 +45,9 @@ class LLM:
         startup.logger.info("engine ready in %.1f s", self.start_seconds)
 
     @property
-    def config(self) -> EngineConfig:
-        """The config as the engine runs it (step limits left None: its device's defaults)."""
-        return self.client.config
-
-    @property
-    def model_dir(self) -> Path:
-        """The HF directory the model was loaded from (a GGUF file's converted copy)."""
-        return self.client.model_dir
-
-    @property
     def core(self) -> EngineCore:
+        """The engine core (it runs in this process)."""
         return self.client.core.engine_core
-
-    @property
-    def tokenizer(self):
-        return self.client.tokenizer
-
-    @property
-    def capacity(self) -> Capacity:
-        return self.client.capacity
-
-    @property
-    def inputs(self):
-        """The client's InputProcessor (validation, tokenizing)."""
-        return self.client.inputs
-
-    @property
-    def outputs(self):
-        """The client's OutputProcessor (detokenizing, stop strings)."""
-        return self.client.outputs
-
-    @property
-    def dead_error(self) -> EngineDeadError | None:
-        return self.client.dead_error
-
-    @property
-    def max_model_len(self) -> int:
-        return self.capacity.max_model_len
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -147,11 +110,6 @@ class LLM:
     def get_tokenizer(self):
         """The tokenizer (a transformers tokenizer), as vLLM's LLM.get_tokenizer()."""
         return self.tokenizer
-
-    def max_new_tokens(self, prompt: str | list[int] | int) -> int:
-        """Most tokens a request with this prompt can generate (context length and KV
-        cache): `prompt` is its text, its token ids, or its number of tokens."""
-        return self.inputs.max_new_tokens(self.inputs.num_prompt_tokens(prompt))
 
     # -- the loop --------------------------------------------------------------
 

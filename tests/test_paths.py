@@ -26,12 +26,16 @@ def _checker(path, expected):
     return verify, calls
 
 
-def test_a_matching_stamp_skips_the_hash_and_any_change_verifies_again(tmp_path):
+def _model_file(tmp_path):
+    """(a small random "model" file, its content, its sha256, where its stamp goes)."""
     model = tmp_path / "model.gguf"
     content = os.urandom(64 * 1024)
     model.write_bytes(content)
-    expected = hashlib.sha256(content).hexdigest()
-    stamp = tmp_path / "cache" / "stamp.json"
+    return model, content, hashlib.sha256(content).hexdigest(), tmp_path / "cache" / "stamp.json"
+
+
+def test_a_matching_stamp_skips_the_hash_and_any_change_verifies_again(tmp_path):
+    model, content, expected, stamp = _model_file(tmp_path)
     verify, calls = _checker(model, expected)
 
     assert verified_file(model, expected, verify, stamp) == model
@@ -59,11 +63,7 @@ def test_a_matching_stamp_skips_the_hash_and_any_change_verifies_again(tmp_path)
 
 
 def test_a_corrupted_or_truncated_file_is_refused(tmp_path):
-    model = tmp_path / "model.gguf"
-    content = os.urandom(64 * 1024)
-    model.write_bytes(content)
-    expected = hashlib.sha256(content).hexdigest()
-    stamp = tmp_path / "cache" / "stamp.json"
+    model, content, expected, stamp = _model_file(tmp_path)
     verify, calls = _checker(model, expected)
     verified_file(model, expected, verify, stamp)
 

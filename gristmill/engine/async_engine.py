@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 
 from gristmill import startup
 from gristmill.config import EngineConfig
-from gristmill.engine.client import OUTPUT_KINDS, EngineClient, in_child_process
+from gristmill.engine.client import OUTPUT_KINDS, EngineClient, EngineFace, in_child_process
 from gristmill.engine.messages import Rejected, StatsQuery, StatsReply, StepOutputs
 from gristmill.engine.stream import RequestStream
 from gristmill.errors import EngineDeadError, GenerationError, GristmillError, RequestError
@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 LONG_PROMPT_CHARS = 32_768
 
 
-class AsyncEngine:
+class AsyncEngine(EngineFace):
     """The engine behind the server and batch runners.
 
     >>> engine = AsyncEngine(EngineConfig(model=None))   # returns once the core is ready
@@ -82,46 +82,12 @@ class AsyncEngine:
     # -- public API --------------------------------------------------------------------
 
     @property
-    def config(self) -> EngineConfig:
-        """The config as the core runs it: step limits left None are its device's defaults."""
-        return self.client.config
-
-    @property
-    def capacity(self):
-        return self.client.capacity
-
-    @property
-    def tokenizer(self):
-        return self.client.tokenizer
-
-    @property
-    def inputs(self):
-        return self.client.inputs
-
-    @property
-    def outputs(self):
-        return self.client.outputs
-
-    @property
-    def max_model_len(self) -> int:
-        return self.capacity.max_model_len
-
-    @property
     def core_pid(self) -> int:
         return self.client.core.pid
 
     @property
     def errored(self) -> bool:
         return self.client.dead_error is not None
-
-    @property
-    def dead_error(self) -> EngineDeadError | None:
-        return self.client.dead_error
-
-    def max_new_tokens(self, prompt: str | list[int] | int) -> int:
-        """Most tokens a request with this prompt can generate (context length and KV
-        cache): `prompt` is its text, its token ids, or its number of tokens."""
-        return self.inputs.max_new_tokens(self.inputs.num_prompt_tokens(prompt))
 
     def add_failure_callback(self, callback: Callable[[EngineDeadError], None]) -> None:
         """Call `callback(error)` (from the monitor thread) when the engine dies."""

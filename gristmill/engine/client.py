@@ -357,6 +357,51 @@ class EngineClient:
                 del self._by_child[child]
 
 
+class EngineFace:
+    """What every face (`LLM`, `AsyncEngine`) shows of its `client`, written once."""
+
+    client: EngineClient
+
+    @property
+    def config(self) -> EngineConfig:
+        """The config as the engine runs it: step limits left None are its device's defaults."""
+        return self.client.config
+
+    @property
+    def model_dir(self):
+        """The HF directory the model was loaded from (a GGUF file's converted copy)."""
+        return self.client.model_dir
+
+    @property
+    def capacity(self):
+        return self.client.capacity
+
+    @property
+    def tokenizer(self):
+        return self.client.tokenizer
+
+    @property
+    def inputs(self) -> InputProcessor:
+        return self.client.inputs
+
+    @property
+    def outputs(self) -> OutputProcessor:
+        return self.client.outputs
+
+    @property
+    def dead_error(self) -> EngineDeadError | None:
+        return self.client.dead_error
+
+    @property
+    def max_model_len(self) -> int:
+        return self.client.capacity.max_model_len
+
+    def max_new_tokens(self, prompt: str | list[int] | int) -> int:
+        """Most tokens a request with this prompt can generate (context length and KV
+        cache): `prompt` is its text, its token ids, or its number of tokens."""
+        return self.client.inputs.max_new_tokens(self.client.inputs.num_prompt_tokens(prompt))
+
+
 def in_child_process(core_env: Mapping[str, str] | None, on_message: Callable,
                      on_death: Callable[[EngineDeadError], None]) -> Callable[[EngineConfig], CoreClient]:
     """A core factory for `EngineClient`: each core a child process (`CoreClient`) with
