@@ -3,10 +3,15 @@
 from gristmill.config import EngineConfig
 from gristmill.errors import (EngineDeadError, EngineOverloadedError, GenerationError,
                               GristmillError, PromptTooLongError, RequestError, is_fatal)
-from gristmill.outputs import CompletionOutput, Logprob, RequestOutput
+from gristmill.outputs import (ClassificationOutput, ClassificationRequestOutput, CompletionOutput, EmbeddingOutput,
+                               EmbeddingRequestOutput, Logprob, PoolingOutput, PoolingRequestOutput, RequestOutput,
+                               ScoringOutput, ScoringRequestOutput)
+from gristmill.pooling_params import PoolingParams
 from gristmill.sampling import SamplingParams
 
 __all__ = ["LLM", "AsyncEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
+           "PoolingParams", "PoolingRequestOutput", "PoolingOutput", "EmbeddingRequestOutput", "EmbeddingOutput",
+           "ClassificationRequestOutput", "ClassificationOutput", "ScoringRequestOutput", "ScoringOutput",
            "GristmillError", "RequestError", "PromptTooLongError", "GenerationError",
            "EngineOverloadedError", "EngineDeadError", "is_fatal"]
 

@@ -176,7 +176,7 @@ def cmd_serve(args) -> int:
     config = engine_config(args)
     try:
         limits = ServerLimits(max_request_bytes=args.max_request_bytes, max_prompt_chars=args.max_prompt_chars,
-                              max_stream_buffer=args.max_stream_buffer)
+                              max_stream_buffer=args.max_stream_buffer, max_inputs=args.max_inputs)
     except RequestError as exc:
         raise SystemExit(f"error: {exc} (flag: --{exc.param.replace('_', '-')})") from None
     if args.max_engine_restarts < 0 or not args.restart_window_s > 0 or args.shutdown_grace_s < 0:
@@ -214,7 +214,7 @@ def _serve(args, config, limits, sock) -> int:
     from gristmill import startup
     from gristmill.engine.async_engine import AsyncEngine
     from gristmill.errors import EngineDeadError
-    from gristmill.paths import DEFAULT_MODEL_NAME
+    from gristmill.paths import DEFAULT_EMBEDDING_MODEL_NAME, DEFAULT_MODEL_NAME
     from gristmill.server.app import build_app
     from gristmill.server.run import DrainingServer
 
@@ -237,7 +237,8 @@ def _serve(args, config, limits, sock) -> int:
             exit_code = 1
             server.should_exit = True
 
-    name = args.served_model_name or config.model or DEFAULT_MODEL_NAME
+    name = args.served_model_name or config.model or (
+        DEFAULT_EMBEDDING_MODEL_NAME if engine.config.task in ("embed", "score") else DEFAULT_MODEL_NAME)
     app = build_app(engine, name, api_key=args.api_key, max_engine_restarts=args.max_engine_restarts,
                     restart_window_s=args.restart_window_s, start_seconds=time.monotonic() - started,
                     on_give_up=on_give_up, limits=limits)
@@ -307,6 +308,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"largest request body (default: {limits.max_request_bytes})")
     serve.add_argument("--max-prompt-chars", type=int, default=limits.max_prompt_chars,
                        help=f"longest prompt, in characters (default: {limits.max_prompt_chars})")
+    serve.add_argument("--max-inputs", type=int, default=limits.max_inputs,
+                       help=f"most inputs of one embeddings or classify request, texts of one score or rerank "
+                            f"request (default: {limits.max_inputs})")
     serve.add_argument("--max-stream-buffer", type=int, default=limits.max_stream_buffer,
                        help="outputs a stream may hold unread before its request is aborted "
                             f"(a reader too slow for it; default: {limits.max_stream_buffer})")

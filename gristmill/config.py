@@ -7,6 +7,7 @@ import random
 from dataclasses import Field, dataclass, field, fields, replace
 
 from gristmill.errors import RequestError
+from gristmill.pooling_params import TASKS
 
 
 def _field(default, doc: str):
@@ -28,6 +29,12 @@ class EngineConfig:
     """
 
     model: str | None = _field(None, "HF model directory or GGUF file; None = the bundled Gemma 3 270M.")
+    task: str = _field(
+        "auto", 'What the engine does with its model: "generate" (text), "embed" (a vector per prompt), '
+                '"classify" (label probabilities) or "score" (the relevance of text pairs, by a cross-encoder '
+                'or the cosine of two embeddings); "auto" = from the model (a *ForSequenceClassification: '
+                "classify, or score with one label; an encoder or a sentence-transformers model: embed; else "
+                "generate). With model None, embed and score use the bundled all-MiniLM-L6-v2.")
     max_model_len: int | None = _field(None, "Longest prompt + output, in tokens; None = the model's own limit.")
     block_size: int = _field(16, "Tokens per KV cache block.")
     kv_cache_memory_gb: float | None = _field(
@@ -97,6 +104,8 @@ class EngineConfig:
         check(_is_int(self.seed) and -2**63 <= self.seed < 2**64, "seed",
               f"must be an integer in [-2**63, 2**64) or None, got {self.seed!r}")
         check(isinstance(self.enforce_eager, bool), "enforce_eager", f"must be True or False, got {self.enforce_eager!r}")
+        check(self.task in ("auto", *TASKS), "task",
+              f"must be 'auto', 'generate', 'embed', 'classify' or 'score', got {self.task!r}")
         check(self.max_model_len is None or _positive_int(self.max_model_len), "max_model_len",
               f"must be a positive integer or None, got {self.max_model_len!r}")
         check(_positive_int(self.block_size) and self.block_size & (self.block_size - 1) == 0,

@@ -13,7 +13,10 @@ from gristmill.config import EngineConfig
 from gristmill.engine.client import EngineClient, EngineFace
 from gristmill.engine.core import EngineCore
 from gristmill.errors import EngineDeadError, GenerationError, RequestError, error_string
-from gristmill.outputs import CompletionOutput, RequestOutput
+from gristmill.outputs import (POOLING_OUTPUT_CLASSES, ClassificationRequestOutput, CompletionOutput,
+                               EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput, ScoringOutput,
+                               ScoringRequestOutput)
+from gristmill.pooling_params import PoolingParams
 from gristmill.prompts import is_token_ids, prompt_item
 from gristmill.sampling import SamplingParams
 
@@ -107,6 +110,99 @@ class LLM(EngineFace):
             raise RequestError(f"{self.model_dir / 'generation_config.json'} gives an invalid default: {exc}; "
                                f"fix the file or pass SamplingParams", param=exc.param) from None
 
+    # -- pooling engines (task embed, classify, score) ------------------------------
+
+    def embed(self, prompts: Prompt | Sequence[Prompt], pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+              *, truncate_prompt_tokens: int | None = None, use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """An embedding of each prompt, in order (`outputs.embedding`, a list of floats), as
+        vLLM's LLM.embed; needs an engine whose task is embed (or score, by an embedding
+        model). `pooling_params`: one for all prompts or one per prompt (`dimensions`,
+        `normalize`, `truncate_prompt_tokens`). A prompt that fails comes back with
+        finish_reason "error" and `error` set, `outputs` None."""
+        return self._pool(prompts, pooling_params, "embed", truncate_prompt_tokens, use_tqdm)
+
+    def classify(self, prompts: Prompt | Sequence[Prompt],
+                 pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *,
+                 truncate_prompt_tokens: int | None = None, use_tqdm: bool = True) -> list[ClassificationRequestOutput]:
+        """Label probabilities of each prompt (`outputs.probs`, in the model's id2label
+        order), as vLLM's LLM.classify; needs a sequence classifier (task classify)."""
+        return self._pool(prompts, pooling_params, "classify", truncate_prompt_tokens, use_tqdm)
+
+    def encode(self, prompts: Prompt | Sequence[Prompt],
+               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *,
+               truncate_prompt_tokens: int | None = None, use_tqdm: bool = True) -> list[PoolingRequestOutput]:
+        """What the model's pooler gives for each prompt, as a float32 numpy array
+        (`outputs.data`): an embedding or a classifier's probabilities."""
+        return self._pool(prompts, pooling_params, "encode", truncate_prompt_tokens, use_tqdm)
+
+    def score(self, data_1: Prompt | Sequence[Prompt], data_2: Prompt | Sequence[Prompt],
+              pooling_params: PoolingParams | None = None, *, truncate_prompt_tokens: int | None = None,
+              use_tqdm: bool = True) -> list[ScoringRequestOutput]:
+        """How well each text of `data_2` goes with `data_1` (one text against each, or
+        the i-th with the i-th), as vLLM's LLM.score: `outputs.score` is a cross-encoder's
+        relevance (task score: a classifier with one label, reading each pair at once), or
+        the cosine of the two texts' embeddings (an embedding model)."""
+        firsts, seconds = _score_pairs(data_1, data_2)
+        self.client.check_pooling("score")
+        if self.capacity.pooler.head == "embed":
+            return self._score_by_cosine(firsts, seconds, pooling_params, truncate_prompt_tokens, use_tqdm)
+        items = [(first, second) for first, second in zip(firsts, seconds)]
+        return self._pool(items, pooling_params, "score", truncate_prompt_tokens, use_tqdm, pairs=True)
+
+    def _score_by_cosine(self, firsts, seconds, pooling_params, truncate_prompt_tokens, use_tqdm):
+        texts = list({_prompt_key(t): t for t in [*firsts, *seconds]}.values())
+        params = (pooling_params or PoolingParams()).clone(normalize=True)
+        embedded = dict(zip(map(_prompt_key, texts),
+                            self._pool(texts, params, "embed", truncate_prompt_tokens, use_tqdm)))
+        results = []
+        for first, second in zip(firsts, seconds):
+            a, b = embedded[_prompt_key(first)], embedded[_prompt_key(second)]
+            result = ScoringRequestOutput(str(next(self._ids)), None, a.prompt_token_ids + b.prompt_token_ids)
+            failed = a if a.error else b if b.error else None
+            if failed is not None:
+                result.finish_reason, result.error = "error", failed.error
+            else:
+                result.finish_reason = "stop"
+                result.outputs = ScoringOutput(sum(x * y for x, y in zip(a.outputs.embedding, b.outputs.embedding)))
+            results.append(result)
+        return results
+
+    def _pool(self, prompts, pooling_params, kind: str, truncate_prompt_tokens, use_tqdm: bool, pairs: bool = False):
+        if prompts is None:
+            raise RequestError("prompts is None; pass a text, a list of token ids or a list of them", param="prompt")
+        if not pairs and (isinstance(prompts, (str, bytes, dict)) or is_token_ids(prompts)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        self.client.check_pooling(kind)
+        params_list = _pooling_params_per_prompt(pooling_params, len(prompts))
+        if truncate_prompt_tokens is not None:
+            params_list = [p.clone(truncate_prompt_tokens=truncate_prompt_tokens) for p in params_list]
+        if self.dead_error is not None:
+            raise EngineDeadError(self.dead_error.message)
+        with self._lock:
+            try:
+                results = [self._add_pooling(prompt, params, kind, pairs)
+                           for prompt, params in zip(prompts, params_list)]
+                self._step_until_done(len(results), sum(r.finished for r in results), use_tqdm, kind)
+                return results
+            except BaseException:
+                self.client.abort_all()
+                raise
+
+    def _add_pooling(self, prompt, params: PoolingParams, kind: str, pair: bool) -> PoolingRequestOutput:
+        request_id = str(next(self._ids))
+        second = None
+        if pair:
+            prompt, second = prompt
+        prompt, invalid = prompt_item(prompt)
+        try:
+            if invalid is not None:
+                raise invalid
+            return self.client.add_pooling(prompt, params, request_id, kind, pair=second).output
+        except (RequestError, GenerationError) as exc:
+            return POOLING_OUTPUT_CLASSES[kind](request_id, prompt if isinstance(prompt, str) else None, [],
+                                                finish_reason="error", error=error_string(exc))
+
     def get_tokenizer(self):
         """The tokenizer (a transformers tokenizer), as vLLM's LLM.get_tokenizer()."""
         return self.tokenizer
@@ -116,6 +212,10 @@ class LLM(EngineFace):
     def _run(self, items, sampling_params, use_tqdm: bool, add_special_tokens: bool = True):
         if self.dead_error is not None:
             raise EngineDeadError(self.dead_error.message)
+        if self.client.task != "generate":
+            raise RequestError(f"this engine runs task {self.client.task!r}: it does not generate text; use "
+                               f"LLM.embed, classify, score or encode, or start an engine with task='generate'",
+                               param="task")
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params_list = _params_per_prompt(sampling_params, len(items))
@@ -133,8 +233,12 @@ class LLM(EngineFace):
     def _run_locked(self, items, params_list, use_tqdm: bool, add_special_tokens: bool):
         results = [self._add(prompt, params, early_error, add_special_tokens)
                    for (prompt, early_error), params in zip(items, params_list)]
-        bar = _progress_bar(len(results), use_tqdm)
-        bar.update(sum(r.finished for r in results))
+        self._step_until_done(len(results), sum(r.finished for r in results), use_tqdm, "generate")
+        return results
+
+    def _step_until_done(self, total: int, done: int, use_tqdm: bool, what: str) -> None:
+        bar = _progress_bar(total, use_tqdm, what)
+        bar.update(done)
         try:
             while self.client.has_unfinished:
                 delivered = self.client.step()
@@ -142,7 +246,6 @@ class LLM(EngineFace):
                     bar.update(len(delivered))  # ("final" outputs: handed out once, finished)
         finally:
             bar.close()
-        return results
 
     def _add(self, prompt, params: SamplingParams, early_error, add_special_tokens) -> RequestOutput:
         """The request's output: the client's, filled in as it runs; one that is refused
@@ -192,8 +295,52 @@ class _NoBar:
         pass
 
 
-def _progress_bar(total: int, use_tqdm: bool):
+def _progress_bar(total: int, use_tqdm: bool, what: str):
     if not use_tqdm or total < 2:
         return _NoBar()
     from tqdm.auto import tqdm
-    return tqdm(total=total, desc="generate", unit="prompt")
+    return tqdm(total=total, desc=what, unit="prompt")
+
+
+def _pooling_params_per_prompt(pooling_params, count: int) -> list[PoolingParams]:
+    if pooling_params is None:
+        return [PoolingParams()] * count
+    if isinstance(pooling_params, PoolingParams):
+        return [pooling_params] * count
+    if isinstance(pooling_params, (dict, str, bytes)):
+        raise RequestError(f"pooling_params must be a PoolingParams or a list of them, got "
+                           f"{type(pooling_params).__name__}; e.g. PoolingParams(**your_dict)", param="pooling_params")
+    params = list(pooling_params)
+    if len(params) != count:
+        raise RequestError(f"got {len(params)} PoolingParams for {count} prompts; pass one for all prompts or "
+                           f"exactly one per prompt", param="pooling_params")
+    bad = next((p for p in params if not isinstance(p, PoolingParams)), None)
+    if bad is not None:
+        raise RequestError(f"pooling_params must be PoolingParams, got a {type(bad).__name__} in the list",
+                           param="pooling_params")
+    return params
+
+
+def _score_pairs(data_1, data_2) -> tuple[list, list]:
+    """The (first, second) texts `LLM.score` scores: one against each, or i-th with i-th."""
+    def as_list(data, name):
+        if data is None:
+            raise RequestError(f"{name} is None; pass a text or a list of texts", param=name)
+        if isinstance(data, (str, bytes, dict)) or is_token_ids(data):
+            return [data]
+        data = list(data)
+        if not data:
+            raise RequestError(f"{name} is empty; pass at least one text", param=name)
+        return data
+
+    firsts, seconds = as_list(data_1, "data_1"), as_list(data_2, "data_2")
+    if len(firsts) == 1:
+        return firsts * len(seconds), seconds
+    if len(firsts) != len(seconds):
+        raise RequestError(f"data_1 has {len(firsts)} texts and data_2 {len(seconds)}; pass one text as data_1 "
+                           f"(scored against each of data_2) or as many as data_2 (scored pairwise)", param="data_2")
+    return firsts, seconds
+
+
+def _prompt_key(prompt) -> object:
+    return prompt if isinstance(prompt, str) else repr(prompt)

@@ -97,3 +97,91 @@ class RequestOutput:
     @property
     def error(self) -> str | None:
         return next((o.error for o in self.outputs if o.error), None)
+
+
+# -- pooling engines (embed, classify, score) ---------------------------------------
+
+@dataclass
+class PoolingOutput:
+    """What a pooling request computed: its vector, as the model's pooler and the
+    request's PoolingParams made it (a float32 numpy array)."""
+
+    data: object
+
+
+@dataclass
+class EmbeddingOutput:
+    #: The embedding (normalized unless the request or the model says not to).
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class ClassificationOutput:
+    #: One probability per label (model's id2label order), or the raw logits when the
+    #: request turned the activation off.
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ScoringOutput:
+    #: A cross-encoder's relevance (a probability, unless the activation is off), or the
+    #: cosine of two embeddings.
+    score: float
+
+
+@dataclass
+class PoolingRequestOutput:
+    """A pooling request's result, as vLLM's: `outputs` is one object (`PoolingOutput`,
+    or `EmbeddingOutput`, `ClassificationOutput`, `ScoringOutput` by the call that made
+    it), None until it finishes and when it fails; then `error` says why."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: object = None
+    #: "stop" (computed), "abort" or "error"; None while running.
+    finish_reason: str | None = None
+    #: "<ErrorType>: <message>" when finish_reason is "error".
+    error: str | None = None
+    metrics: RequestMetrics | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class EmbeddingRequestOutput(PoolingRequestOutput):
+    """`LLM.embed`'s: `outputs.embedding`."""
+
+
+class ClassificationRequestOutput(PoolingRequestOutput):
+    """`LLM.classify`'s: `outputs.probs`."""
+
+
+class ScoringRequestOutput(PoolingRequestOutput):
+    """`LLM.score`'s: `outputs.score`."""
+
+
+def pooled_output(kind: str, data) -> object:
+    """The `outputs` of a pooling request whose caller asked for `kind` ("embed",
+    "classify", "score" or "encode"), from the engine's vector (float32 numpy)."""
+    if kind == "embed":
+        return EmbeddingOutput(data.tolist())
+    if kind == "classify":
+        return ClassificationOutput(data.tolist())
+    if kind == "score":
+        return ScoringOutput(float(data[0]))
+    return PoolingOutput(data)
+
+
+#: The request output class of each kind of pooling call.
+POOLING_OUTPUT_CLASSES = {"embed": EmbeddingRequestOutput, "classify": ClassificationRequestOutput,
+                          "score": ScoringRequestOutput, "encode": PoolingRequestOutput}

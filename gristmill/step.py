@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from gristmill.outputs import Logprob
+from gristmill.pooling_params import PoolingParams
 from gristmill.sampling import SamplingParams
 
 #: Stands in a request's token ids for a token sampled by a step still running on the
@@ -60,6 +61,11 @@ class ScheduledRequest:
     matcher: object | None
     #: It asks for a logits control (model/logits.py): a bias, a ban or a penalty.
     controlled: bool
+    #: A pooling request's params (its whole prompt is in this step; nothing is
+    #: sampled: the runner pools its hidden states), else None.
+    pooling: PoolingParams | None = None
+    #: A pooling request's token types (a text pair's), or None (all 0).
+    token_type_ids: Sequence[int] | None = None
 
     def __repr__(self) -> str:
         return (f"ScheduledRequest({self.request_id!r}, num_computed_tokens={self.num_computed_tokens}, "
@@ -104,3 +110,6 @@ class StepTokens:
     token_ids: list[int]
     #: Per row: {token_id: Logprob} of the sampled token and the top-k, or None.
     logprobs: list[dict[int, Logprob] | None]
+    #: A pooling step's results (a float32 numpy array per row; its `token_ids` are
+    #: then 0s, no token), else None.
+    pooled: list | None = None

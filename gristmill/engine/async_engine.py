@@ -26,7 +26,8 @@ from gristmill.engine.client import OUTPUT_KINDS, EngineClient, EngineFace, in_c
 from gristmill.engine.messages import Rejected, StatsQuery, StatsReply, StepOutputs
 from gristmill.engine.stream import RequestStream
 from gristmill.errors import EngineDeadError, GenerationError, GristmillError, RequestError
-from gristmill.outputs import RequestOutput
+from gristmill.outputs import POOLING_OUTPUT_CLASSES, PoolingRequestOutput, RequestOutput
+from gristmill.pooling_params import PoolingParams
 from gristmill.prompts import prompt_item
 from gristmill.sampling import SamplingParams
 
@@ -132,6 +133,46 @@ class AsyncEngine(EngineFace):
         if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
             raise RequestError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}; "
                                f"e.g. SamplingParams(**your_dict)", param="sampling_params")
+        params = sampling_params or SamplingParams()
+        return self._open_stream(prompt, request_id, max_buffered, lambda prompt, request_id: self.client.add(
+            prompt, params, request_id, output_kind=output_kind, add_special_tokens=add_special_tokens,
+            prompt_token_ids=prompt_token_ids, token_times=token_times))
+
+    async def encode(self, prompt: str | list[int], pooling_params: PoolingParams | None = None,
+                     request_id: str | None = None, *, kind: str = "encode", text_pair: str | None = None,
+                     add_special_tokens: bool = True) -> AsyncIterator[PoolingRequestOutput]:
+        """A pooling request (an engine whose task is embed, classify or score), as
+        vLLM's AsyncLLM.encode: one output, when it ends. `kind` is what it holds
+        (`outputs.pooled_output`): "embed" (`outputs.embedding`), "classify"
+        (`outputs.probs`), "score" (`outputs.score` of the pair (`prompt`, `text_pair`) by a
+        cross-encoder) or "encode" (`outputs.data`). Raises as `generate` does."""
+        stream = self.add_pooling_request(prompt, pooling_params, request_id, kind=kind, text_pair=text_pair,
+                                          add_special_tokens=add_special_tokens)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            await stream.aclose()
+
+    def add_pooling_request(self, prompt: str | list[int], pooling_params: PoolingParams | None = None,
+                            request_id: str | None = None, *, kind: str = "encode", text_pair: str | None = None,
+                            add_special_tokens: bool = True, prompt_token_ids: list[int] | None = None,
+                            token_type_ids: list[int] | None = None) -> RequestStream:
+        """`add_request` for a pooling request (see `encode`). `prompt_token_ids` (and a
+        pair's `token_type_ids`): the prompt tokenized already (`inputs.tokenize_for_pooling`)."""
+        if pooling_params is not None and not isinstance(pooling_params, PoolingParams):
+            raise RequestError(f"pooling_params must be a PoolingParams, got {type(pooling_params).__name__}; "
+                               f"e.g. PoolingParams(**your_dict)", param="pooling_params")
+        if kind not in POOLING_OUTPUT_CLASSES:
+            raise RequestError(f"kind must be one of {', '.join(POOLING_OUTPUT_CLASSES)}, got {kind!r}", param="kind")
+        params = pooling_params or PoolingParams()
+        return self._open_stream(prompt, request_id, None, lambda prompt, request_id: self.client.add_pooling(
+            prompt, params, request_id, kind, pair=text_pair, add_special_tokens=add_special_tokens,
+            prompt_token_ids=prompt_token_ids, token_type_ids=token_type_ids))
+
+    def _open_stream(self, prompt, request_id: str | None, max_buffered: int | None, submit) -> RequestStream:
+        """Check what every request shares, `submit(prompt, request_id)` it to the client
+        and open its stream."""
         if request_id is not None and not isinstance(request_id, str):
             raise RequestError(f"request_id must be a string (or None for a generated one), got "
                                f"{type(request_id).__name__} {request_id!r}", param="request_id")
@@ -140,15 +181,12 @@ class AsyncEngine(EngineFace):
             raise invalid
         self._raise_if_dead()
         self._bind_loop()
-        params = sampling_params or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._streams:
             raise RequestError(f"request id {request_id!r} is already in use; use a unique id",
                                param="request_id")
         try:
-            tracked = self.client.add(prompt, params, request_id, output_kind=output_kind,
-                                      add_special_tokens=add_special_tokens, prompt_token_ids=prompt_token_ids,
-                                      token_times=token_times)
+            tracked = submit(prompt, request_id)
         except GenerationError:
             self.num_errors += 1
             raise

@@ -5,8 +5,9 @@ engine-core process build through here:
 
 - `start_kernels(config)`: on a first start on a CPU, starts compiling the C++ kernels on
   a thread (once per machine), so the model is converted and loaded meanwhile.
-- `resolve_model_dir(config)`: the HF directory of `config.model`; a GGUF file is
-  converted once into the cache, in the caller's process, so a core never converts.
+- `resolve_config(config)`: the config with `model` the HF directory (a GGUF file is
+  converted once into the cache, in the caller's process, so a core never converts)
+  and `task` what the model runs ("auto" resolved).
 - `build_core(config)`: an `EngineCore` over a `ModelRunner` (loads the weights).
 - `load_tokenizer(model_dir)`: the tokenizer and the ids that end a sequence (a copy is
   kept in the cache).
@@ -14,10 +15,13 @@ engine-core process build through here:
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from gristmill.config import EngineConfig
 from gristmill.engine.core import EngineCore
+from gristmill.errors import RequestError
+from gristmill.tasks import resolve_task
 
 
 def start_kernels(config: EngineConfig) -> None:
@@ -29,8 +33,25 @@ def start_kernels(config: EngineConfig) -> None:
 
 
 def resolve_model_dir(config: EngineConfig) -> Path:
+    """The model's HF directory. With no model named, an embed or score engine gets the
+    bundled embedding model (all-MiniLM-L6-v2), a classify engine none (it must name one)."""
     from gristmill.model.loader import resolve_model  # imports no torch
-    return resolve_model(config.model, config.cache_dir)
+
+    model = config.model
+    if model is None and config.task in ("embed", "score"):
+        from gristmill.paths import DEFAULT_EMBEDDING_MODEL_NAME
+        model = DEFAULT_EMBEDDING_MODEL_NAME
+    elif model is None and config.task == "classify":
+        raise RequestError("task='classify' needs a model with a classification head (a "
+                           "*ForSequenceClassification directory); there is no bundled one: pass model=",
+                           param="model")
+    return resolve_model(model, config.cache_dir)
+
+
+def resolve_config(config: EngineConfig) -> EngineConfig:
+    """`config` with its model as an HF directory and its task resolved (`tasks.resolve_task`)."""
+    model_dir = resolve_model_dir(config)
+    return dataclasses.replace(config, model=str(model_dir), task=resolve_task(config.task, model_dir))
 
 
 def build_core(config: EngineConfig, model_dir: Path | None = None) -> EngineCore:

@@ -23,6 +23,7 @@ import dataclasses
 import time
 import weakref
 from collections.abc import Callable, Mapping
+from pathlib import Path
 
 from gristmill import faults
 from gristmill.config import EngineConfig
@@ -31,10 +32,12 @@ from gristmill.engine.core import EngineCore
 from gristmill.engine.core_client import CoreClient
 from gristmill.engine.messages import AddRequest, Rejected, StepOutputs
 from gristmill.engine.output_processor import OutputProcessor
-from gristmill.engine.processor import InputProcessor
+from gristmill.engine.processor import InputProcessor, check_pooling_kind, check_pooling_request
 from gristmill.errors import (EngineDeadError, EngineOverloadedError, GenerationError, GristmillError, RequestError,
                               error_string)
-from gristmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from gristmill.outputs import (POOLING_OUTPUT_CLASSES, CompletionOutput, PoolingRequestOutput, RequestMetrics,
+                               RequestOutput)
+from gristmill.pooling_params import PoolingParams
 from gristmill.sampling import SamplingParams, generation_config_defaults
 
 #: What a request's outputs hold, by the `output_kind` it was added with (`make_output`):
@@ -79,6 +82,8 @@ class Delivery:
 def make_output(tracked: Tracked, output: RequestOutput) -> RequestOutput | None:
     """What the caller of a request is handed of `output` now, by its output kind; None:
     nothing yet. The one place output kinds are decided."""
+    if isinstance(output, PoolingRequestOutput):  # (one output, at its end)
+        return output if output.finished else None
     if tracked.output_kind == "final":
         if not output.finished:
             return None
@@ -178,10 +183,13 @@ class EngineClient:
         builder.start_kernels(config)  # a first start on a CPU compiles them meanwhile
         #: The HF directory the model is loaded from (a GGUF file's converted copy: a
         #: GGUF is converted once, here, so a core never converts).
-        self.model_dir = builder.resolve_model_dir(config)
+        self.core_config = builder.resolve_config(config)
+        self.model_dir = Path(self.core_config.model)
+        #: What the engine runs: "generate", or a pooling task ("embed", "classify", "score").
+        self.task = self.core_config.task
         #: The SamplingParams fields the model's generation_config.json sets (read once).
         self.generation_defaults = generation_config_defaults(self.model_dir)
-        self.core_config = dataclasses.replace(config, model=str(self.model_dir))
+        config = dataclasses.replace(config, task=self.task)
         self._core_factory = core_factory
         if core_factory is None:
             # The tokenizer loads on a thread while the model loads (each takes seconds;
@@ -189,7 +197,7 @@ class EngineClient:
             pool = concurrent.futures.ThreadPoolExecutor(1, "gristmill-tokenizer")
             loading = pool.submit(builder.load_tokenizer, self.model_dir, config.cache_dir)
             pool.shutdown(wait=False)
-            core = builder.build_core(config, self.model_dir)
+            core = builder.build_core(self.core_config, self.model_dir)
             self.core = InprocCore(core)
             self.tokenizer, eos_token_ids = loading.result()
             capacity = core.capacity
@@ -251,6 +259,8 @@ class EngineClient:
         notes when each token became known (for latency metrics)."""
         if self.core.dead_error is not None:
             raise EngineDeadError(self.core.dead_error.message)
+        if self.capacity.task != "generate":
+            check_pooling_request(None, self.capacity)  # (raises: a pooling engine generates nothing)
         prompt_text = prompt if isinstance(prompt, str) else None
         token_ids = prompt_token_ids
         if token_ids is None:
@@ -277,6 +287,51 @@ class EngineClient:
         for rejected in refused:
             self.handle(rejected)
         return tracked
+
+    def add_pooling(self, prompt: str | list[int], params: PoolingParams, request_id: str, kind: str, *,
+                    pair: str | None = None, add_special_tokens: bool = True,
+                    prompt_token_ids: list[int] | None = None, token_type_ids: list[int] | None = None) -> Tracked:
+        """Validate, tokenize and submit a pooling request (an engine whose task is embed,
+        classify or score): `kind` is what its caller gets (`outputs.pooled_output`), `pair`
+        the second text of a pair a cross-encoder scores. Its one output comes when it
+        ends. Raises as `add` does."""
+        if self.core.dead_error is not None:
+            raise EngineDeadError(self.core.dead_error.message)
+        check_pooling_request(params, self.capacity)
+        check_pooling_kind(kind, self.capacity, pair=pair is not None)
+        prompt_text = prompt if isinstance(prompt, str) else None
+        token_types = token_type_ids
+        if prompt_token_ids is not None:
+            token_ids = prompt_token_ids
+        else:
+            token_ids, token_types = self.inputs.tokenize_for_pooling(prompt, params, add_special_tokens, pair)
+        request = self.inputs.make_pooling_request(request_id, token_ids, params, prompt_text, token_types)
+        if request_id in self._tracked or request_id in self._by_child:
+            raise RequestError(f"request id {request_id!r} is already in use; use a unique id",
+                               param="request_id")
+        self._admit(1)
+        output = POOLING_OUTPUT_CLASSES[kind](request_id, prompt_text, token_ids, metrics=RequestMetrics(time.monotonic()))
+        self.outputs.add_pooled(output, kind)
+        tracked = Tracked(output, [request_id], "final", [0])
+        self._tracked[request_id] = tracked
+        self._by_child[request_id] = tracked
+        try:
+            refused = self.core.add([request])
+        except EngineDeadError:
+            self.abort(request_id)
+            raise
+        for rejected in refused:
+            self.handle(rejected)
+        return tracked
+
+    def check_pooling(self, kind: str) -> None:
+        """RequestError unless this engine runs a pooling task whose model gives what a
+        call of `kind` ("embed", "classify", "score", "encode") returns."""
+        if self.task == "generate":
+            raise RequestError(f"{kind} needs a pooling engine; this one generates text (task 'generate'). "
+                               f"Start one with task='embed', 'classify' or 'score', e.g. "
+                               f"LLM(model, task='embed')", param="task")
+        check_pooling_kind(kind, self.capacity)
 
     def _admit(self, count: int) -> None:
         limit = self.max_waiting_requests
@@ -342,10 +397,8 @@ class EngineClient:
             if pushed is None:
                 continue
             error = None
-            if finished:
-                errors = [c.error for c in output.outputs if c.finish_reason == "error"]
-                if errors:
-                    error = refused or GenerationError(errors[0].split(": ", 1)[-1])
+            if finished and output.error is not None:
+                error = refused or GenerationError(output.error.split(": ", 1)[-1])
             deliveries.append(Delivery(tracked, pushed, error))
         return deliveries
 

@@ -9,12 +9,13 @@ from gristmill.config import EngineConfig
 from gristmill import faults
 from gristmill.engine.kv_blocks import BlockManager
 from gristmill.engine.messages import AddRequest, Capacity, RequestUpdate
-from gristmill.engine.processor import check_add_request
+from gristmill.engine.processor import POOLING_SAMPLING, check_add_request
 from gristmill.engine.request import Request
 from gristmill.engine.scheduler import Scheduler
 from gristmill.errors import RequestError
 from gristmill.step import SchedulerOutput, StepTokens
 from gristmill.structured.spec import parse_constraint
+from gristmill.tasks import is_pooling
 
 
 class Executor(Protocol):
@@ -48,13 +49,17 @@ class EngineCore:
         self.executor = executor
         self._make_grammars = grammars
         self._grammars = None
+        #: "generate", or the pooling task (embed, classify, score) every request runs.
+        self.task = getattr(executor, "task", "generate")
+        # (a pooling request needs the hidden state of every prompt token: none is skipped)
         self.block_manager = BlockManager(executor.num_blocks, config.block_size,
-                                          config.enable_prefix_caching)
+                                          config.enable_prefix_caching and not is_pooling(self.task))
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, executor.max_model_len)
         self.capacity = Capacity(executor.max_model_len, executor.num_blocks, config.block_size,
                                  executor.vocab_size, config.max_num_seqs,
-                                 config.max_num_batched_tokens)
+                                 config.max_num_batched_tokens, self.task,
+                                 getattr(executor, "pooler_info", None))
         self.num_steps = 0
         choice = config.async_scheduling
         self.async_scheduling = hasattr(executor, "launch") and (
@@ -119,6 +124,12 @@ class EngineCore:
             self.scheduler.finish_request(request_id, "error")
             return RequestError(f"request id {request_id!r} was sent while a request with that id was in the "
                                 f"engine; both were ended, send each request under its own id", param="request_id")
+        if message.pooling is not None:
+            request = Request(request_id, list(message.prompt_token_ids), POOLING_SAMPLING, frozenset(),
+                              message.fault_tag, pooling=message.pooling,
+                              token_type_ids=message.token_type_ids, send_at_end=True)
+            self.scheduler.add_request(request)
+            return None
         try:
             matcher = self._matcher(message.sampling_params, message.eos_token_ids)
         except RequestError as exc:

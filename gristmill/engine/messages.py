@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from gristmill.config import EngineConfig
 from gristmill.outputs import Logprob
+from gristmill.pooling_params import PoolerInfo, PoolingParams
 from gristmill.sampling import SamplingParams
 
 
@@ -34,6 +35,8 @@ class RequestUpdate:
     #: (`AddRequest.token_times`): when each of its output tokens became known in the
     #: core (`time.monotonic()`, one per token).
     token_times: list[float] | None = None
+    #: A pooling request's result (a float32 numpy array), in its last update.
+    pooled: object | None = None
 
 
 # -- client -> core ----------------------------------------------------------------
@@ -67,6 +70,12 @@ class AddRequest:
     #: times with the tokens (`RequestUpdate.token_times`), for the client's latency
     #: metrics (time to first token, between tokens).
     token_times: bool = False
+    #: A pooling engine's request (embed, classify, score): computed in one step, no
+    #: sampling (`sampling_params` is ignored); its result is `RequestUpdate.pooled`.
+    pooling: PoolingParams | None = None
+    #: A text pair's token types (0: the first text, 1: the second), for the models
+    #: that read them (BERT); None: all 0.
+    token_type_ids: list[int] | None = None
 
 
 @dataclass(slots=True)
@@ -113,6 +122,10 @@ class Capacity:
     #: The step limits the core runs with: the config's, or its device's defaults.
     max_num_seqs: int
     max_num_batched_tokens: int
+    #: "generate", or the pooling task it runs.
+    task: str = "generate"
+    #: A pooling engine's model: its output size, labels, defaults.
+    pooler: PoolerInfo | None = None
 
     @property
     def max_tokens_per_request(self) -> int:

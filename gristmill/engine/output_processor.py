@@ -9,7 +9,7 @@ from gristmill import faults
 from gristmill.engine.detokenizer import IncrementalDetokenizer
 from gristmill.engine.messages import RequestUpdate
 from gristmill.errors import GenerationError, error_string
-from gristmill.outputs import CompletionOutput, Logprob, RequestOutput
+from gristmill.outputs import CompletionOutput, Logprob, PoolingRequestOutput, RequestOutput, pooled_output
 from gristmill.sampling import SamplingParams
 
 
@@ -23,6 +23,15 @@ class _Completion:
     stop_tokens: frozenset[int]
     #: Its stop_token_ids (a stop_reason when one ends it; EOS is none).
     stop_token_ids: frozenset[int] = frozenset()
+
+
+@dataclass
+class _Pooled:
+    """A pooling request: no text, one update, at its end."""
+
+    parent: PoolingRequestOutput
+    #: What its caller asked for: "embed", "classify", "score" or "encode" (`pooled_output`).
+    kind: str
 
 
 class OutputProcessor:
@@ -64,6 +73,10 @@ class OutputProcessor:
             completions[child_id] = _Completion(parent, output, detok, stop_tokens, frozenset(params.stop_token_ids))
         self._live.update(completions)
 
+    def add_pooled(self, parent: PoolingRequestOutput, kind: str) -> None:
+        """Track a pooling request (its id is its engine id: it has one completion)."""
+        self._live[parent.request_id] = _Pooled(parent, kind)
+
     @property
     def num_live(self) -> int:
         return len(self._live)
@@ -98,6 +111,10 @@ class OutputProcessor:
                 continue
             if faults.ACTIVE:
                 faults.check("output_batch", prompt=live.parent.prompt, step=step)
+            if isinstance(live, _Pooled):
+                self._pooled(update, live)
+                changed[id(live.parent)] = live.parent
+                continue
             output = live.output
             output.token_ids.extend(update.new_token_ids)
             metrics = live.parent.metrics
@@ -137,6 +154,19 @@ class OutputProcessor:
                 _ended(output, live, stopped)
                 del self._live[update.request_id]
 
+    def _pooled(self, update: RequestUpdate, live: _Pooled) -> None:
+        parent = live.parent
+        if update.finish_reason is None:
+            return
+        del self._live[update.request_id]
+        parent.finish_reason = update.finish_reason
+        if update.finish_reason == "error":
+            parent.error = update.error
+        elif update.pooled is not None:
+            parent.outputs = pooled_output(live.kind, update.pooled)
+        if parent.metrics is not None:
+            parent.metrics.token_arrivals.append((time.monotonic(), 0))
+
     def _decoded(self, entries: list[dict[int, Logprob]]) -> list[dict[int, Logprob]]:
         """The entries with each token's text, decoded alone, as vLLM's `decoded_token`."""
         for entry in entries:
@@ -149,6 +179,9 @@ class OutputProcessor:
         live = self._live.pop(request_id, None)
         if live is None:
             return None
+        if isinstance(live, _Pooled):
+            live.parent.finish_reason, live.parent.error = "error", error_string(exc)
+            return live.parent
         live.output.finish_reason = "error"
         live.output.error = error_string(exc)
         live.output.delta_text = ""
@@ -159,6 +192,9 @@ class OutputProcessor:
         live = self._live.pop(request_id, None)
         if live is None:
             return None
+        if isinstance(live, _Pooled):
+            live.parent.finish_reason = reason
+            return live.parent
         live.output.finish_reason = reason
         try:
             live.output.text = live.detokenizer.text

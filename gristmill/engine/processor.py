@@ -13,7 +13,12 @@ from gristmill import faults
 from gristmill.engine.kv_blocks import blocks_needed
 from gristmill.engine.messages import AddRequest, Capacity
 from gristmill.errors import GenerationError, PromptTooLongError, RequestError
+from gristmill.pooling_params import PoolingParams
 from gristmill.sampling import SamplingParams
+
+
+#: The sampling params a pooling request carries (AddRequest needs some): it samples nothing.
+POOLING_SAMPLING = SamplingParams(max_tokens=1, temperature=0.0)
 
 
 class InputProcessor:
@@ -73,6 +78,40 @@ class InputProcessor:
                            params.derived(n=1, seed=_child_seed(params.seed, i)), self.eos_token_ids, fault_tag,
                            bad_words, send_at_end, token_times)
                 for i in range(params.n)]
+
+    def tokenize_for_pooling(self, prompt: str | list[int], params: PoolingParams, add_special_tokens: bool = True,
+                             pair: str | None = None) -> tuple[list[int], list[int] | None]:
+        """(token ids, token types or None) of a pooling prompt, or of the text pair
+        (`prompt`, `pair`) a cross-encoder scores, cut to `params.truncate_prompt_tokens`
+        (a text by its tokenizer, which keeps its special tokens; token ids to their last)."""
+        limit = params.truncate_prompt_tokens
+        if limit == -1:
+            limit = min(self.capacity.max_model_len, self.capacity.max_num_batched_tokens)
+        if not isinstance(prompt, str) or (pair is None and limit is None):
+            token_ids = self.tokenize(prompt, add_special_tokens)
+            return (token_ids[-limit:] if limit is not None else token_ids), None
+        for text, param in ((prompt, "prompt"), (pair, "text_pair")):
+            if text is not None:
+                if not isinstance(text, str) or not text:
+                    raise RequestError(f"{param} must be a non-empty text", param=param)
+                check_text(text, param)
+        try:
+            faults.check("tokenize", prompt=prompt)
+            encoded = self.tokenizer(prompt, text_pair=pair, add_special_tokens=add_special_tokens,
+                                     truncation=limit is not None, max_length=limit)
+        except Exception as exc:  # noqa: BLE001 - a tokenizer failure ends only this request
+            raise GenerationError(f"tokenizing the prompt failed: {exc}") from exc
+        types = encoded.get("token_type_ids") if pair is not None else None
+        return list(encoded["input_ids"]), (list(types) if types is not None and any(types) else None)
+
+    def make_pooling_request(self, request_id: str, prompt_token_ids: list[int], params: PoolingParams,
+                             prompt: str | None = None, token_type_ids: list[int] | None = None) -> AddRequest:
+        """The AddRequest of a pooling request; raises RequestError when invalid."""
+        check_pooling_request(params, self.capacity)
+        check_pooling_fits(len(prompt_token_ids), self.capacity)
+        return AddRequest(request_id, prompt_token_ids, POOLING_SAMPLING, frozenset(),
+                          prompt if faults.ACTIVE else None, send_at_end=True, pooling=params,
+                          token_type_ids=token_type_ids)
 
     def bad_words_ids(self, words: list[str]) -> tuple[tuple[int, ...], ...]:
         """Each bad word as the token ids it has alone and after a space (as it reads at
@@ -166,6 +205,15 @@ def check_add_request(message: AddRequest, capacity: Capacity) -> None:
     if not isinstance(message.request_id, str) or not message.request_id:
         raise RequestError(f"request_id must be a non-empty string, got {message.request_id!r}",
                            param="request_id")
+    if message.pooling is not None or capacity.task != "generate":
+        check_pooling_request(message.pooling, capacity)
+        check_token_ids(message.prompt_token_ids, capacity.vocab_size)
+        check_pooling_fits(len(message.prompt_token_ids), capacity)
+        types = message.token_type_ids
+        if types is not None and (not isinstance(types, (list, tuple)) or len(types) != len(
+                message.prompt_token_ids) or not all(_in_vocab(t, 2) for t in types)):
+            raise RequestError("token_type_ids must be one 0 or 1 per prompt token", param="token_type_ids")
+        return
     params = message.sampling_params
     if not isinstance(params, SamplingParams):
         raise RequestError(f"sampling_params must be SamplingParams, got {type(params).__name__}",
@@ -184,6 +232,87 @@ def check_add_request(message: AddRequest, capacity: Capacity) -> None:
             for word in words):
         raise RequestError("bad_words_ids must be non-empty sequences of token ids in the vocabulary",
                            param="bad_words")
+
+
+def check_pooling_request(params: PoolingParams | None, capacity: Capacity) -> None:
+    """RequestError unless `params` is a request this engine's task runs, with fields its
+    model can honour: a field that would change the output is never ignored."""
+    task = capacity.task
+    if params is None:
+        raise RequestError(f"this engine runs task {task!r}, it does not generate text; send embed, "
+                           f"classify or score requests, or start an engine with task='generate'", param="task")
+    if task == "generate":
+        raise RequestError("this engine generates text (task 'generate'); start one with task='embed', "
+                           "'classify' or 'score' (a model that can) for pooling requests", param="task")
+    if not isinstance(params, PoolingParams):
+        raise RequestError(f"pooling_params must be PoolingParams, got {type(params).__name__}",
+                           param="pooling_params")
+    params.validate()  # (unpickled params are unchecked)
+    pooler = capacity.pooler
+    embeds = pooler is None or pooler.head == "embed"
+    if params.dimensions is not None:
+        size = pooler.dimensions if pooler is not None else None
+        cuts = pooler.matryoshka_dimensions if pooler is not None else None
+        if not embeds:
+            raise RequestError(f"dimensions applies to embeddings; this engine runs task {task!r} with a "
+                               f"classifier", param="dimensions")
+        if params.dimensions != size and not cuts:
+            raise RequestError(f"dimensions={params.dimensions}: this model's embeddings have {size} values and "
+                               f"it was not trained to be cut shorter (not a Matryoshka model); leave dimensions "
+                               f"out", param="dimensions")
+        if params.dimensions != size and params.dimensions not in cuts:
+            raise RequestError(f"dimensions={params.dimensions}: this model's embeddings can be cut to "
+                               f"{sorted(cuts)} (or {size}, all of them)", param="dimensions")
+    if params.normalize is not None and not embeds:
+        raise RequestError(f"normalize applies to embeddings; this engine runs task {task!r} with a classifier "
+                           f"(use use_activation)", param="normalize")
+    if params.use_activation is not None and embeds:
+        raise RequestError(f"use_activation applies to classifiers; this engine's model gives embeddings "
+                           f"(use normalize)", param="use_activation")
+
+
+#: What each kind of pooling call asks of the model's pooler (`PoolerInfo.head`).
+_KIND_HEADS = {"embed": "embed", "classify": "classify"}
+
+
+def check_pooling_kind(kind: str, capacity: Capacity, pair: bool = False) -> None:
+    """RequestError unless this engine's model gives what a call of `kind` ("embed",
+    "classify", "score" or "encode": whatever it gives) returns. Scoring is a
+    cross-encoder's reading of a text `pair` in one request, or (an embedding model,
+    not `pair`) the cosine of two embeddings."""
+    pooler = capacity.pooler
+    head = pooler.head if pooler is not None else "embed"
+    if kind == "score":
+        if (head == "embed" and pair) or (head == "classify" and pooler.dimensions != 1):
+            raise RequestError(f"scoring text pairs in one request needs a cross-encoder (a classifier with one "
+                               f"label); this engine's model gives "
+                               + ("embeddings: score by the cosine of two" if head == "embed"
+                                  else f"{pooler.dimensions} labels"), param="task")
+        return
+    wanted = _KIND_HEADS.get(kind)
+    if wanted is not None and wanted != head:
+        raise RequestError(f"{kind} needs a model that gives "
+                           + ("embeddings" if wanted == "embed" else "a classifier's labels")
+                           + f"; this engine runs task {capacity.task!r}, whose model gives "
+                           + ("embeddings" if head == "embed" else "a classifier's labels"), param="task")
+
+
+def check_pooling_fits(num_prompt: int, capacity: Capacity) -> None:
+    """PromptTooLongError unless a pooling prompt this long fits one step: the context,
+    the step's token budget (its prompt is never split) and the KV cache."""
+    limit = min(capacity.max_model_len, capacity.max_num_batched_tokens)
+    if num_prompt > limit:
+        why = (f"max_model_len ({capacity.max_model_len})" if limit == capacity.max_model_len else
+               f"max_num_batched_tokens ({capacity.max_num_batched_tokens}; a pooling prompt is computed in one "
+               f"step, so raise it for longer ones)")
+        raise PromptTooLongError(f"prompt ({num_prompt} tokens) is longer than {why}; shorten it to at most "
+                                 f"{limit} tokens or set truncate_prompt_tokens", param="prompt",
+                                 num_prompt_tokens=num_prompt, max_model_len=capacity.max_model_len)
+    if blocks_needed(num_prompt, capacity.block_size) > capacity.num_total_blocks:
+        raise PromptTooLongError(f"prompt ({num_prompt} tokens) needs more KV cache than the engine has "
+                                 f"({capacity.num_total_blocks * capacity.block_size} tokens); shorten it or give "
+                                 f"the engine a larger KV cache (kv_cache_memory_gb / num_kv_blocks)",
+                                 param="prompt", num_prompt_tokens=num_prompt, max_model_len=capacity.max_model_len)
 
 
 def _in_vocab(token, vocab_size: int) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from gristmill.pooling_params import PoolingParams
 from gristmill.sampling import SamplingParams
 from gristmill.step import PLACEHOLDER, ScheduledRequest
 
@@ -56,6 +57,11 @@ class Request:
     #: With `send_at_end`, when the client wants them (`AddRequest.token_times`): when
     #: each output token became known (`time.monotonic()`); else None.
     token_times: list[float] | None = None
+    #: A pooling request's params (`AddRequest.pooling`): its prompt is computed in one
+    #: step and pooled, and it ends there. None: it generates.
+    pooling: PoolingParams | None = None
+    #: A pooling request's token types (`AddRequest.token_type_ids`), or None.
+    token_type_ids: list[int] | None = None
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)
@@ -73,6 +79,8 @@ class Request:
         #: `num_tokens` at which it ends on length: max_tokens, and the context once the
         #: scheduler says how long that is (`limit_length`).
         self.length_limit = self.num_prompt_tokens + params.max_tokens if params.max_tokens is not None else 1 << 62
+        if self.pooling is not None:  # (its one step's "token" is its pooled result)
+            self.length_limit = self.num_prompt_tokens + 1
 
     def limit_length(self, max_model_len: int) -> None:
         """It also ends when its sequence reaches `max_model_len` tokens."""
@@ -102,7 +110,7 @@ class Request:
         return ScheduledRequest(self.request_id, token_ids[computed:end], computed, self.block_ids,
                                 end == len(token_ids), self.pending, token_ids, self.num_prompt_tokens,
                                 self.sampling_params, self.eos_token_ids, self.bad_words_ids, self.matcher,
-                                self.controlled)
+                                self.controlled, self.pooling, self.token_type_ids)
 
     def scheduled_decode(self) -> ScheduledRequest:
         """`scheduled(1)` for a request whose one new token is its last (a decode)."""

@@ -127,6 +127,8 @@ class Scheduler:
             computed = self.block_manager.cached_prefix(request)
             num_computed = len(computed) * self.block_manager.block_size
             num_new = min(request.num_tokens - num_computed, budget)
+            if request.pooling is not None and num_new < request.num_tokens:
+                break  # a pooling prompt is never split: it waits for a step with room
             total = num_computed + num_new
             if not self.block_manager.can_allocate(request, total, computed):
                 break
@@ -182,6 +184,8 @@ class Scheduler:
             raise RuntimeError(f"the executor returned {len(sampled.request_ids)} request ids, "
                                f"{len(sampled.token_ids)} tokens and {len(sampled.logprobs)} logprobs "
                                f"for a step that samples {out.num_sampled} rows")
+        if sampled.pooled is not None:
+            return self._resolve_pooled(sampled)
         for request_id, token_id, logprobs in zip(sampled.request_ids, sampled.token_ids, sampled.logprobs):
             request = requests.get(request_id)
             if request is None or not request.pending:  # ended while the step ran
@@ -204,6 +208,20 @@ class Scheduler:
                     continue
             if not request.send_at_end:  # (a send_at_end request is heard of only at its end)
                 updates.append(RequestUpdate(request_id, [token_id], logprobs, None))
+        return updates
+
+
+    def _resolve_pooled(self, sampled: StepTokens) -> list[RequestUpdate]:
+        """A pooling step's results: each request ends with its vector, no token."""
+        updates = []
+        for request_id, pooled in zip(sampled.request_ids, sampled.pooled):
+            request = self.requests.get(request_id)
+            if request is None or not request.pending:  # ended while the step ran
+                continue
+            request.token_ids.pop()  # (its placeholder: a pooling request samples nothing)
+            request.pending = request.last_pending = False
+            self.finish_request(request_id, "stop")
+            updates.append(RequestUpdate(request_id, [], None, "stop", pooled=pooled))
         return updates
 
 

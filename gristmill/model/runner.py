@@ -30,7 +30,9 @@ from gristmill.model.metadata import HostStep, StepMetadata, build_host_step
 from gristmill.model.models import model_class
 from gristmill.model.sampler import Sampler, SamplerRow
 from gristmill.paths import cache_root
+from gristmill.pooling_params import PoolerInfo
 from gristmill.step import ScheduledRequest, SchedulerOutput, StepTokens
+from gristmill.tasks import is_pooling, model_kind, resolve_task
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +115,9 @@ class ModelRunner:
         weights = self.quantization or str(self.dtype).removeprefix("torch.")
         with startup.phase(f"loading {self.model_dir.name} ({weights}) on {self.device}"):
             self.model = self._build_model()
+        #: "generate", or the pooling task this runner's steps compute (`_pool`).
+        self.task = resolve_task(config.task, self.model_dir)
+        self.pooler, self.pooler_info = self._build_pooler() if is_pooling(self.task) else (None, None)
         self.backend.prepare(self.model, self.max_model_len)
         self.block_size = config.block_size
         self.num_blocks = self._num_kv_blocks()
@@ -133,7 +138,7 @@ class ModelRunner:
         self._row_map: dict[str, int] | None = {}
         #: The request ids of the sampled rows of the step being launched.
         self._step_ids: list[str] = []
-        if self.device.type == "cuda" and not config.enforce_eager:
+        if self.device.type == "cuda" and not config.enforce_eager and self.pooler is None:
             from gristmill.model.cuda.graphs import CudaGraphs
             self.graphs = CudaGraphs(self.model, self.backend, config.max_num_seqs, self.max_model_len,
                                      self.block_size)
@@ -176,6 +181,18 @@ class ModelRunner:
         for param in model.parameters():  # a GGUF's Q8_0 blocks, kept by load_weights for quantizing
             param.__dict__.pop("q8_0", None)
         return model
+
+    def _build_pooler(self):
+        """(the model's pooler for this task, what the client is told of it)."""
+        from gristmill.model.pooling import build_pooler
+
+        head = "classify" if model_kind(self.model_dir)[0] == "classifier" else "embed"
+        pooler = build_pooler(self.model, self.hf_config, self.model_dir, head).to(self.device)
+        labels = getattr(pooler, "labels", None)
+        matryoshka = getattr(pooler, "matryoshka_dimensions", None)
+        info = PoolerInfo(head, pooler.dimensions, tuple(matryoshka) if matryoshka else None,
+                          bool(getattr(pooler, "default_normalize", True)), tuple(labels) if labels else None)
+        return pooler, info
 
     def _load_quantized(self, cache_file: Path) -> torch.nn.Module | None:
         """The model of a warm start: its linears straight from the quantized cache, and
@@ -255,6 +272,8 @@ class ModelRunner:
         read on the device from the step launched before."""
         for request_id in out.finished_request_ids:
             self.generators.pop(request_id, None)
+        if self.pooler is not None:
+            return self._pool(out)
         logits, items = self.forward(out)
         if not items:
             self._row_ids, self._row_map = [], {}
@@ -309,6 +328,46 @@ class ModelRunner:
             if not items:
                 return None, []
             return self.model.compute_logits(hidden[sample_indices]), items
+
+    def _pool(self, out: SchedulerOutput) -> "PooledStep":
+        """A pooling step: every scheduled request is a whole prompt; the model's hidden
+        states of each are pooled (`self.pooler`) and finished as its params ask."""
+        if not out.scheduled:
+            return PooledStep([], [])
+        host, items = self.host_step(out)  # (every item samples: its prompt ends in this step)
+        input_ids, positions, metadata, _ = self.backend.upload(host)
+        extra = {}
+        if getattr(self.model, "uses_token_types", False):
+            types = np.zeros(host.num_tokens, dtype=np.int64)
+            for item, start in zip(items, host.query_start.tolist()):
+                if item.token_type_ids is not None:
+                    types[start:start + len(item.token_type_ids)] = item.token_type_ids
+            extra["token_type_ids"] = torch.from_numpy(types).to(self.device)
+        starts = host.query_start.tolist()
+        with forward_context(metadata, self.backend):
+            hidden = self.model(input_ids, positions, **extra)
+            pooled = self.pooler(hidden, list(zip(starts[:-1], starts[1:]))).float()
+        return PooledStep([item.request_id for item in items], self._finish_pooled(pooled, items))
+
+    def _finish_pooled(self, pooled: torch.Tensor, items: list[ScheduledRequest]) -> list[np.ndarray]:
+        """Each request's vector as its PoolingParams ask: an embedding cut to
+        `dimensions` and normalized (or not); a classifier's logits as probabilities
+        (softmax; a sigmoid for one label) unless `use_activation` is False."""
+        info = self.pooler_info
+        if info.head == "embed":
+            wanted = [(item.pooling.dimensions or info.dimensions,
+                       info.default_normalize if item.pooling.normalize is None else item.pooling.normalize)
+                      for item in items]
+            if all(w == wanted[0] for w in wanted):  # (most steps: one op for all rows)
+                dims, normalize = wanted[0]
+                rows = pooled[:, :dims]
+                rows = torch.nn.functional.normalize(rows, dim=-1) if normalize else rows
+                return list(rows.cpu().numpy())
+            return [(torch.nn.functional.normalize(row[:dims], dim=-1) if normalize else row[:dims]).cpu().numpy()
+                    for row, (dims, normalize) in zip(pooled, wanted)]
+        activated = torch.sigmoid(pooled) if pooled.shape[1] == 1 else torch.softmax(pooled, dim=-1)
+        raw, activated = pooled.cpu().numpy(), activated.cpu().numpy()
+        return [raw[j] if item.pooling.use_activation is False else activated[j] for j, item in enumerate(items)]
 
     def host_step(self, out: SchedulerOutput) -> tuple[HostStep, list[ScheduledRequest]]:
         """The step's inputs in numpy, decodes first, and the ScheduledRequest of each
@@ -392,6 +451,17 @@ def _untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor
     zeros is a calloc): a KV cache of 1 GiB costs memory for the blocks in use, not at start."""
     nbytes = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
     return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+
+
+class PooledStep:
+    """A pooling step's results (computed already: `result()` waits for nothing)."""
+
+    def __init__(self, request_ids: list[str], pooled: list[np.ndarray]):
+        self.request_ids, self.pooled = request_ids, pooled
+
+    def result(self) -> StepTokens:
+        count = len(self.request_ids)
+        return StepTokens(self.request_ids, [0] * count, [None] * count, self.pooled)
 
 
 class LaunchedStep:

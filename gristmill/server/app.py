@@ -18,10 +18,13 @@ from gristmill.engine.async_engine import AsyncEngine
 from gristmill.errors import EngineDeadError, GristmillError, RequestError
 from gristmill.server.errors import (ModelNotFoundError, error_response, exception_response, validation_message,
                                      validation_param)
-from gristmill.server.gate import Gate, Traffic
+from gristmill.server.gate import ENGINE_PATHS, Gate, Traffic
 from gristmill.server.limits import ServerLimits
 from gristmill.server.metrics import ServerMetrics
 from gristmill.server.openai_serving import OpenAIServing
+from gristmill.server.pooling import PoolingServing
+from gristmill.server.pooling_protocol import (CLASSIFY_PATH, EMBEDDINGS_PATH, RERANK_PATHS, SCORE_PATH,
+                                               ClassificationRequest, EmbeddingRequest, RerankRequest, ScoreRequest)
 from gristmill.server.protocol import CHAT_PATH, COMPLETIONS_PATH, ChatCompletionRequest, CompletionRequest
 from gristmill.server.supervisor import EngineSupervisor
 
@@ -47,6 +50,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
     app = FastAPI(title="gristmill", summary="OpenAI-compatible LLM server", lifespan=lifespan)
     limits = limits or ServerLimits()
     serving = OpenAIServing(engine, model_name, metrics, supervisor=supervisor, limits=limits)
+    pooling = PoolingServing(engine, model_name, metrics, limits, serving)
     created = int(time.time())
     traffic = Traffic()
     app.state.engine, app.state.metrics, app.state.supervisor, app.state.traffic = engine, metrics, supervisor, traffic
@@ -54,7 +58,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
 
     @app.middleware("http")
     async def authenticate(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1"):
+        if api_key and request.url.path.startswith(("/v1", "/v2")):
             scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
             # (the scheme is case-insensitive, RFC 9110; the key is not)
             if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), api_key.encode()):
@@ -66,13 +70,30 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
     async def completions(body: CompletionRequest, request: Request):
         return await serving.completions(body, request)
 
+    @app.post(EMBEDDINGS_PATH)
+    async def embeddings(body: EmbeddingRequest, request: Request):
+        return await pooling.embeddings(body, request)
+
+    @app.post(CLASSIFY_PATH)
+    async def classify(body: ClassificationRequest, request: Request):
+        return await pooling.classify(body, request)
+
+    @app.post(SCORE_PATH)
+    async def score(body: ScoreRequest, request: Request):
+        return await pooling.score(body, request)
+
+    for path in RERANK_PATHS:
+        @app.post(path)
+        async def rerank(body: RerankRequest, request: Request):
+            return await pooling.rerank(body, request)
+
     @app.post(CHAT_PATH)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await serving.chat(body, request)
 
     def model_card() -> dict:
         return {"id": model_name, "object": "model", "created": created, "owned_by": "gristmill",
-                "max_model_len": engine.max_model_len}
+                "max_model_len": engine.max_model_len, "task": engine.capacity.task}
 
     @app.get("/v1/models")
     async def models():
@@ -104,7 +125,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError):
-        if request.url.path in (COMPLETIONS_PATH, CHAT_PATH):  # a generation request that failed
+        if request.url.path in ENGINE_PATHS:  # an engine request that failed
             metrics.request_failed(RequestError.__name__)
         errors = exc.errors()
         if any(e.get("type") == "json_invalid" for e in errors):

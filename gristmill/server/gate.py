@@ -10,10 +10,12 @@ import json
 
 from gristmill.server.errors import envelope
 from gristmill.server.limits import ServerLimits
+from gristmill.server.pooling_protocol import POOLING_PATHS
 from gristmill.server.protocol import CHAT_PATH, COMPLETIONS_PATH
 
-#: Paths whose bodies are generation requests (their failures are counted in /metrics).
-GENERATION_PATHS = frozenset({COMPLETIONS_PATH, CHAT_PATH})
+#: Paths whose bodies are engine requests, generation or pooling (their failures are
+#: counted in /metrics).
+ENGINE_PATHS = frozenset({COMPLETIONS_PATH, CHAT_PATH, *POOLING_PATHS})
 
 
 class Traffic:
@@ -53,7 +55,7 @@ class Gate:
         self.traffic = traffic
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+        if scope["type"] != "http" or not scope["path"].startswith(("/v1/", "/v2/")):
             await self.app(scope, receive, send)
             return
         if self.supervisor.draining:
@@ -85,7 +87,7 @@ class Gate:
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                if scope["path"] in GENERATION_PATHS:
+                if scope["path"] in ENGINE_PATHS:
                     self.metrics.client_disconnected()
                 return None
             chunk = message.get("body", b"")
@@ -97,7 +99,7 @@ class Gate:
             if not message.get("more_body", False):
                 break
         body = b"".join(chunks)
-        if scope["path"] in GENERATION_PATHS and body:
+        if scope["path"] in ENGINE_PATHS and body:
             problem = self._json_problem(body)
             if problem is not None:
                 await self._refuse(scope, send, 400, problem, param="body")
@@ -123,7 +125,7 @@ class Gate:
 
     async def _refuse(self, scope, send, status: int, message: str, type_: str = "invalid_request_error",
                       param: str | None = None, retry_after: int | None = None) -> None:
-        if scope["path"] in GENERATION_PATHS:
+        if scope["path"] in ENGINE_PATHS:
             self.metrics.request_failed("EngineDeadError" if status == 503 else "RequestError")
         payload = json.dumps(envelope(message, type_, param, status)).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),

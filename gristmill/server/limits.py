@@ -21,6 +21,8 @@ class ServerLimits:
     max_prompt_chars: int = 1_000_000
     #: Prompts in one completions request.
     max_prompts: int = 256
+    #: Inputs of one embeddings or classify request, texts of one score or rerank request.
+    max_inputs: int = 2048
     #: Messages in one chat request.
     max_messages: int = 1024
     #: Stop strings in one request, and characters of each.

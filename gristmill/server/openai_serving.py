@@ -64,13 +64,13 @@ class OpenAIServing:
         """A request that failed before reaching the engine: counted in /metrics as the
         failures inside `_run` are, so every failed request shows there once."""
         RequestTimer(self.metrics).failed(exc)
-        return self._error_response(exc)
+        return self.error_response(exc)
 
-    def _error_response(self, exc: BaseException):
+    def error_response(self, exc: BaseException):
         retry_after = self.supervisor.retry_after(exc) if self.supervisor is not None else None
         return exception_response(exc, retry_after)
 
-    def _check_model(self, name: str | None) -> None:
+    def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
             raise ModelNotFoundError(f"the model {name!r} does not exist; this server serves "
                                      f"{self.model_name!r}", param="model")
@@ -85,7 +85,7 @@ class OpenAIServing:
         check_common(body, self.limits, self.engine.config.max_num_seqs, self.engine.max_model_len)
 
     def _completion_job(self, body: CompletionRequest):
-        self._check_model(body.model)
+        self.check_model(body.model)
         self._check_limits(body)
         check_completion(body, self.limits)
         prompts = body.prompt
@@ -108,7 +108,7 @@ class OpenAIServing:
         return job, [(p, body.add_special_tokens) for p in prompts], params
 
     def _chat_job(self, body: ChatCompletionRequest):
-        self._check_model(body.model)
+        self.check_model(body.model)
         self._check_limits(body)
         check_chat(body, self.limits)
         messages = [m.model_dump() for m in body.messages]
@@ -200,18 +200,18 @@ class OpenAIServing:
             await self._submit(job, prompts, params, "delta" if stream else "final")
         except Exception as exc:
             timer.failed(exc)
-            return self._error_response(exc)
+            return self.error_response(exc)
         timer.num_prompt_tokens = job.prompt_tokens
         if stream:
             return JobStreamingResponse(job, timer, self._stream(job, timer), media_type="text/event-stream")
         try:
-            finals = await _until_disconnect(request, self._collect(job, timer))
+            finals = await until_disconnect(request, self._collect(job, timer))
         except ClientDisconnected:
             timer.disconnected()
             return JSONResponse({}, status_code=499)
         except Exception as exc:
             timer.failed(exc)
-            return self._error_response(exc)
+            return self.error_response(exc)
         finally:
             await _close_all(job)
         timer.finished(overall_reason(finals))
@@ -335,7 +335,7 @@ async def _close_all(job: Job) -> None:
         await handle.aclose()
 
 
-async def _until_disconnect(request: Request, coro):
+async def until_disconnect(request: Request, coro):
     """Run `coro`; if the client goes away first, cancel it and raise ClientDisconnected."""
     work = asyncio.ensure_future(coro)
     watcher = asyncio.ensure_future(_wait_for_disconnect(request))
