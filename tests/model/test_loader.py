@@ -341,6 +341,17 @@ CONFIGS = {
         "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 500000.0},
         "sliding_attention": {"rope_type": "default", "rope_theta": 5000.0}}},
     "gemma3-bidirectional": {**_GEMMA3_270M, "use_bidirectional_attention": True},
+    "bert-bare": {"model_type": "bert"},
+    "all-minilm-l6-v2": {"architectures": ["BertModel"], "model_type": "bert", "hidden_act": "gelu",
+                         "hidden_size": 384, "intermediate_size": 1536, "layer_norm_eps": 1e-12,
+                         "max_position_embeddings": 512, "num_attention_heads": 12, "num_hidden_layers": 6,
+                         "pad_token_id": 0, "position_embedding_type": "absolute", "type_vocab_size": 2,
+                         "vocab_size": 30522},
+    "bert-classifier": {"architectures": ["BertForSequenceClassification"], "model_type": "bert",
+                        "hidden_size": 64, "num_attention_heads": 4, "type_vocab_size": 1,
+                        "id2label": {"0": "negative", "1": "neutral", "2": "positive"},
+                        "label2id": {"negative": 0, "neutral": 1, "positive": 2}},
+    "bert-num-labels": {"model_type": "bert", "num_labels": 5},
 }
 
 
@@ -351,12 +362,13 @@ def _transformers_config(raw: dict, tmp_path: Path):
     return config.text_config if config.model_type == "gemma3" else config
 
 
-def _assert_fields_are_transformers(ours, theirs) -> None:
+def _assert_fields_are_transformers(ours, theirs, raw: dict) -> None:
     """Every ModelConfig field is what transformers' config gives (where it has no such
-    attribute: what the model classes took in its place)."""
+    attribute: what the model classes took in its place). `raw`: the config.json."""
     import dataclasses
 
-    gemma = ours.model_type == "gemma3_text"
+    gemma, bert = ours.model_type == "gemma3_text", ours.model_type == "bert"
+    names_labels = "id2label" in raw or "num_labels" in raw  # (transformers names two when the file does not)
     expected = {
         "model_type": theirs.model_type,
         "head_dim": getattr(theirs, "head_dim", None) or theirs.hidden_size // theirs.num_attention_heads,
@@ -366,7 +378,14 @@ def _assert_fields_are_transformers(ours, theirs) -> None:
         "layer_types": tuple(theirs.layer_types) if gemma else None,
         **{name: getattr(theirs, name) if gemma else None
            for name in ("query_pre_attn_scalar", "sliding_window", "final_logit_softcapping")},
+        **{name: getattr(theirs, name) if bert else None for name in ("type_vocab_size", "layer_norm_eps")},
+        "architectures": tuple(theirs.architectures or ()),
+        "id2label": theirs.id2label if names_labels else None,
     }
+    if bert:  # no rotary, no RMSNorm, no LM head (BertConfig's tie_word_embeddings is BertForMaskedLM's)
+        expected.update(num_key_value_heads=theirs.num_attention_heads, rms_norm_eps=None,
+                        rope_parameters=None, tie_word_embeddings=False)
+    assert ours.num_labels == theirs.num_labels
     for f in dataclasses.fields(ours):
         want = expected[f.name] if f.name in expected else getattr(theirs, f.name)
         assert getattr(ours, f.name) == want, f.name
@@ -380,7 +399,7 @@ def test_config_fields_are_what_transformers_gives(name, tmp_path):
     raw = CONFIGS[name]
     theirs = _transformers_config(raw, tmp_path)
     ours = load_config(tmp_path)
-    _assert_fields_are_transformers(ours, theirs)
+    _assert_fields_are_transformers(ours, theirs, raw)
     assert ours.hidden_activation == ours.hidden_act
 
 
@@ -392,8 +411,8 @@ def test_converted_gguf_config_fields_are_what_transformers_gives(tmp_path, arch
     out = tmp_path / "out"
     out.mkdir()
     convert_gguf(path, out)
-    _assert_fields_are_transformers(load_config(out), _transformers_config(
-        json.loads((out / "config.json").read_text()), tmp_path))
+    raw = json.loads((out / "config.json").read_text())
+    _assert_fields_are_transformers(load_config(out), _transformers_config(raw, tmp_path), raw)
 
 
 def test_config_reading_imports_neither_torch_nor_transformers(tmp_path):
@@ -411,6 +430,8 @@ def test_config_reading_imports_neither_torch_nor_transformers(tmp_path):
 
 @pytest.mark.parametrize("raw, error", [
     ({"model_type": "mistral"}, "model type 'mistral'.*not supported"),
+    ({"model_type": "bert", "position_embedding_type": "relative_key"},
+     "position_embedding_type 'relative_key' is not supported"),
     ([1, 2], "not a JSON object"),
 ])
 def test_config_of_an_unsupported_model_is_a_value_error(tmp_path, raw, error):

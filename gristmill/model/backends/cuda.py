@@ -38,9 +38,10 @@ class CudaBackend(Backend):
         """Fit the model to this backend once, before the first step: q/k/v and gate/up
         fused into one matmul each."""
         fuse_projections(model)
-        attn = next(m for m in model.modules() if isinstance(m, PagedAttention))
-        self.shape = self.kernels.AttentionShape(attn.num_heads, attn.num_kv_heads, attn.head_dim, self.dtype,
-                                                 max_model_len)
+        attn = next((m for m in model.modules() if isinstance(m, PagedAttention)), None)
+        if attn is not None:  # (an encoder has no paged attention)
+            self.shape = self.kernels.AttentionShape(attn.num_heads, attn.num_kv_heads, attn.head_dim, self.dtype,
+                                                     max_model_len)
 
     # -- inputs: one pinned buffer, one copy ----------------------------------------
 

@@ -1,6 +1,8 @@
-"""Attention as the model families use it: q/k/v preparation, and `PagedAttention`, the
+"""Attention as the model families use it: q/k/v preparation; `PagedAttention`, the
 layer that writes this step's keys and values into the paged KV cache and attends over
-it. How (SDPA over gathered blocks, C++ or Triton kernels) is the step's backend's."""
+it; and `EncoderAttention`, bidirectional attention within each sequence of a step with
+no cache at all. How (SDPA over gathered blocks, C++ or Triton kernels) is the step's
+backend's."""
 
 from __future__ import annotations
 
@@ -28,6 +30,22 @@ class PagedAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: (num_tokens, num_heads, head_dim); k, v: (num_tokens, num_kv_heads, head_dim)
         return current_backend().attention(self, q, k, v, get_metadata())
+
+
+class EncoderAttention(nn.Module):
+    """An encoder's attention: every token sees every token of its own sequence, none of
+    the others'. Contract: each sequence of the step is a whole prompt (the runner never
+    splits a bidirectional model's prompt across steps), so nothing is cached."""
+
+    def __init__(self, num_heads: int, head_dim: int, scale: float):
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.scale = scale
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q, k, v: (num_tokens, num_heads, head_dim)
+        return current_backend().encoder_attention(self, q, k, v, get_metadata())
 
 
 def attention_inputs(module: nn.Module, positions: torch.Tensor, x: torch.Tensor,

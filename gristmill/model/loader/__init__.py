@@ -68,7 +68,7 @@ _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.nor
 def resolve_model(model: str | None, cache_dir: str | None = None) -> Path:
     """The HF-style directory of `model` (None = the bundled default); a GGUF file is
     converted into the cache the first time."""
-    path = model_source(model)
+    path = model_source(model, cache_dir)
     if path.is_dir():
         return path
     target = converted_gguf_dir(path, cache_dir)
@@ -267,13 +267,15 @@ def load_weights(model: torch.nn.Module, model_dir: Path, skip: set[str] = froze
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
     params = dict(model.named_parameters())
+    # A family whose parameter names are not its checkpoints' maps them (None: a tensor it leaves out).
+    rename = getattr(model, "checkpoint_name", None) or (lambda name: name.removeprefix("language_model."))
     loaded = set()
     with torch.no_grad():
         for file in files:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
-                    target_name = name.removeprefix("language_model.")
-                    if target_name in skip:
+                    target_name = rename(name)
+                    if target_name is None or target_name in skip:
                         continue
                     if target_name not in params:
                         if "rotary_emb" in name:

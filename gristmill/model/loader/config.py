@@ -3,7 +3,7 @@
 transformers' config classes take ~2 s to import (and import torch); the engine needs a
 dozen numbers from the file. `ModelConfig` holds them with the defaults transformers'
 classes fill in for a key the file leaves out (LlamaConfig, Qwen2Config, Qwen3Config,
-Gemma3TextConfig; a multimodal Gemma 3 config gives its text half), and rope parameters
+Gemma3TextConfig, BertConfig; a multimodal Gemma 3 config gives its text half), and rope parameters
 standardized as they standardize them: `rope_parameters` is one dict (`rope_type`,
 `rope_theta`, ...) or, for Gemma 3, one per layer type. tests/model/test_loader.py checks
 each field against transformers' classes. Imports no torch and no transformers.
@@ -42,6 +42,15 @@ _DEFAULTS = {
         "eos_token_id": 1, "pad_token_id": 0, "query_pre_attn_scalar": 256, "sliding_window": 4096,
         "final_logit_softcapping": None, "use_bidirectional_attention": False,
     },
+    # BERT has no rotary and no RMSNorm (rms_norm_eps, rope_parameters None), every linear
+    # biased (which the model class knows), no LM head to tie.
+    "bert": {
+        "vocab_size": 30522, "hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
+        "num_attention_heads": 12, "num_key_value_heads": None, "head_dim": None, "hidden_act": "gelu",
+        "max_position_embeddings": 512, "rms_norm_eps": None, "tie_word_embeddings": False,
+        "attention_bias": False, "mlp_bias": False, "bos_token_id": None, "eos_token_id": None, "pad_token_id": 0,
+        "type_vocab_size": 2, "layer_norm_eps": 1e-12,
+    },
 }
 _DEFAULT_THETA = 10_000.0
 _GEMMA3_THETA = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}
@@ -64,12 +73,13 @@ class ModelConfig:
     head_dim: int
     hidden_act: str
     max_position_embeddings: int
-    rms_norm_eps: float
+    rms_norm_eps: float | None  # (None: BERT, whose norms are LayerNorms)
     tie_word_embeddings: bool
     attention_bias: bool
     mlp_bias: bool
-    #: One dict (rope_type, rope_theta, scaling fields) or, Gemma 3, one per layer type.
-    rope_parameters: dict
+    #: One dict (rope_type, rope_theta, scaling fields) or, Gemma 3, one per layer type;
+    #: None for BERT (absolute position embeddings).
+    rope_parameters: dict | None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
@@ -78,10 +88,22 @@ class ModelConfig:
     sliding_window: int | None = None
     layer_types: tuple[str, ...] | None = None
     final_logit_softcapping: float | None = None
+    # BERT only (None elsewhere).
+    type_vocab_size: int | None = None
+    layer_norm_eps: float | None = None
+    #: The classes the checkpoint was saved from ("BertForSequenceClassification", ...).
+    architectures: tuple[str, ...] = ()
+    #: A classifier's label names by class index; None when the file names none.
+    id2label: dict[int, str] | None = None
 
     @property
     def hidden_activation(self) -> str:  # Gemma's name for it
         return self.hidden_act
+
+    @property
+    def num_labels(self) -> int:
+        """Classes of a classifier head (2, transformers' default, when the file names none)."""
+        return len(self.id2label) if self.id2label is not None else 2
 
 
 def load_config(model_dir: Path) -> ModelConfig:
@@ -122,9 +144,26 @@ def config_from_dict(raw: dict, where: str = "config.json") -> ModelConfig:
                            for i in range(values["num_hidden_layers"])]
         values["layer_types"] = tuple(layer_types)
         values["rope_parameters"] = _gemma3_rope(raw, values["max_position_embeddings"])
+    elif model_type == "bert":
+        values["rope_parameters"] = None
+        values["tie_word_embeddings"] = False  # (BertConfig says True, for BertForMaskedLM's head)
+        if raw.get("position_embedding_type", "absolute") != "absolute":
+            raise ValueError(f"{where}: position_embedding_type {raw['position_embedding_type']!r} is not "
+                             f"supported; BERT models with absolute position embeddings are")
     else:
         values["rope_parameters"] = _rope(raw, values["max_position_embeddings"])
-    return ModelConfig(model_type=model_type, **values)
+    return ModelConfig(model_type=model_type, architectures=tuple(raw.get("architectures") or ()),
+                       id2label=_id2label(raw), **values)
+
+
+def _id2label(raw: dict) -> dict[int, str] | None:
+    """Label names by class index, keys as ints (JSON keeps them as strings); a file with
+    only `num_labels` gets transformers' names for them (LABEL_0, ...)."""
+    if raw.get("id2label"):
+        return {int(index): name for index, name in raw["id2label"].items()}
+    if raw.get("num_labels") is not None:
+        return {index: f"LABEL_{index}" for index in range(raw["num_labels"])}
+    return None
 
 
 def _rope(raw: dict, max_positions: int) -> dict:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from gristmill.model.models.bert import BertForSequenceClassification, BertModel
 from gristmill.model.models.gemma3 import Gemma3ForCausalLM
 from gristmill.model.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 
@@ -10,10 +11,19 @@ MODEL_CLASSES = {
     "qwen2": Qwen2ForCausalLM,
     "qwen3": Qwen3ForCausalLM,
     "gemma3_text": Gemma3ForCausalLM,
+    "bert": BertModel,
+}
+# A checkpoint saved from one of these classes (config.json's `architectures`) gets it
+# instead of its model type's class: a head on the same encoder.
+ARCHITECTURE_CLASSES = {
+    "BertForSequenceClassification": BertForSequenceClassification,
 }
 
 
 def model_class(config):
+    for architecture in config.architectures:
+        if architecture in ARCHITECTURE_CLASSES:
+            return ARCHITECTURE_CLASSES[architecture]
     cls = MODEL_CLASSES.get(config.model_type)
     if cls is None:
         raise ValueError(f"model type {config.model_type!r} is not supported; "
