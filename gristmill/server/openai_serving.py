@@ -25,7 +25,7 @@ from gristmill.sampling import SamplingParams
 from gristmill.server.errors import ModelNotFoundError, error_event, exception_response
 from gristmill.server.limits import ServerLimits, check_chat, check_common, check_completion
 from gristmill.server.metrics import RequestTimer, ServerMetrics
-from gristmill.server.protocol import ChatCompletionRequest, CompletionRequest
+from gristmill.server.protocol import CHAT_PATH, COMPLETIONS_PATH, ChatCompletionRequest, CompletionRequest
 from gristmill.server.responses import ChoiceStates, Job, ResponseWriter, overall_reason, sse, usage
 from gristmill.server.supervisor import EngineSupervisor
 
@@ -81,11 +81,20 @@ class OpenAIServing:
         if dead is not None:
             raise EngineDeadError(dead.message)
 
+    def _check_generates(self, path: str) -> None:
+        task = self.engine.capacity.task
+        if task != "generate":
+            endpoints = {"embed": "/v1/embeddings, /v1/score, /v1/rerank", "classify": "/v1/classify",
+                         "score": "/v1/score, /v1/rerank"}[task]
+            raise RequestError(f"{path} needs an engine that generates text; this server runs task {task!r}: send "
+                               f"{endpoints} requests, or serve a generative model", param="task")
+
     def _check_limits(self, body) -> None:
         check_common(body, self.limits, self.engine.config.max_num_seqs, self.engine.max_model_len)
 
     def _completion_job(self, body: CompletionRequest):
         self.check_model(body.model)
+        self._check_generates(COMPLETIONS_PATH)
         self._check_limits(body)
         check_completion(body, self.limits)
         prompts = body.prompt
@@ -109,6 +118,7 @@ class OpenAIServing:
 
     def _chat_job(self, body: ChatCompletionRequest):
         self.check_model(body.model)
+        self._check_generates(CHAT_PATH)
         self._check_limits(body)
         check_chat(body, self.limits)
         messages = [m.model_dump() for m in body.messages]

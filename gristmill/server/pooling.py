@@ -126,6 +126,9 @@ class PoolingServing:
         if unsupported is not None:
             raise RequestError(f"{unsupported} would change the output and is not supported by this server; leave "
                                f"it out", param=unsupported)
+        misplaced = body.misplaced_field()
+        if misplaced is not None:
+            raise RequestError(f"{misplaced} does not apply to {path}; leave it out", param=misplaced)
         capacity = self.engine.capacity
         if capacity.task == "generate":
             raise RequestError(f"{path} needs a pooling engine; this server runs task 'generate' (text). Start "

@@ -18,6 +18,10 @@ POOLING_PATHS = frozenset({EMBEDDINGS_PATH, CLASSIFY_PATH, SCORE_PATH, *RERANK_P
 UNSUPPORTED_POOLING = {"priority": 0, "mm_processor_kwargs": {}, "chat_template": "", "messages": [],
                        "softmax": True, "activation": True, "max_chunks_per_doc": ()}
 
+#: Fields of one pooling endpoint that another would have to ignore (refused there).
+OTHER_ENDPOINTS_FIELDS = ("dimensions", "normalize", "encoding_format", "use_activation", "top_n",
+                          "return_documents")
+
 #: One input: a text, or token ids.
 Input = str | list[StrictInt]
 
@@ -54,6 +58,11 @@ class _PoolingFields(BaseModel):
         extra = self.model_extra or {}
         return next((name for name, neutral in UNSUPPORTED_POOLING.items()
                      if extra.get(name) is not None and extra[name] != neutral), None)
+
+    def misplaced_field(self) -> str | None:
+        """A field of another pooling endpoint, which would mean nothing here."""
+        extra = self.model_extra or {}
+        return next((name for name in OTHER_ENDPOINTS_FIELDS if extra.get(name) is not None), None)
 
 
 class EmbeddingRequest(_PoolingFields):

@@ -139,7 +139,7 @@ class AppServer:
 
         args = serve_args(*flags)
         limits = ServerLimits(max_request_bytes=args.max_request_bytes, max_prompt_chars=args.max_prompt_chars,
-                              max_stream_buffer=args.max_stream_buffer)
+                              max_stream_buffer=args.max_stream_buffer, max_inputs=args.max_inputs)
         self.engine = engine
         self.app = build_app(engine, args.served_model_name or model, api_key=args.api_key,
                              max_engine_restarts=args.max_engine_restarts, restart_window_s=args.restart_window_s,
