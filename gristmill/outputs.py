@@ -69,6 +69,10 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     #: Timings (AsyncEngine); updated until the request finishes. None offline (LLM).
     metrics: RequestMetrics | None = None
+    #: With `SamplingParams.prompt_logprobs`, as vLLM's: per prompt token, {token_id:
+    #: Logprob} of it after the tokens before it and the top-k others there; None for the
+    #: first token (nothing comes before it). None when not asked for (or not yet known).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def finished(self) -> bool:

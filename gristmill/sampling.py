@@ -79,6 +79,10 @@ class SamplingParams:
     bad_words: list[str] = field(default_factory=list)
     #: vLLM's: the text ends with the stop string that ended it.
     include_stop_str_in_output: bool = False
+    #: vLLM's: the log-probability of each prompt token after the ones before it, with the
+    #: top-k others at that place (`RequestOutput.prompt_logprobs`; None for the first
+    #: token), as evaluation harnesses score text by its likelihood. None = off.
+    prompt_logprobs: int | None = None
     #: `validate()` passed and no field was assigned since: the engine's client does not
     #: check it again (a list or dict changed in place is not seen; the core checks
     #: every request it receives anyway).
@@ -136,6 +140,10 @@ class SamplingParams:
               f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
               "logprobs", f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
+        check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs)
+                                               and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+              "prompt_logprobs", f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got "
+                                 f"{self.prompt_logprobs!r}")
         check(_is_int(self.n) and self.n >= 1, "n", f"n must be an integer >= 1, got {self.n!r}")
         if self.logit_bias is not None:
             check(isinstance(self.logit_bias, dict) and len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias",

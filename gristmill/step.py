@@ -113,3 +113,7 @@ class StepTokens:
     #: A pooling step's results (a float32 numpy array per row; its `token_ids` are
     #: then 0s, no token), else None.
     pooled: list | None = None
+    #: request id -> the prompt logprobs this step computed for it (one entry per prompt
+    #: token of its chunk that has a next prompt token), for requests that ask for them
+    #: (`SamplingParams.prompt_logprobs`), sampled this step or not.
+    prompt_logprobs: dict[str, list[dict[int, Logprob]]] | None = None

@@ -103,7 +103,7 @@ def _snapshot(output: RequestOutput) -> RequestOutput:
     return RequestOutput(output.request_id, output.prompt, output.prompt_token_ids, [
         dataclasses.replace(c, token_ids=list(c.token_ids),
                             logprobs=None if c.logprobs is None else list(c.logprobs))
-        for c in output.outputs], output.metrics)
+        for c in output.outputs], output.metrics, output.prompt_logprobs)
 
 
 def _delta(output: RequestOutput, sent: list[int]) -> RequestOutput:
@@ -113,7 +113,8 @@ def _delta(output: RequestOutput, sent: list[int]) -> RequestOutput:
         start, sent[c.index] = sent[c.index], len(c.token_ids)
         completions.append(dataclasses.replace(c, text=c.delta_text, token_ids=c.token_ids[start:],
                                                logprobs=None if c.logprobs is None else c.logprobs[start:]))
-    return RequestOutput(output.request_id, output.prompt, output.prompt_token_ids, completions, output.metrics)
+    return RequestOutput(output.request_id, output.prompt, output.prompt_token_ids, completions, output.metrics,
+                         output.prompt_logprobs)
 
 
 def rejection_error(error: str, param: str | None = None) -> GristmillError:

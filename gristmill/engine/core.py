@@ -170,6 +170,7 @@ class EngineCore:
                 "num_free_blocks": bm.num_free_blocks,
                 "num_total_blocks": bm.num_total_blocks,
                 "num_cached_blocks": bm.num_cached_blocks,
+                "num_preemptions": self.scheduler.num_preemptions,
                 # Since the engine started, in tokens: asked of the prefix cache, and found.
                 "prefix_cache_queries": bm.num_query_tokens,
                 "prefix_cache_hits": bm.num_hit_tokens,

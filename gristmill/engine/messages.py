@@ -37,6 +37,9 @@ class RequestUpdate:
     token_times: list[float] | None = None
     #: A pooling request's result (a float32 numpy array), in its last update.
     pooled: object | None = None
+    #: With `SamplingParams.prompt_logprobs`: an entry per prompt token from the second
+    #: ({token_id: Logprob}: the token's, then the top-k), in its first update.
+    prompt_logprobs: list[dict[int, Logprob]] | None = None
 
 
 # -- client -> core ----------------------------------------------------------------

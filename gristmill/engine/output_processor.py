@@ -125,6 +125,8 @@ class OutputProcessor:
                     metrics.token_arrivals.append((now, len(update.new_token_ids)))
             if update.new_logprobs is not None and output.logprobs is not None:
                 output.logprobs.extend(self._decoded(update.new_logprobs))
+            if update.prompt_logprobs is not None and live.parent.prompt_logprobs is None:
+                live.parent.prompt_logprobs = [None, *self._decoded(update.prompt_logprobs)]
             changed[id(live.parent)] = live.parent
             detok = live.detokenizer
             if detok.held is not None and update.finish_reason is None and not faults.ACTIVE:

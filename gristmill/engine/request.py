@@ -72,7 +72,10 @@ class Request:
         #: Its next token is the argmax of the logits as they are: greedy, no logprobs, no
         #: control, no constraint (a step of such rows only needs the forward's argmax).
         self.plain = (params.greedy and params.logprobs is None and not self.controlled
-                      and self.matcher is None)
+                      and self.matcher is None and params.prompt_logprobs is None)
+        #: With `prompt_logprobs`: each prompt token's entry (from its second), gathered
+        #: over its prefill chunks and sent with its first output token; None: not asked.
+        self.prompt_logprobs: list | None = [] if params.prompt_logprobs is not None else None
         #: The token ids that end it once `min_tokens` are out: EOS (unless ignore_eos)
         #: and stop_token_ids.
         self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)

@@ -41,6 +41,8 @@ class Scheduler:
         #: Unfinished requests that are not `Request.plain`: while there are none, every
         #: step is all plain greedy rows (`SchedulerOutput.plain`).
         self.num_not_plain = 0
+        #: Requests preempted since the engine started (their blocks freed, recomputed later).
+        self.num_preemptions = 0
 
     # -- requests in and out -------------------------------------------------------
 
@@ -124,7 +126,8 @@ class Scheduler:
         while (self.waiting and not out.preempted_request_ids and budget > 0
                and len(self.running) < self.max_num_seqs):
             request = self.waiting[0]
-            computed = self.block_manager.cached_prefix(request)
+            # (its prompt logprobs need every prompt token computed: no cached prefix)
+            computed = self.block_manager.cached_prefix(request) if request.prompt_logprobs is None else []
             num_computed = len(computed) * self.block_manager.block_size
             num_new = min(request.num_tokens - num_computed, budget)
             if request.pooling is not None and num_new < request.num_tokens:
@@ -142,10 +145,13 @@ class Scheduler:
         return out
 
     def _preempt(self, request: Request) -> None:
+        if request.prompt_logprobs is not None and len(request.prompt_logprobs) < request.num_prompt_tokens - 1:
+            request.prompt_logprobs.clear()  # (its prompt is computed again, from the start)
         self.block_manager.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(request)
 
     def update(self, out: SchedulerOutput, sampled: StepTokens) -> list[RequestUpdate]:
@@ -186,6 +192,13 @@ class Scheduler:
                                f"for a step that samples {out.num_sampled} rows")
         if sampled.pooled is not None:
             return self._resolve_pooled(sampled)
+        if sampled.prompt_logprobs:
+            for request_id, entries in sampled.prompt_logprobs.items():
+                request = requests.get(request_id)
+                # (a prompt computed again after a preemption: its entries are had already)
+                if request is not None and request.prompt_logprobs is not None and \
+                        len(request.prompt_logprobs) < request.num_prompt_tokens - 1:
+                    request.prompt_logprobs.extend(entries)
         for request_id, token_id, logprobs in zip(sampled.request_ids, sampled.token_ids, sampled.logprobs):
             request = requests.get(request_id)
             if request is None or not request.pending:  # ended while the step ran
@@ -204,10 +217,12 @@ class Scheduler:
                 if reason is not None:
                     self.finish_request(request_id, reason)
                     updates.append(RequestUpdate(request_id, request.output_token_ids if request.send_at_end
-                                                 else [token_id], logprobs, reason, error, request.token_times))
+                                                 else [token_id], logprobs, reason, error, request.token_times,
+                                                 prompt_logprobs=_prompt_logprobs(request)))
                     continue
             if not request.send_at_end:  # (a send_at_end request is heard of only at its end)
-                updates.append(RequestUpdate(request_id, [token_id], logprobs, None))
+                updates.append(RequestUpdate(request_id, [token_id], logprobs, None,
+                                             prompt_logprobs=_prompt_logprobs(request)))
         return updates
 
 
@@ -223,6 +238,14 @@ class Scheduler:
             self.finish_request(request_id, "stop")
             updates.append(RequestUpdate(request_id, [], None, "stop", pooled=pooled))
         return updates
+
+
+def _prompt_logprobs(request: Request) -> list | None:
+    """A request's prompt logprobs, sent once: with its first output token (or, sent at
+    its end, with all of them)."""
+    if request.prompt_logprobs is None or (request.num_output_tokens > 1 and not request.send_at_end):
+        return None
+    return request.prompt_logprobs
 
 
 def _constrained(request: Request, token_id: int, reason: str | None) -> tuple[str | None, str | None]:

@@ -8,6 +8,7 @@ controls (model/logits.py), the structured-output masks (model/masking.py), the 
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ from gristmill.model.logits import LogitsControls
 from gristmill.model.masking import GrammarMasks
 from gristmill.model.loader import load_config, load_weights, resolve_model
 from gristmill.model.metadata import HostStep, StepMetadata, build_host_step
+from gristmill.outputs import Logprob
 from gristmill.model.models import model_class
 from gristmill.model.sampler import Sampler, SamplerRow
 from gristmill.paths import cache_root
@@ -70,6 +72,8 @@ def random_weights(model: torch.nn.Module, seed: int) -> None:
                 param.normal_(0.0, 0.02, generator=generator)
             elif name == "weight" and hasattr(module, "offset"):
                 param.fill_(1.0 - float(module.offset))
+            elif name == "weight" and isinstance(module, torch.nn.LayerNorm):
+                param.fill_(1.0)
             else:
                 param.zero_()
 
@@ -101,7 +105,7 @@ class ModelRunner:
             kernels.build_in_background(q4=config.quantization == "q4")
         self.model_dir = model_dir or resolve_model(config.model, config.cache_dir)
         self.hf_config = load_config(self.model_dir)
-        self.max_model_len = config.max_model_len or self.hf_config.max_position_embeddings
+        self.max_model_len = config.max_model_len or _trained_length(self.model_dir, self.hf_config)
         if self.max_model_len > self.hf_config.max_position_embeddings:  # (positions it was never trained on)
             raise RequestError(f"EngineConfig.max_model_len: {self.max_model_len} is more than the "
                                f"{self.hf_config.max_position_embeddings} positions {self.model_dir.name} "
@@ -126,6 +130,8 @@ class ModelRunner:
         self.controls = LogitsControls(self.device)
         self.masks = GrammarMasks(self.device, self.sampler)
         self.generators: dict[str, torch.Generator] = {}
+        #: The prompt logprobs the last forward computed (`_prompt_logprobs`), for its step.
+        self._prompt_entries: dict | None = None
         self.graphs = None
         self._greedy: torch.Tensor | None = None  # argmax of the last forward's logits, when it came with them
         #: Async scheduling pays where a GPU computes while the host goes on.
@@ -280,16 +286,17 @@ class ModelRunner:
         if self.pooler is not None:
             return self._pool(out)
         logits, items = self.forward(out)
+        prompt_logprobs, self._prompt_entries = self._prompt_entries, None
         if not items:
             self._row_ids, self._row_map = [], {}
-            return LaunchedStep([], None)
+            return LaunchedStep([], None, prompt_logprobs)
         if out.plain:  # (most steps of a greedy batch job: no pass over the rows)
             tokens, pending = self.sampler.sample_greedy(logits, self._greedy)
         else:
             tokens, pending = self._sample(logits, items)
         self.token_buffer[:len(items)].copy_(tokens)
         self._row_ids, self._row_map = self._step_ids, None
-        return LaunchedStep(self._step_ids, pending)
+        return LaunchedStep(self._step_ids, pending, prompt_logprobs)
 
     def _sample(self, logits: torch.Tensor, items: list[ScheduledRequest]):
         rows = [SamplerRow(item.sampling_params, None if item.sampling_params.seed is None else self._generator(item))
@@ -312,6 +319,7 @@ class ModelRunner:
         may live in a reused buffer (a CUDA graph's, the int8 LM head's): valid until
         the next call."""
         self._greedy = None
+        self._prompt_entries = None
         if not out.scheduled:
             return None, []
         host, items = self.host_step(out)
@@ -330,9 +338,44 @@ class ModelRunner:
             input_ids = torch.where(rows >= 0, taken, input_ids)
         with forward_context(metadata, self.backend):
             hidden = self.model(input_ids, positions)
+            if any(s.sampling_params.prompt_logprobs is not None for s in out.scheduled):
+                # (first: the LM head's output buffer is reused by the sampled rows' logits)
+                self._prompt_entries = self._prompt_logprobs(hidden, host, out)
             if not items:
                 return None, []
             return self.model.compute_logits(hidden[sample_indices]), items
+
+    #: Prompt rows whose logits are made at once, for prompt logprobs (a 262k vocabulary
+    #: in float32: 1 MiB a row).
+    PROMPT_LOGPROBS_ROWS = 256
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, host: HostStep, out: SchedulerOutput) -> dict | None:
+        """request id -> {token: Logprob} of each prompt token this step's chunk of it
+        predicts (the token, then the top-k), for the requests that ask for them."""
+        entries = {}
+        starts = host.query_start.tolist()
+        for i, item in enumerate(_host_order(out)):
+            k = item.sampling_params.prompt_logprobs
+            first = item.num_computed_tokens
+            last = min(first + item.num_new_tokens, item.num_prompt_tokens - 1)  # rows with a next prompt token
+            if k is None or last <= first:
+                continue
+            found = entries[item.request_id] = []
+            for begin in range(first, last, self.PROMPT_LOGPROBS_ROWS):
+                end = min(begin + self.PROMPT_LOGPROBS_ROWS, last)
+                rows = hidden[starts[i] + begin - first:starts[i] + end - first]
+                logprobs = self.model.compute_logits(rows).float().log_softmax(dim=-1)
+                targets = torch.tensor(item.token_ids[begin + 1:end + 1], device=logprobs.device)
+                chosen = logprobs.gather(1, targets[:, None])
+                ranks = (logprobs > chosen).sum(dim=-1) + 1
+                top_values, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], targets[:, None][:, :0])
+                for target, value, rank, values, ids in zip(targets.tolist(), chosen[:, 0].tolist(), ranks.tolist(),
+                                                            top_values.tolist(), top_ids.tolist()):
+                    entry = {target: Logprob(value, rank)}
+                    for place, (top_value, top_id) in enumerate(zip(values, ids), 1):
+                        entry.setdefault(top_id, Logprob(top_value, place))
+                    found.append(entry)
+        return entries
 
     def _pool(self, out: SchedulerOutput) -> "PooledStep":
         """A pooling step: every scheduled request is a whole prompt; the model's hidden
@@ -377,9 +420,7 @@ class ModelRunner:
     def host_step(self, out: SchedulerOutput) -> tuple[HostStep, list[ScheduledRequest]]:
         """The step's inputs in numpy, decodes first, and the ScheduledRequest of each
         sampled row."""
-        ordered = out.scheduled
-        if any(len(s.new_token_ids) != 1 for s in ordered):  # a prefill chunk: decodes first (stable)
-            ordered = sorted(ordered, key=lambda s: len(s.new_token_ids) != 1)
+        ordered = _host_order(out)
         sequences = [(s.new_token_ids, s.num_computed_tokens, s.block_ids, s.samples) for s in ordered]
         return build_host_step(sequences, self.block_size), [s for s in ordered if s.samples]
 
@@ -451,6 +492,26 @@ class ModelRunner:
         return generator
 
 
+def _host_order(out: SchedulerOutput) -> list[ScheduledRequest]:
+    """A step's requests in the order of its host step's sequences: decodes first."""
+    ordered = out.scheduled
+    if any(len(s.new_token_ids) != 1 for s in ordered):  # a prefill chunk: decodes first (stable)
+        ordered = sorted(ordered, key=lambda s: len(s.new_token_ids) != 1)
+    return ordered
+
+
+def _trained_length(model_dir: Path, hf_config) -> int:
+    """The longest sequence the model is meant for: its positions, or, for a
+    sentence-transformers model, the `max_seq_length` it was trained to cut inputs at
+    (all-MiniLM-L6-v2: 256 of 512 positions), as sentence-transformers and vLLM use it."""
+    length = hf_config.max_position_embeddings
+    try:
+        trained = json.loads((model_dir / "sentence_bert_config.json").read_text()).get("max_seq_length")
+    except (OSError, ValueError, AttributeError):
+        return length
+    return min(length, trained) if isinstance(trained, int) and trained > 0 else length
+
+
 def _untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A CPU tensor of zeros whose pages the OS maps only when first written (numpy's
     zeros is a calloc): a KV cache of 1 GiB costs memory for the blocks in use, not at start."""
@@ -472,11 +533,11 @@ class PooledStep:
 class LaunchedStep:
     """A step queued on the device; `result()` waits for its sampled tokens."""
 
-    def __init__(self, request_ids: list[str], pending):
+    def __init__(self, request_ids: list[str], pending, prompt_logprobs: dict | None = None):
         """`request_ids`: of the sampled rows, in their order."""
-        self.request_ids, self.pending = request_ids, pending
+        self.request_ids, self.pending, self.prompt_logprobs = request_ids, pending, prompt_logprobs
 
     def result(self) -> StepTokens:
         if self.pending is None:
-            return StepTokens([], [], [])
-        return StepTokens(self.request_ids, *self.pending.result())
+            return StepTokens([], [], [], prompt_logprobs=self.prompt_logprobs)
+        return StepTokens(self.request_ids, *self.pending.result(), prompt_logprobs=self.prompt_logprobs)

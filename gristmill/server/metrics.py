@@ -41,6 +41,8 @@ class ServerMetrics:
                                       "Tokens looked up in the prefix cache (each admitted request's)", registry=r)
         self.prefix_hits = Counter("gristmill_prefix_cache_hit_tokens",
                                    "Tokens found in the prefix cache, so not computed", registry=r)
+        self.preemptions = Counter("gristmill_num_preemptions",
+                                   "Requests preempted when the KV cache ran out (recomputed later)", registry=r)
         self._engine_totals: dict[str, float] = {}
         self.prompt_tokens = Counter("gristmill_prompt_tokens", "Prompt tokens processed", registry=r)
         self.generation_tokens = Counter("gristmill_generation_tokens", "Tokens generated", registry=r)
@@ -64,6 +66,7 @@ class ServerMetrics:
         self.prefix_hit_rate.set(stats["prefix_cache_hit_rate"])
         self._advance(self.prefix_queries, "prefix_cache_queries", stats)
         self._advance(self.prefix_hits, "prefix_cache_hits", stats)
+        self._advance(self.preemptions, "num_preemptions", stats)
 
     def _advance(self, counter: Counter, key: str, stats: dict) -> None:
         # The engine reports totals; a counter only goes up by what is new. Two scrapes
