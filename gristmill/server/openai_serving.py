@@ -40,7 +40,9 @@ class OpenAIServing:
         self.engine = engine
         self.model_name = model_name
         self.writer = ResponseWriter(model_name,
-                                     lambda token_id, text: token_bytes(self.engine.tokenizer, token_id, text))
+                                     lambda token_id, text: token_bytes(self.engine.tokenizer, token_id, text),
+                                     lambda token_id: self.engine.tokenizer.decode([token_id]),
+                                     frozenset(engine.tokenizer.all_special_ids))
         self.metrics = metrics
         self.supervisor = supervisor
         self.limits = limits or ServerLimits()
@@ -103,15 +105,27 @@ class OpenAIServing:
         if not prompts:
             raise RequestError("prompt is empty; send a string, a list of strings or token ids",
                                param="prompt")
-        if body.echo and body.logprobs is not None:
-            # OpenAI would return the prompt's logprobs too; the engine computes none.
-            raise RequestError("echo with logprobs asks for the prompt's logprobs too, and prompt logprobs "
-                               "are not supported; drop echo or logprobs", param="echo")
-        params, field = self._params(body, body.max_tokens or 16, body.logprobs)
+        echo_logprobs = body.echo and body.logprobs is not None
+        if echo_logprobs and body.stream:
+            raise RequestError("echo with logprobs returns the prompt's logprobs, known once the whole prompt is "
+                               "computed, and is not streamed; send it with stream off", param="echo")
+        prompt_only = body.max_tokens == 0
+        if prompt_only and body.stream:
+            raise RequestError("max_tokens 0 returns the prompt alone, with its logprobs; send it with stream off",
+                               param="max_tokens")
+        if prompt_only and not body.echo:
+            raise RequestError("max_tokens 0 generates nothing, so it needs echo (with logprobs: the prompt's "
+                               "scores); send max_tokens >= 1, or echo: true", param="max_tokens")
+        # (max_tokens 0: the engine makes one token, which the response leaves out)
+        max_tokens = 1 if prompt_only else 16 if body.max_tokens is None else body.max_tokens
+        params, field = self._params(body, max_tokens, body.logprobs)
+        if echo_logprobs:  # the prompt's own, as OpenAI's legacy completions return them
+            params = params.clone(prompt_logprobs=max(body.logprobs, params.prompt_logprobs or 0))
         job = Job(False, f"cmpl-{uuid.uuid4().hex}", int(time.time()), body.n, body.logprobs is not None,
                    bool(body.stream_options and body.stream_options.include_usage), body.logprobs or 0,
                    constraint_field=field, continuous_usage=_continuous_usage(body))
         job.return_token_ids = body.return_token_ids
+        job.prompt_only, job.echo_logprobs, job.prompt_logprobs = prompt_only, echo_logprobs, body.prompt_logprobs
         if body.echo:
             job.echo_texts = [self._prompt_text(p) for p in prompts]
         return job, [(p, body.add_special_tokens) for p in prompts], params
@@ -133,6 +147,7 @@ class OpenAIServing:
                    bool(body.stream_options and body.stream_options.include_usage), top or 0,
                    constraint_field=field, continuous_usage=_continuous_usage(body))
         job.return_token_ids = body.return_token_ids
+        job.prompt_logprobs = body.prompt_logprobs
         return job, [(text, body.add_special_tokens)], params
 
     def _prompt_text(self, prompt: str | list[int]) -> str:
@@ -148,6 +163,9 @@ class OpenAIServing:
         if unsupported is not None:
             raise RequestError(f"{unsupported} would change the output and is not supported by this server; "
                                f"leave it out", param=unsupported)
+        if body.prompt_logprobs is not None and body.stream:
+            raise RequestError("prompt_logprobs come with a whole response, not a stream; send it with stream off",
+                               param="prompt_logprobs")
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         structured, field = openai_constraint(body.response_format, body.structured_outputs)
         try:
@@ -161,7 +179,8 @@ class OpenAIServing:
                 repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
                 min_tokens=body.min_tokens or 0, bad_words=body.bad_words or [],
                 skip_special_tokens=body.skip_special_tokens,
-                include_stop_str_in_output=body.include_stop_str_in_output), field
+                include_stop_str_in_output=body.include_stop_str_in_output,
+                prompt_logprobs=body.prompt_logprobs), field
         except RequestError as exc:
             raise named_for(exc, field) from None
 

@@ -49,7 +49,7 @@ class _SamplingFields(BaseModel):
 
     _sampling_numbers = field_validator("temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "n",
                                "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
-                               mode="before")(_no_booleans)
+                               "prompt_logprobs", mode="before")(_no_booleans)
 
     model: str | None = None
     temperature: float | None = Field(default=None, ge=0, le=2)
@@ -81,6 +81,9 @@ class _SamplingFields(BaseModel):
     #: vLLM's extra-body field: each choice also carries its `token_ids` (and the prompt's
     #: `prompt_token_ids`: on each choice of a completion, on a chat response).
     return_token_ids: bool = False
+    #: vLLM's extra-body field: each prompt token's logprob and the top-k at its place
+    #: (`prompt_logprobs` on each choice of a completion, on a chat response).
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
 
     def unsupported_field(self) -> str | None:
         """The first field of the body, not modelled here, that would change the output."""
@@ -96,7 +99,7 @@ def _neutral(value) -> tuple:
 #: Fields other OpenAI-compatible servers take that would change the output, with the
 #: value (or a tuple of the values) that changes nothing: any other value is refused.
 UNSUPPORTED = {"best_of": 1, "suffix": "", "tools": [], "functions": [], "use_beam_search": False,
-               "length_penalty": 1.0, "prompt_logprobs": 0, "allowed_token_ids": [], "logits_processors": [],
+               "length_penalty": 1.0, "allowed_token_ids": [], "logits_processors": [],
                "truncate_prompt_tokens": 0, "typical_p": 1.0,
                "prediction": {}, "audio": {}, "spaces_between_special_tokens": True,
                "guided_json": {}, "guided_regex": "", "guided_choice": [], "guided_grammar": "",
@@ -111,7 +114,8 @@ UNSUPPORTED = {"best_of": 1, "suffix": "", "tools": [], "functions": [], "use_be
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=None, ge=1)  # None: 16, as OpenAI
+    #: None: 16, as OpenAI; 0 (with echo): the prompt alone, scored with logprobs.
+    max_tokens: int | None = Field(default=None, ge=0)
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     #: vLLM's extra-body field: the tokenizer's special tokens (BOS) open the prompt.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from gristmill.engine.stream import RequestStream
 from gristmill.outputs import Logprob, RequestOutput
@@ -30,6 +30,12 @@ class Job:
     constraint_field: str | None = None
     #: Every streamed chunk carries the usage so far (`_continuous_usage`).
     continuous_usage: bool = False
+    #: max_tokens 0 (with echo): the prompt alone is returned, no generated token.
+    prompt_only: bool = False
+    #: echo with logprobs: each choice's logprobs start with the prompt's tokens'.
+    echo_logprobs: bool = False
+    #: vLLM's prompt_logprobs field: the prompt's logprobs in its own shape, top-k of them.
+    prompt_logprobs: int | None = None
 
 
 class ChoiceStates:
@@ -47,9 +53,15 @@ class ResponseWriter:
     """Formats the responses of one server: `token_bytes(id, text)` gives a token's own
     bytes (its text is its Logprob's `decoded_token`)."""
 
-    def __init__(self, model_name: str, token_bytes: Callable[[int, str], bytes]):
+    def __init__(self, model_name: str, token_bytes: Callable[[int, str], bytes],
+                 decode_token: Callable[[int], str] = str, special_ids: frozenset[int] = frozenset()):
+        """`decode_token(id)`: a token's text alone (the prompt's first token, which has no
+        logprob entry to carry it); `special_ids`: tokens that have no text in an echoed
+        prompt (BOS), so take no room in its text offsets."""
         self.model_name = model_name
         self.token_bytes = token_bytes
+        self.decode_token = decode_token
+        self.special_ids = special_ids
 
     def delta_chunk(self, job: Job, prompt_index: int, c, choices: ChoiceStates) -> dict | None:
         """The chunk of a "delta" completion output, or None when it brings nothing to send."""
@@ -85,23 +97,59 @@ class ResponseWriter:
         choices = []
         for prompt_index, out in enumerate(finals):
             for c in out.outputs:
+                if job.prompt_only:  # (the one token the engine made is not part of the answer)
+                    c = replace(c, text="", token_ids=[], logprobs=None if c.logprobs is None else [])
+                echo_part = self.echo_logprobs(job, out) if job.echo_logprobs else None
+                logprobs = self.logprobs(job, c, 0, len(job.echo_texts[prompt_index]) if echo_part else 0)
+                if echo_part is not None:
+                    logprobs = {key: echo_part[key] + (logprobs or {}).get(key, []) for key in echo_part}
                 choice = {"index": prompt_index * job.n + c.index, "finish_reason": c.finish_reason,
-                          "stop_reason": c.stop_reason, "logprobs": self.logprobs(job, c, 0)}
+                          "stop_reason": c.stop_reason, "logprobs": logprobs}
                 if job.chat:
                     choice["message"] = {"role": "assistant", "content": c.text}
                 else:
                     echo = job.echo_texts[prompt_index] if job.echo_texts is not None else ""
                     choice["text"] = echo + c.text
+                    if job.prompt_logprobs is not None:
+                        choice["prompt_logprobs"] = self.prompt_logprobs(out, job.prompt_logprobs)
                 if job.return_token_ids:
                     choice["token_ids"] = list(c.token_ids)
                     if not job.chat:
                         choice["prompt_token_ids"] = list(out.prompt_token_ids)
                 choices.append(choice)
-        totals = usage(job, sum(len(c.token_ids) for out in finals for c in out.outputs))
-        body = {**self.envelope(job, chunk=False), "choices": choices, "usage": totals}
+        generated = 0 if job.prompt_only else sum(len(c.token_ids) for out in finals for c in out.outputs)
+        body = {**self.envelope(job, chunk=False), "choices": choices, "usage": usage(job, generated)}
         if job.return_token_ids and job.chat:
             body["prompt_token_ids"] = list(finals[0].prompt_token_ids)
+        if job.prompt_logprobs is not None and job.chat:
+            body["prompt_logprobs"] = self.prompt_logprobs(finals[0], job.prompt_logprobs)
         return body
+
+    def echo_logprobs(self, job: Job, out: RequestOutput) -> dict:
+        """The prompt's tokens in OpenAI's legacy completions logprobs (echo): the first has
+        no logprob (null), each other its own and the top `logprobs` at its place."""
+        ids, entries, k = out.prompt_token_ids, out.prompt_logprobs or [None], job.num_top_logprobs
+        texts = [self.decode_token(ids[0]), *(e[t].decoded_token for t, e in zip(ids[1:], entries[1:]))]
+        offsets, at = [], 0
+        for token_id, text in zip(ids, texts):
+            offsets.append(at)
+            at += 0 if token_id in self.special_ids else len(text)
+        return {"tokens": texts,
+                "token_logprobs": [None, *(finite(e[t].logprob) for t, e in zip(ids[1:], entries[1:]))],
+                "top_logprobs": [None, *({v.decoded_token: finite(v.logprob) for _, v in [*top(e, k), (t, e[t])]}
+                                         for t, e in zip(ids[1:], entries[1:]))],
+                "text_offset": offsets}
+
+    @staticmethod
+    def prompt_logprobs(out: RequestOutput, k: int) -> list | None:
+        """vLLM's prompt_logprobs field: per prompt token, None (the first) or {token id:
+        {logprob, rank, decoded_token}} of the token and the top `k`."""
+        if out.prompt_logprobs is None:
+            return None
+        return [None if entry is None else {
+            str(t): {"logprob": finite(v.logprob), "rank": v.rank, "decoded_token": v.decoded_token}
+            for t, v in entry.items() if t == token or v.rank is not None and v.rank <= k}
+            for token, entry in zip(out.prompt_token_ids, out.prompt_logprobs)]
 
     def logprobs(self, job: Job, completion, start: int, text_offset: int = 0):
         """Logprobs of the completion's tokens from `start` on; `text_offset` is where the

@@ -65,7 +65,7 @@ def test_requests_rejected_before_generation_are_counted_once(server, auth):
         (chat, {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}, 400),
         (completions, {"prompt": []}, 400),                               # empty prompt list
         (completions, {"prompt": ""}, 400),                               # rejected by the engine
-        (completions, {"prompt": "x", "echo": True, "logprobs": 1}, 400),
+        (completions, {"prompt": "x", "echo": True, "logprobs": 1, "stream": True}, 400),
         (completions, {"prompt": "x", "model": "gpt-9"}, 404),
     ]
     requests_before, before = error_counts(server)
@@ -115,15 +115,15 @@ def test_streamed_echo_sends_the_prompt_first_in_each_choice(client):
     assert chunks[-1].usage == plain.usage
 
 
-def test_echo_with_logprobs_is_rejected(server, auth):
-    for stream in (False, True):
-        response = httpx.post(f"{server.url}/v1/completions", headers=auth, timeout=60,
-                              json={"prompt": "x", "echo": True, "logprobs": 0, "stream": stream})
-        assert response.status_code == 400, response.text
-        error = response.json()["error"]
-        assert error["type"] == "invalid_request_error" and error["param"] == "echo"
-        assert "prompt logprobs are not supported" in error["message"]
-        assert "drop echo or logprobs" in error["message"]
+def test_echo_with_logprobs_is_refused_only_when_streamed(server, auth):
+    # The prompt's logprobs are known once it is all computed: a whole response carries
+    # them (tests/server/test_prompt_scoring.py), a stream is refused.
+    response = httpx.post(f"{server.url}/v1/completions", headers=auth, timeout=60,
+                          json={"prompt": "x", "echo": True, "logprobs": 0, "stream": True})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == "echo"
+    assert "not streamed; send it with stream off" in error["message"]
 
 
 # -- return_token_ids (vLLM's extra field) ----------------------------------------------
