@@ -16,7 +16,8 @@ from gristmill.pooling_params import POOLING_TASKS
 
 
 def model_kind(model_dir: Path) -> tuple[str, int | None]:
-    """("causal" | "encoder" | "embedder" | "classifier", number of labels of a classifier)."""
+    """("causal" | "encoder" | "backbone" | "embedder" | "classifier", number of labels of a
+    classifier)."""
     try:
         config = json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, ValueError):
@@ -27,9 +28,10 @@ def model_kind(model_dir: Path) -> tuple[str, int | None]:
         return "classifier", len(labels) if isinstance(labels, dict) and labels else config.get("num_labels", 2)
     if config.get("model_type") == "bert":
         return "encoder", None
-    if (Path(model_dir) / "modules.json").exists() or (architectures and all(
-            a.endswith("Model") for a in architectures)):
-        return "embedder", None  # (a sentence-transformers model, or a backbone without an LM head)
+    if architectures and all(a.endswith("Model") for a in architectures):
+        return "backbone", None  # (no LM head: an embedding model such as Qwen3-Embedding)
+    if (Path(model_dir) / "modules.json").exists():
+        return "embedder", None  # (a sentence-transformers model over a decoder with its LM head)
     return "causal", None
 
 
@@ -41,13 +43,13 @@ def resolve_task(task: str, model_dir: Path) -> str:
     if task == "auto":
         if kind == "classifier":
             return "score" if num_labels == 1 else "classify"
-        return "embed" if kind in ("encoder", "embedder") else "generate"
+        return "embed" if kind in ("encoder", "backbone", "embedder") else "generate"
     able = {"causal": ("generate", "embed", "score"), "encoder": ("embed", "score"),
-            "embedder": ("embed", "score", "generate"),
+            "backbone": ("embed", "score"), "embedder": ("embed", "score", "generate"),
             "classifier": ("classify", "score") if num_labels == 1 else ("classify",)}[kind]
     if task not in able:
         what = {"causal": "a text generation model", "encoder": "an encoder (no LM head)",
-                "embedder": "an embedding model",
+                "backbone": "an embedding model (a decoder without its LM head)", "embedder": "an embedding model",
                 "classifier": f"a sequence classifier ({num_labels} labels)"}[kind]
         raise RequestError(f"task={task!r}: {name} is {what}; it can run task "
                            + " or ".join(repr(t) for t in able) + " (or 'auto')", param="task")

@@ -98,3 +98,45 @@ def tiny_decoder_embedder() -> Path:
     path = _root() / "qwen3"
     transformers.Qwen3ForCausalLM(config).save_pretrained(path)
     return _with_tokenizer(path)
+
+
+def _decoder_config(family: str, **changes):
+    import transformers
+
+    common = dict(vocab_size=30522, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128, **changes)
+    if family == "qwen3":
+        return transformers.Qwen3Config(head_dim=16, **common)
+    if family == "llama":
+        return transformers.LlamaConfig(**common)
+    return transformers.Gemma3TextConfig(head_dim=16, sliding_window=8, **common)
+
+
+@cache
+def tiny_decoder_classifier(family: str) -> Path:
+    """A *ForSequenceClassification checkpoint of a decoder family ("qwen3", "llama",
+    "gemma3"): three labels, a `score` layer over the last token."""
+    import torch
+    import transformers
+
+    torch.manual_seed(3)
+    config = _decoder_config(family, num_labels=3, id2label=LABELS, label2id={v: k for k, v in LABELS.items()},
+                             pad_token_id=0)
+    cls = {"qwen3": transformers.Qwen3ForSequenceClassification, "llama": transformers.LlamaForSequenceClassification,
+           "gemma3": transformers.Gemma3TextForSequenceClassification}[family]
+    path = _root() / f"{family}-classifier"
+    cls(config).save_pretrained(path)
+    return _with_tokenizer(path)
+
+
+@cache
+def tiny_bare_decoder() -> Path:
+    """A checkpoint saved from Qwen3Model (no LM head, names without `model.`), as
+    Qwen3-Embedding ships: an embedding model by its architecture alone."""
+    import torch
+    import transformers
+
+    torch.manual_seed(4)
+    path = _root() / "qwen3-bare"
+    transformers.Qwen3Model(_decoder_config("qwen3")).save_pretrained(path)
+    return _with_tokenizer(path)

@@ -178,3 +178,43 @@ def test_int8_embeddings_stay_close_to_float(embedder):
     int8 = LLM(str(tiny_embedder()), device="cpu", quantization="int8")
     for exact, quantized in zip(embedder.embed(TEXTS), int8.embed(TEXTS)):
         assert _cosine(exact.outputs.embedding, quantized.outputs.embedding) >= 0.99
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama", "gemma3"])
+def test_decoder_classifiers_match_transformers(family):
+    from tests.pooling_models import tiny_decoder_classifier
+
+    path = tiny_decoder_classifier(family)
+    llm = LLM(str(path), device="cpu", quantization=None)
+    assert llm.config.task == "classify" and llm.capacity.pooler.labels == tuple(LABELS.values())
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(str(path)).eval()
+    for out in llm.classify(TEXTS):
+        with torch.no_grad():
+            want = model(torch.tensor([out.prompt_token_ids])).logits.softmax(-1)[0].numpy()
+        assert np.abs(np.array(out.outputs.probs) - want).max() < 1e-4
+
+
+def test_a_bare_decoder_checkpoint_is_an_embedding_model():
+    from tests.pooling_models import tiny_bare_decoder
+
+    llm = LLM(str(tiny_bare_decoder()), device="cpu", quantization=None)
+    assert llm.config.task == "embed"
+    model = transformers.Qwen3Model.from_pretrained(str(tiny_bare_decoder())).eval()
+    for out in llm.embed(TEXTS[:3]):
+        with torch.no_grad():
+            hidden = model(torch.tensor([out.prompt_token_ids])).last_hidden_state[0, -1]
+        assert _cosine(out.outputs.embedding, hidden.numpy()) >= 0.99999
+    for task in ("classify", "generate"):
+        with pytest.raises(RequestError, match=f"task='{task}'.*embedding model.*can run task 'embed' or 'score'"):
+            LLM(str(tiny_bare_decoder()), device="cpu", quantization=None, task=task)
+
+
+def test_a_bidirectional_gemma_is_refused_until_its_attention_exists(tmp_path):
+    # EmbeddingGemma attends over the whole prompt at once; run causally it would give
+    # wrong vectors, so it is refused, naming the model, before any weight is read.
+    config = transformers.Gemma3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                           num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                           use_bidirectional_attention=True)
+    transformers.Gemma3TextModel(config).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="EmbeddingGemma"):
+        LLM(str(tmp_path), device="cpu", quantization=None, task="embed")

@@ -55,7 +55,7 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def _tie_weights(model: torch.nn.Module) -> None:
     # Moving parameters between devices can replace them; tied ones must stay one tensor.
-    if model.config.tie_word_embeddings:
+    if model.config.tie_word_embeddings and hasattr(model, "lm_head"):
         model.lm_head.weight = model.model.embed_tokens.weight
 
 

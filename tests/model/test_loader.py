@@ -380,6 +380,7 @@ def _assert_fields_are_transformers(ours, theirs, raw: dict) -> None:
            for name in ("query_pre_attn_scalar", "sliding_window", "final_logit_softcapping")},
         **{name: getattr(theirs, name) if bert else None for name in ("type_vocab_size", "layer_norm_eps")},
         "architectures": tuple(theirs.architectures or ()),
+        "bidirectional": bool(getattr(theirs, "use_bidirectional_attention", False)) if gemma else False,
         "id2label": theirs.id2label if names_labels else None,
     }
     if bert:  # no rotary, no RMSNorm, no LM head (BertConfig's tie_word_embeddings is BertForMaskedLM's)

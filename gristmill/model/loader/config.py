@@ -93,6 +93,8 @@ class ModelConfig:
     layer_norm_eps: float | None = None
     #: The classes the checkpoint was saved from ("BertForSequenceClassification", ...).
     architectures: tuple[str, ...] = ()
+    #: Gemma 3 only: every token attends to every other (EmbeddingGemma), not causally.
+    bidirectional: bool = False
     #: A classifier's label names by class index; None when the file names none.
     id2label: dict[int, str] | None = None
 
@@ -135,7 +137,8 @@ def config_from_dict(raw: dict, where: str = "config.json") -> ModelConfig:
     gemma = model_type == "gemma3_text"
     if gemma:
         values["hidden_act"] = values.pop("hidden_activation")
-        if values.pop("use_bidirectional_attention"):
+        values["bidirectional"] = values.pop("use_bidirectional_attention")
+        if values["bidirectional"]:
             values["sliding_window"] = values["sliding_window"] // 2 + 1  # (as transformers sets it)
         layer_types = raw.get("layer_types")
         if layer_types is None:

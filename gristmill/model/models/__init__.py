@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from gristmill.model.models.bert import BertForSequenceClassification, BertModel
 from gristmill.model.models.gemma3 import Gemma3ForCausalLM
+from gristmill.model.models.heads import DecoderBackbone, DecoderForSequenceClassification
 from gristmill.model.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 
 MODEL_CLASSES = {
@@ -17,6 +18,9 @@ MODEL_CLASSES = {
 # instead of its model type's class: a head on the same encoder.
 ARCHITECTURE_CLASSES = {
     "BertForSequenceClassification": BertForSequenceClassification,
+    **{f"{family}ForSequenceClassification": DecoderForSequenceClassification
+       for family in ("Llama", "Qwen2", "Qwen3", "Gemma3Text")},
+    **{f"{family}Model": DecoderBackbone for family in ("Llama", "Qwen2", "Qwen3", "Gemma3Text")},
 }
 
 
