@@ -28,7 +28,9 @@ def model_kind(model_dir: Path) -> tuple[str, int | None]:
         return "classifier", len(labels) if isinstance(labels, dict) and labels else config.get("num_labels", 2)
     if config.get("model_type") == "bert":
         return "encoder", None
-    if architectures and all(a.endswith("Model") for a in architectures):
+    bidirectional = config.get("use_bidirectional_attention") or (config.get("text_config") or {}).get(
+        "use_bidirectional_attention")
+    if bidirectional or (architectures and all(a.endswith("Model") for a in architectures)):
         return "backbone", None  # (no LM head: an embedding model such as Qwen3-Embedding)
     if (Path(model_dir) / "modules.json").exists():
         return "embedder", None  # (a sentence-transformers model over a decoder with its LM head)

@@ -31,7 +31,7 @@ def _bert_config(**changes):
                                    intermediate_size=64, max_position_embeddings=128, **changes)
 
 
-def _with_tokenizer(path: Path) -> Path:
+def with_tokenizer(path: Path) -> Path:
     import all_minilm_l6_v2
 
     with zipfile.ZipFile(all_minilm_l6_v2.get_model_zip_path()) as zf:
@@ -66,7 +66,7 @@ def tiny_embedder(mode: str = "mean", normalize: bool = True, matryoshka: tuple[
         config = json.loads((path / "config.json").read_text())
         config["matryoshka_dimensions"] = list(matryoshka)
         (path / "config.json").write_text(json.dumps(config))
-    return _with_tokenizer(path)
+    return with_tokenizer(path)
 
 
 @cache
@@ -81,7 +81,7 @@ def tiny_classifier(num_labels: int = 3) -> Path:
     config = _bert_config(num_labels=num_labels, id2label=labels, label2id={v: k for k, v in labels.items()})
     path = _root() / f"classifier-{num_labels}"
     transformers.BertForSequenceClassification(config).save_pretrained(path)
-    return _with_tokenizer(path)
+    return with_tokenizer(path)
 
 
 @cache
@@ -97,7 +97,7 @@ def tiny_decoder_embedder() -> Path:
                                       max_position_embeddings=128)
     path = _root() / "qwen3"
     transformers.Qwen3ForCausalLM(config).save_pretrained(path)
-    return _with_tokenizer(path)
+    return with_tokenizer(path)
 
 
 def _decoder_config(family: str, **changes):
@@ -126,7 +126,7 @@ def tiny_decoder_classifier(family: str) -> Path:
            "gemma3": transformers.Gemma3TextForSequenceClassification}[family]
     path = _root() / f"{family}-classifier"
     cls(config).save_pretrained(path)
-    return _with_tokenizer(path)
+    return with_tokenizer(path)
 
 
 @cache
@@ -139,4 +139,4 @@ def tiny_bare_decoder() -> Path:
     torch.manual_seed(4)
     path = _root() / "qwen3-bare"
     transformers.Qwen3Model(_decoder_config("qwen3")).save_pretrained(path)
-    return _with_tokenizer(path)
+    return with_tokenizer(path)

@@ -9,7 +9,7 @@ import pytest
 
 from gristmill import LLM, PoolingParams
 from gristmill.errors import RequestError
-from tests.pooling_models import LABELS, tiny_classifier, tiny_decoder_embedder, tiny_embedder
+from tests.pooling_models import LABELS, tiny_classifier, tiny_decoder_embedder, tiny_embedder, with_tokenizer
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -209,12 +209,30 @@ def test_a_bare_decoder_checkpoint_is_an_embedding_model():
             LLM(str(tiny_bare_decoder()), device="cpu", quantization=None, task=task)
 
 
-def test_a_bidirectional_gemma_is_refused_until_its_attention_exists(tmp_path):
-    # EmbeddingGemma attends over the whole prompt at once; run causally it would give
-    # wrong vectors, so it is refused, naming the model, before any weight is read.
-    config = transformers.Gemma3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+def test_an_embeddinggemma_shaped_model_matches_sentence_transformers(tmp_path):
+    # Gemma 3 with bidirectional attention (a sliding window shorter than the prompts, so
+    # both kinds of layer are checked), mean pooling and two Dense layers, as EmbeddingGemma.
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer import modules as models
+
+    torch.manual_seed(5)
+    config = transformers.Gemma3TextConfig(vocab_size=30522, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                            num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                                           use_bidirectional_attention=True)
-    transformers.Gemma3TextModel(config).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="EmbeddingGemma"):
-        LLM(str(tmp_path), device="cpu", quantization=None, task="embed")
+                                           sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                                           use_bidirectional_attention=True, max_position_embeddings=128)
+    backbone = tmp_path / "backbone"
+    transformers.Gemma3TextModel(config).save_pretrained(backbone)
+    with_tokenizer(backbone)
+    modules = [models.Transformer(str(backbone)), models.Pooling(32, "mean"),
+               models.Dense(32, 64, bias=False, activation_function=torch.nn.Identity()),
+               models.Dense(64, 32, bias=False, activation_function=torch.nn.Identity()), models.Normalize()]
+    reference = SentenceTransformer(modules=modules, device="cpu")
+    path = tmp_path / "embeddinggemma"
+    reference.save(str(path))
+    llm = LLM(str(path), device="cpu", quantization=None)
+    assert llm.config.task == "embed"
+    want = reference.encode(TEXTS, convert_to_numpy=True)
+    for out, expected in zip(llm.embed(TEXTS), want):
+        assert _cosine(out.outputs.embedding, expected) >= 0.99999
+    with pytest.raises(RequestError, match="task='generate'"):
+        LLM(str(path), device="cpu", quantization=None, task="generate")

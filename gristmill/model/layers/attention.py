@@ -48,6 +48,33 @@ class EncoderAttention(nn.Module):
         return current_backend().encoder_attention(self, q, k, v, get_metadata())
 
 
+class BidirectionalAttention(nn.Module):
+    """A decoder's attention run bidirectionally (EmbeddingGemma): each token sees every
+    token of its own sequence, or with `sliding_window` those fewer than that many places
+    away on either side; keys and values may have fewer heads (grouped). Contract as
+    EncoderAttention's: whole prompts, nothing cached."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = scale
+        self.sliding_window = sliding_window
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        bounds = get_metadata().query_start_host
+        out = torch.empty_like(q)
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            seq = [t[start:end].transpose(0, 1)[None] for t in (q, k, v)]  # (1, heads, len, dim)
+            mask = None
+            if self.sliding_window is not None and end - start > self.sliding_window:
+                places = torch.arange(end - start, device=q.device)
+                mask = (places[:, None] - places[None, :]).abs() < self.sliding_window
+            out[start:end] = torch.nn.functional.scaled_dot_product_attention(
+                *seq, attn_mask=mask, scale=self.scale, enable_gqa=True)[0].transpose(0, 1)
+        return out
+
+
 def attention_inputs(module: nn.Module, positions: torch.Tensor, x: torch.Tensor,
                      q_norm=None, k_norm=None):
     """q (n, num_heads, head_dim), k and v (n, num_kv_heads, head_dim) of an attention

@@ -8,6 +8,7 @@ from torch import nn
 
 from gristmill.model.layers import (GatedMLP, PagedAttention, RMSNorm, attention_inputs, embedding, residual_norm,
                                     run_layers, shared_rotary)
+from gristmill.model.layers.attention import BidirectionalAttention
 
 
 class Gemma3Attention(nn.Module):
@@ -25,9 +26,9 @@ class Gemma3Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset=1.0)
         sliding = layer_type == "sliding_attention"
         self.rotary = shared_rotary(self.head_dim, max_positions, config.rope_parameters[layer_type])
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim,
-                                   config.query_pre_attn_scalar ** -0.5,
-                                   sliding_window=config.sliding_window if sliding else None)
+        attention = BidirectionalAttention if config.bidirectional else PagedAttention
+        self.attn = attention(self.num_heads, self.num_kv_heads, self.head_dim, config.query_pre_attn_scalar ** -0.5,
+                              sliding_window=config.sliding_window if sliding else None)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         q, k, v = attention_inputs(self, positions, x, self.q_norm, self.k_norm)

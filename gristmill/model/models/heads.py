@@ -15,10 +15,7 @@ from gristmill.model.models.llama import LlamaModel
 
 def _backbone(config, max_positions: int) -> nn.Module:
     if config.model_type == "gemma3_text":
-        if config.bidirectional:
-            raise ValueError("Gemma 3 with bidirectional attention (EmbeddingGemma) is not supported yet: its "
-                             "attention over the whole prompt at once is not in the engine's kernels")
-        return Gemma3TextModel(config, max_positions)
+        return Gemma3TextModel(config, max_positions)  # (bidirectional for EmbeddingGemma, as its config says)
     qwen2, qwen3 = config.model_type == "qwen2", config.model_type == "qwen3"
     return LlamaModel(config, max_positions, qwen2 or config.attention_bias, qwen3)
 
