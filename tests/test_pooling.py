@@ -236,3 +236,48 @@ def test_an_embeddinggemma_shaped_model_matches_sentence_transformers(tmp_path):
         assert _cosine(out.outputs.embedding, expected) >= 0.99999
     with pytest.raises(RequestError, match="task='generate'"):
         LLM(str(path), device="cpu", quantization=None, task="generate")
+
+
+def test_an_engine_death_while_pooling_fails_every_request_fast(monkeypatch, request):
+    # The core exits as it schedules the marked prompt: every pooling request in flight
+    # ends with EngineDeadError within seconds, and no core process is left.
+    import asyncio
+    import time
+
+    from gristmill import AsyncEngine, EngineConfig, EngineDeadError, faults
+    from tests.harness import process_gone
+
+    # (the client keeps the faults it loaded at start, to tag the marked prompt for the core)
+    monkeypatch.setenv("GRISTMILL_FAULTS", "core_exit@prompt~poison")
+    try:
+        engine = AsyncEngine(EngineConfig(model=str(tiny_embedder()), device="cpu", quantization=None))
+    finally:
+        monkeypatch.delenv("GRISTMILL_FAULTS")
+    request.addfinalizer(faults.load)  # (off again after the test)
+    pid = engine.core_pid
+
+    async def embed(text):
+        try:
+            async for out in engine.encode(text, kind="embed"):
+                pass
+            return out
+        except EngineDeadError as exc:
+            return exc
+
+    async def run():
+        return await asyncio.wait_for(asyncio.gather(*(embed(t) for t in [*TEXTS, "poison pill"])), 30)
+
+    began = time.monotonic()
+    results = asyncio.run(run())
+    assert time.monotonic() - began < 10
+    assert isinstance(results[-1], EngineDeadError) and "exited" in str(results[-1])
+    assert all(isinstance(r, EngineDeadError) or (r.finished and r.error is None) for r in results)
+    assert engine.errored
+
+    async def after():
+        async for _ in engine.encode("after", kind="embed"):
+            pass
+    with pytest.raises(EngineDeadError):
+        asyncio.run(after())
+    engine.shutdown()
+    assert process_gone(pid)
