@@ -277,17 +277,7 @@ class EngineClient:
                                RequestMetrics(time.monotonic()))
         # A "final" output is read only once it ends: its text is decoded then, once.
         self.outputs.add(output, child_ids, params, incremental=output_kind != "final")
-        tracked = Tracked(output, child_ids, output_kind, [0] * params.n)
-        self._tracked[request_id] = tracked
-        self._by_child.update((child, tracked) for child in child_ids)
-        try:
-            refused = self.core.add(requests)  # (in one message: scheduled in one step)
-        except EngineDeadError:
-            self.abort(request_id)
-            raise
-        for rejected in refused:
-            self.handle(rejected)
-        return tracked
+        return self._submit(Tracked(output, child_ids, output_kind, [0] * params.n), requests)
 
     def add_pooling(self, prompt: str | list[int], params: PoolingParams, request_id: str, kind: str, *,
                     pair: str | None = None, add_special_tokens: bool = True,
@@ -311,15 +301,20 @@ class EngineClient:
             raise RequestError(f"request id {request_id!r} is already in use; use a unique id",
                                param="request_id")
         self._admit(1)
-        output = POOLING_OUTPUT_CLASSES[kind](request_id, prompt_text, token_ids, metrics=RequestMetrics(time.monotonic()))
+        output = POOLING_OUTPUT_CLASSES[kind](request_id, prompt_text, token_ids,
+                                              metrics=RequestMetrics(time.monotonic()))
         self.outputs.add_pooled(output, kind)
-        tracked = Tracked(output, [request_id], "final", [0])
-        self._tracked[request_id] = tracked
-        self._by_child[request_id] = tracked
+        return self._submit(Tracked(output, [request_id], "final", [0]), [request])
+
+    def _submit(self, tracked: Tracked, requests: list[AddRequest]) -> Tracked:
+        """Follow `tracked` and send its requests to the core (in one message: scheduled
+        in one step); a request the core refuses at once ends with its error."""
+        self._tracked[tracked.request_id] = tracked
+        self._by_child.update((child, tracked) for child in tracked.child_ids)
         try:
-            refused = self.core.add([request])
+            refused = self.core.add(requests)
         except EngineDeadError:
-            self.abort(request_id)
+            self.abort(tracked.request_id)
             raise
         for rejected in refused:
             self.handle(rejected)
