@@ -17,9 +17,13 @@ while a call may still follow it: whitespace before a call belongs to the call's
 from __future__ import annotations
 
 import ast
+import io
+import itertools
 import json
+import keyword
 import math
 import re
+import tokenize
 from dataclasses import dataclass, field
 
 from gristmill.chat.markers import may_become, undecided_tail
@@ -156,8 +160,8 @@ def _not_a_call(text: str, tagged: bool, error: str) -> Step:
 
 
 # What the head of a call list may look like before its first call's `(`
-_LIST_HEAD = re.compile(r"\[\s*(?:[A-Za-z_][\w.]*\s*)?")
-_CALL_HEAD = re.compile(r"\[\s*[A-Za-z_][\w.]*\s*\(")
+_LIST_HEAD = re.compile(r"\[\s*(?:[^\W\d][\w.]*\s*)?")
+_CALL_HEAD = re.compile(r"\[\s*[^\W\d][\w.]*\s*\(")
 
 
 class Pythonic:
@@ -182,7 +186,8 @@ class Pythonic:
         offset = len(text) - len(body)
         for close in (m.start() for m in re.finditer(r"\]", body)):
             try:
-                tree = ast.parse(body[:close + 1], mode="eval")  # parsed, never run
+                source, renamed = _rename_keyword_arguments(body[:close + 1])
+                tree = ast.parse(source, mode="eval")  # parsed, never run
             except (SyntaxError, ValueError):
                 continue
             except (RecursionError, MemoryError):
@@ -190,7 +195,7 @@ class Pythonic:
             try:
                 if not isinstance(tree.body, ast.List):
                     raise Malformed("the calls are not one [...] list")
-                calls = tuple(_pythonic_call(node) for node in tree.body.elts)
+                calls = tuple(_pythonic_call(node, renamed) for node in tree.body.elts)
             except Malformed as exc:
                 return Step("malformed", len(text), error=str(exc), rest_is_content=True)
             return Step("calls", offset + close + 1, calls=calls)
@@ -199,20 +204,45 @@ class Pythonic:
         return None
 
 
-def _pythonic_call(node: ast.expr) -> ToolCall:
+def _rename_keyword_arguments(source: str) -> tuple[str, dict[str, str]]:
+    """Arguments named by Python keywords (`send(from="a")`, a JSON schema allows any name)
+    renamed so that `ast` can read the call: (source, new name -> original name). A
+    source that does not tokenize is returned as it is, for `ast` to refuse."""
+    if not any(keyword.iskeyword(word) for word in re.findall(r"[A-Za-z_]+(?=\s*=)", source)):
+        return source, {}
+    try:
+        tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
+    except (tokenize.TokenError, SyntaxError):
+        return source, {}
+    renamed, pieces, last = {}, [], 0
+    lines = source.splitlines(keepends=True)
+    starts = [0, *itertools.accumulate(len(line) for line in lines)]
+    for before, token, after in zip(tokens, tokens[1:], tokens[2:]):
+        if (token.type == tokenize.NAME and keyword.iskeyword(token.string) and before.string in ("(", ",")
+                and after.string == "="):
+            at = starts[token.start[0] - 1] + token.start[1]
+            new_name = f"_gristmill_kw_{token.string}"
+            renamed[new_name] = token.string
+            pieces += [source[last:at], new_name]
+            last = at + len(token.string)
+    return "".join(pieces) + source[last:], renamed
+
+
+def _pythonic_call(node: ast.expr, renamed: dict[str, str]) -> ToolCall:
     if not isinstance(node, ast.Call):
         raise Malformed(f"the list holds {ast.unparse(node)!r}, which is not a call")
     if node.args or any(k.arg is None for k in node.keywords):
         raise Malformed(f"call {ast.unparse(node.func)} must name each argument (key=value)")
     name = _dotted_name(node.func)
     arguments = {}
-    for keyword in node.keywords:
+    for argument in node.keywords:
+        key = renamed.get(argument.arg, argument.arg)
         try:
-            value = ast.literal_eval(_JsonNames().visit(keyword.value))
+            value = ast.literal_eval(_JsonNames().visit(argument.value))
         except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-            raise Malformed(f"argument {keyword.arg} of {name} is not a literal: "
-                            f"{ast.unparse(keyword.value)[:80]}") from None
-        arguments[keyword.arg] = _as_json(value, f"argument {keyword.arg} of {name}")
+            raise Malformed(f"argument {key} of {name} is not a literal: "
+                            f"{ast.unparse(argument.value)[:80]}") from None
+        arguments[key] = _as_json(value, f"argument {key} of {name}")
     return ToolCall(name, arguments)
 
 

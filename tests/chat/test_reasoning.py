@@ -143,7 +143,7 @@ _FRAGMENTS = ["<think>", "</think>", "<", "</", "think", ">", "</thin", " ", "\n
 _PROMPTS = [None, QWEN3_PROMPT, OPENED, THINKING_OFF, R1_PROMPT]
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(name=st.sampled_from(sorted(REASONING_PARSERS)), prompt=st.sampled_from(_PROMPTS),
        text=st.lists(st.sampled_from(_FRAGMENTS), max_size=12).map("".join),
        cuts=st.lists(st.integers(min_value=0, max_value=200), max_size=5))
