@@ -249,8 +249,8 @@ def pooling_request(config: ProcessorConfig, row_id, row: Row) -> RowRequest:
     task = config.task
     if has_values(row.get("sampling_params")):
         raise RequestError(f"the row has sampling_params, which apply to task 'generate', and this processor "
-                           f"runs task {task!r}: leave them out (pooling_params hold what a row of task {task!r} may set)",
-                           param="sampling_params")
+                           f"runs task {task!r}: leave them out (pooling_params hold what a row of task "
+                           f"{task!r} may set)", param="sampling_params")
     params = pooling_params_of(row, config.pooling_params)
     if task == "score":
         first, second = row.get("text_1"), row.get("text_2")
