@@ -146,7 +146,8 @@ def test_a_generating_job_refuses_a_rows_pooling_params_naming_the_task(tmp_path
     assert result.returncode == 0, result.stderr
     out = read_jsonl(tmp_path / "out.jsonl")
     assert out[0][ERROR_COLUMN] == "" and "generated_text" in out[0]
-    assert out[1][ERROR_COLUMN].startswith("RequestError: the row has pooling_params") and "task" in out[1][ERROR_COLUMN]
+    assert out[1][ERROR_COLUMN].startswith("RequestError: the row has pooling_params")
+    assert "task 'generate'" in out[1][ERROR_COLUMN]
     flags = batch_main(write_jsonl(tmp_path / "in2.jsonl", rows), "-o", tmp_path / "o2.jsonl", "--task", "embed",
                        "--max-tokens", "3", *model_flags(tiny_embedder()))
     assert flags.returncode != 0 and "--max-tokens set how rows generate" in flags.stderr
