@@ -44,10 +44,12 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         raise SystemExit(f"error: {exc} (flag: {engine_flag(exc.param)})") from None
 
 
-def run_figures(rows: int, tokens: int, run_time: float, start_seconds: float | None) -> str:
-    """Throughput over the time rows ran, and the engine's start apart from it."""
-    figures = (f"{rows / run_time:.2f} rows/s, {tokens / run_time:.1f} generated tokens/s over "
-               f"{run_time:.1f} s of generation")
+def run_figures(rows: int, tokens: int, run_time: float, start_seconds: float | None,
+                generated: bool = True) -> str:
+    """Throughput over the time rows ran, and the engine's start apart from it; `tokens`
+    are generated ones, or (not `generated`: a pooling job) the prompts' tokens."""
+    figures = (f"{rows / run_time:.2f} rows/s, {tokens / run_time:.1f} {'generated' if generated else 'input'} "
+               f"tokens/s over {run_time:.1f} s of {'generation' if generated else 'pooling'}")
     if start_seconds is not None:
         figures += f" (engine start: {start_seconds:.1f} s, not counted)"
     return figures

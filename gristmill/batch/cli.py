@@ -22,8 +22,11 @@ def add_batch_command(commands) -> None:
         "batch", help="run every row of a JSONL / CSV / Parquet file (or an OpenAI batch file)",
         description="Generate for every row of INPUT and write OUTPUT as it goes (the format of each "
                     "follows its extension: .jsonl, .csv, .parquet). Each output row is the input row plus "
-                    "its id and the output columns (generated_text, ..., __inference_error__). An OpenAI "
-                    "Batch API file (lines with custom_id, method, url, body) gets OpenAI batch output lines.")
+                    "its id and the output columns (generated_text, ..., __inference_error__). With --task "
+                    "embed, classify or score the rows are pooled instead: the columns are embeddings, probs "
+                    "or score (of each row's text_1 and text_2), num_input_tokens, time_taken_llm, "
+                    "__inference_error__. An OpenAI Batch API file (lines with custom_id, method, url, body; "
+                    "url /v1/chat/completions, /v1/completions or /v1/embeddings) gets OpenAI batch output lines.")
     parser.add_argument("input", help="rows to run: .jsonl, .csv or .parquet")
     parser.add_argument("-o", "--output", required=True, help="where the rows go: .jsonl, .csv or .parquet")
     columns = parser.add_mutually_exclusive_group()
@@ -45,6 +48,12 @@ def add_batch_command(commands) -> None:
     parser.add_argument("--json-schema", metavar="FILE", help="constrain every row's output to this JSON schema "
                         "(a .json file); a row's own sampling_params.structured_output wins (false: none), as does an "
                         "OpenAI batch line's response_format ({\"type\": \"text\"}: none)")
+    parser.add_argument("--dimensions", type=int, default=None,
+                        help="--task embed: keep the first N values of each embedding (a Matryoshka model); a row's "
+                             "own pooling_params win")
+    parser.add_argument("--truncate-prompt-tokens", type=int, default=None, metavar="N",
+                        help="pooling tasks: cut a prompt longer than N tokens to N (-1: to what the engine takes; "
+                             "default: refuse it as an error row); a row's own pooling_params win")
     parser.add_argument("--fail-fast", action="store_true",
                         help="stop at the first row error, in input order, writing the rows before it "
                              "(default: write it as an error row and go on)")

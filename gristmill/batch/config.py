@@ -6,20 +6,26 @@ Three ways to reach an engine, with the same rows in and the same columns out:
   several processors (e.g. the turns of a conversation) use in turn;
 - `HttpProcessorConfig`: any OpenAI-compatible server.
 
+Each runs one task (`task`): "generate" (text, the default), or a pooling task: "embed"
+(`embeddings`), "classify" (`probs`) or "score" (`score` of a `text_1`, `text_2` pair);
+see rows.py for the rows each takes and gives back.
+
 The configs are plain data: the processor opens the engine a config names
 (`Processor.open_engine`, processor.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from gristmill.batch.rows import sampling_params_of
+from gristmill.batch.rows import pooling_params_of, sampling_params_of
 from gristmill.config import EngineConfig
 from gristmill.errors import RequestError
+from gristmill.pooling_params import TASKS
 
 Method = Literal["completions", "chat"]
+Task = Literal["generate", "embed", "classify", "score"]
 
 
 @dataclass(kw_only=True)
@@ -42,8 +48,14 @@ class ProcessorConfig:
     #: Fill `generated_text`; off, only `generated_tokens` is filled (an HTTP server that
     #: returns no token ids, such as OpenAI's API, still fills the text).
     detokenize: bool = True
-    #: Defaults for every row's `sampling_params` (a row's own values win).
+    #: What every row is for: "generate" (text), or a pooling task: "embed" (the column
+    #: `embeddings`), "classify" (`probs`) or "score" (`score` of the row's `text_1`, `text_2`).
+    task: Task = "generate"
+    #: Defaults for every row's `sampling_params` (a row's own values win); task "generate".
     sampling_params: dict = field(default_factory=dict)
+    #: Defaults for every row's `pooling_params` (PoolingParams fields: dimensions,
+    #: normalize, use_activation, truncate_prompt_tokens; a row's own values win); pooling tasks.
+    pooling_params: dict = field(default_factory=dict)
     #: Column whose value names a row in errors and logs; None = its input position.
     id_column: str | None = None
     #: On a Ray Dataset only: Ray options of the actors that run this stage, e.g.
@@ -60,10 +72,23 @@ class ProcessorConfig:
             _check(isinstance(value, bool), name, f"must be True or False, got {value!r}")
         _check(isinstance(self.sampling_params, dict), "sampling_params",
                f"must be a dict of SamplingParams fields, got {type(self.sampling_params).__name__}")
+        _check(self.task in TASKS, "task", f"must be one of {', '.join(map(repr, TASKS))}, got {self.task!r}")
+        _check(isinstance(self.pooling_params, dict), "pooling_params",
+               f"must be a dict of PoolingParams fields, got {type(self.pooling_params).__name__}")
+        pooling = self.task != "generate"
+        _check(not (pooling and self.sampling_params), "sampling_params",
+               f"sampling_params apply to task 'generate'; task {self.task!r} samples nothing: leave them out, "
+               f"or set pooling_params")
+        _check(pooling or not self.pooling_params, "pooling_params",
+               "pooling_params apply to a pooling task (embed, classify, score); set task, or leave them out")
+        _check(not (pooling and not self.generate), "generate",
+               f"generate=False runs only the tokenize stage of task 'generate'; task {self.task!r} needs the engine")
         try:  # checked now, not on every row
             sampling_params_of({}, self.sampling_params)
+            pooling_params_of({}, self.pooling_params)
         except RequestError as exc:
-            raise RequestError(f"processor config sampling_params: {exc.message}", param=exc.param) from None
+            what = "pooling_params" if pooling else "sampling_params"
+            raise RequestError(f"processor config {what}: {exc.message}", param=exc.param) from None
         _check(self.id_column is None or isinstance(self.id_column, str), "id_column",
                f"must be a column name or None, got {self.id_column!r}")
         _check(self.ray_actor_options is None or isinstance(self.ray_actor_options, dict), "ray_actor_options",
@@ -100,6 +125,13 @@ class EngineProcessorConfig(_EngineBacked):
         _check(isinstance(self.engine, EngineConfig), "engine",
                f"must be an EngineConfig, got {type(self.engine).__name__}")
         _check(_positive_int(self.concurrency), "concurrency", f"must be a positive integer, got {self.concurrency!r}")
+        # The engine runs the processor's task: "auto" becomes it (and the model is checked
+        # able to when the engine starts); another task is a conflict.
+        if self.engine.task == "auto":
+            self.engine = replace(self.engine, task=self.task)
+        _check(self.engine.task == self.task, "task",
+               f"the processor runs task {self.task!r} but its engine's EngineConfig.task is {self.engine.task!r}; "
+               f"make them the same (or leave EngineConfig.task 'auto')")
 
 
 @dataclass(kw_only=True)
@@ -123,7 +155,10 @@ class DeploymentProcessorConfig(ProcessorConfig):
         _check(self.app_name is None or (isinstance(self.app_name, str) and bool(self.app_name)), "app_name",
                f"must name a Ray Serve application made with gristmill.ray.deploy, or be None, got "
                f"{self.app_name!r}")
-        _check_method(self.method)
+        _check_method(self.method, self.task)
+        _check(self.app_name is None or self.task == "generate", "task",
+               f"a Ray Serve deployment (app_name) takes generating rows only; for task {self.task!r} use a "
+               f"gristmill.batch.deploy deployment, or HttpProcessorConfig on the Serve app's URL")
 
 
 @dataclass(kw_only=True)
@@ -132,8 +167,9 @@ class HttpProcessorConfig(ProcessorConfig):
 
     #: Base URL of the API, e.g. "http://127.0.0.1:8000/v1".
     url: str
-    #: "chat" posts rows' `messages` to /chat/completions; "completions" posts `prompt` to
-    #: /completions; None: `messages` if a row has them, else `prompt`.
+    #: Task "generate": "chat" posts rows' `messages` to /chat/completions; "completions"
+    #: posts `prompt` to /completions; None: `messages` if a row has them, else `prompt`.
+    #: (Task "embed" posts to /embeddings, "classify" to /classify, "score" to /score.)
     method: Method | None = None
     #: Model name sent with each request; None = the first model of GET {url}/models.
     model: str | None = None
@@ -153,7 +189,7 @@ class HttpProcessorConfig(ProcessorConfig):
         super().__post_init__()
         _check(isinstance(self.url, str) and self.url.startswith(("http://", "https://")), "url",
                f"must be an http(s) URL such as 'http://127.0.0.1:8000/v1', got {self.url!r}")
-        _check_method(self.method)
+        _check_method(self.method, self.task)
         _check(self.qps is None or (isinstance(self.qps, (int, float)) and self.qps > 0), "qps",
                f"must be > 0 or None, got {self.qps!r}")
         _check(_int(self.max_retries) and self.max_retries >= 0, "max_retries",
@@ -168,9 +204,11 @@ def _check(ok: bool, name: str, message: str) -> None:
         raise RequestError(f"processor config {name}: {message}", param=name)
 
 
-def _check_method(method) -> None:
+def _check_method(method, task: str) -> None:
     _check(method in ("completions", "chat", None), "method",
            f"must be 'completions', 'chat' or None (by row), got {method!r}")
+    _check(method is None or task == "generate", "method",
+           f"chooses how rows generate; task {task!r} takes no method: leave it None")
 
 
 def _int(value) -> bool:

@@ -12,7 +12,7 @@ import threading
 
 from gristmill.batch import runtime
 from gristmill.batch.engines import EnginePool, start_pool
-from gristmill.batch.rows import Generated, RowRequest
+from gristmill.batch.rows import Generated, Pooled, RowRequest
 from gristmill.config import EngineConfig
 from gristmill.errors import RequestError
 
@@ -32,9 +32,10 @@ class Deployment:
         """The engine-core process of each replica (they change when one is restarted)."""
         return self.pool.core_pids
 
-    def borrow(self) -> "_Borrowed":
-        """A RowEngine on this deployment for one processor, which leaves it running when
-        it is done (a deployment outlives its users)."""
+    def borrow(self, task: str = "generate") -> "_Borrowed":
+        """A RowEngine on this deployment for one processor of `task` (the task its engine
+        must run), which leaves it running when it is done (a deployment outlives its users)."""
+        self.pool.check_task(task)
         return _Borrowed(self.pool)
 
     def shutdown(self) -> None:
@@ -79,12 +80,15 @@ def deploy(engine: EngineConfig | None = None, *, name: str, concurrency: int = 
 class _Borrowed:
     """A processor's use of a deployment's pool: its rows and its stages, but not its close."""
 
-    def __init__(self, pool: EnginePool):
-        self.pool = pool
-        self.stages = pool.stages
+    def __init__(self, engines: EnginePool):
+        self.engines = engines
+        self.stages = engines.stages
 
     async def generate(self, request: RowRequest) -> Generated:
-        return await self.pool.generate(request)
+        return await self.engines.generate(request)
+
+    async def pool(self, request: RowRequest) -> Pooled:
+        return await self.engines.pool(request)
 
     async def close(self) -> None:
         pass

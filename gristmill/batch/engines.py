@@ -20,13 +20,14 @@ import uuid
 
 from gristmill import gpus
 from gristmill.batch import runtime
-from gristmill.batch.rows import Generated, RowRequest
+from gristmill.batch.rows import Generated, Pooled, RowRequest
 from gristmill.batch.stages import LocalStages
 from gristmill.config import EngineConfig
 from gristmill.engine import restarts
 from gristmill.engine.async_engine import AsyncEngine
 from gristmill.engine.restarts import RestartBudget
-from gristmill.errors import EngineDeadError
+from gristmill.errors import EngineDeadError, RequestError
+from gristmill.pooling_params import PoolingParams
 from gristmill.tokenizer import render_chat
 
 logger = logging.getLogger(__name__)
@@ -102,11 +103,29 @@ class EnginePool:
     def tokenize(self, prompt: str, add_special_tokens: bool) -> list[int]:
         return self.replicas[0].engine.inputs.tokenize(prompt, add_special_tokens)
 
+    @property
+    def task(self) -> str:
+        """The task the engines run (their config's, resolved from the model)."""
+        return self.replicas[0].engine.capacity.task
+
+    def check_task(self, task: str) -> None:
+        """RequestError (param "task") unless the engines run `task`."""
+        if task != self.task:
+            raise RequestError(f"the processor runs task {task!r} but the engine runs task {self.task!r}; give "
+                               f"the processor task={self.task!r}, or deploy an engine with task={task!r}",
+                               param="task")
+
     async def generate(self, request: RowRequest) -> Generated:
+        return await self._run(request)
+
+    async def pool(self, request: RowRequest) -> Pooled:
+        return await self._run(request)
+
+    async def _run(self, request: RowRequest):
         if self.fatal is not None:
             raise self.fatal
         replica = min(self.replicas, key=lambda r: (not r.open.is_set(), len(r.in_flight)))
-        return await replica.generate(request)
+        return await replica.run(request)
 
     async def close(self) -> None:
         self.closing = True
@@ -152,7 +171,7 @@ class _Replica:
         self._suspects: list[tuple[RowRequest, asyncio.Future]] = []
         self._recovery: asyncio.Task | None = None
 
-    async def generate(self, request: RowRequest) -> Generated:
+    async def run(self, request: RowRequest) -> Generated | Pooled:
         await self.open.wait()
         if self.pool.fatal is not None:
             raise self.pool.fatal
@@ -167,25 +186,59 @@ class _Replica:
                 self._recovery = asyncio.create_task(self._recover(exc))
             return await future
 
-    async def _run(self, request: RowRequest) -> Generated:
-        params = request.sampling_params
-        request_id = uuid.uuid4().hex
-        self.in_flight[request_id] = request.row_id
-        self._idle.clear()
+    async def _run(self, request: RowRequest) -> Generated | Pooled:
+        if request.task != "generate":
+            return await self._pool(request)
+        request_id = self._enter(request.row_id)
         try:
             prompt = request.prompt_token_ids if request.prompt_token_ids is not None else request.prompt
             out = None
             # A row reads its output once, at its end, and no time of its tokens: the
             # core sends them then, not every step.
-            async for out in self.engine.generate(prompt, params, request_id, output_kind="final", token_times=False,
-                                                  add_special_tokens=request.add_special_tokens):
+            async for out in self.engine.generate(prompt, request.sampling_params, request_id, output_kind="final",
+                                                  token_times=False, add_special_tokens=request.add_special_tokens):
                 pass
             return Generated(out.text, list(out.token_ids), len(out.prompt_token_ids), len(out.token_ids),
                              out.finish_reason)
         finally:
-            del self.in_flight[request_id]
-            if not self.in_flight:
-                self._idle.set()
+            self._leave(request_id)
+
+    async def _pool(self, request: RowRequest) -> Pooled:
+        """A pooling row: one request, or for a score row on an embedding model (no
+        cross-encoder) two embeddings, scored by their cosine."""
+        prompt = request.prompt_token_ids if request.prompt_token_ids is not None else request.prompt
+        if request.task == "score" and self.engine.capacity.pooler.head == "embed":
+            params = request.pooling_params.clone(normalize=True)
+            first, second = await asyncio.gather(self._encode(request.row_id, prompt, params, "embed"),
+                                                 self._encode(request.row_id, request.text_pair, params, "embed"))
+            cosine = sum(a * b for a, b in zip(first.outputs.embedding, second.outputs.embedding))
+            return Pooled(float(cosine), len(first.prompt_token_ids) + len(second.prompt_token_ids))
+        out = await self._encode(request.row_id, prompt, request.pooling_params, request.task, request.text_pair)
+        value = {"embed": lambda o: o.embedding, "classify": lambda o: o.probs,
+                 "score": lambda o: o.score}[request.task](out.outputs)
+        return Pooled(value, len(out.prompt_token_ids))
+
+    async def _encode(self, row_id, prompt, params: PoolingParams, kind: str, text_pair: str | None = None):
+        request_id = self._enter(row_id)
+        try:
+            out = None
+            async for out in self.engine.encode(prompt, params, request_id, kind=kind, text_pair=text_pair):
+                pass
+            return out
+        finally:
+            self._leave(request_id)
+
+    def _enter(self, row_id) -> str:
+        """A new engine request id for the row `row_id`, in flight until `_leave`."""
+        request_id = uuid.uuid4().hex
+        self.in_flight[request_id] = row_id
+        self._idle.clear()
+        return request_id
+
+    def _leave(self, request_id: str) -> None:
+        del self.in_flight[request_id]
+        if not self.in_flight:
+            self._idle.set()
 
     # -- after a death (one recovery at a time; new rows wait) ------------------------
 

@@ -10,6 +10,9 @@ jitter (never sooner than the server's Retry-After); what is left after `max_ret
 - a server that stays unreachable, or refuses the processor itself (401 / 403: the API
   key; 404: no such API or model at the URL) is fatal: EngineDeadError stops the job.
 
+Pooling rows (task embed, classify, score) go to {url}/embeddings, /classify and /score
+(OpenAI's API serves the first; vLLM and `gristmill serve` all three), one input a request.
+
 `generated_tokens` are filled where the server returns token ids (`return_token_ids`, as
 `gristmill serve` and vLLM do); OpenAI's own API returns text only, so there they are [].
 """
@@ -23,8 +26,8 @@ import time
 import httpx
 
 from gristmill.batch.config import HttpProcessorConfig
-from gristmill.batch.openai_rows import generated_of, openai_request
-from gristmill.batch.rows import Generated, RowRequest
+from gristmill.batch.openai_rows import generated_of, openai_request, pooled_of, pooling_request
+from gristmill.batch.rows import Generated, Pooled, RowRequest
 from gristmill.batch.stages import REMOTE_STAGES
 from gristmill.errors import EngineDeadError, GenerationError, RequestError
 
@@ -73,6 +76,11 @@ class HttpEngine:
                     raise
                 self._ask_token_ids = False  # a server that refuses it: rows get text only
         return generated_of(await self._post(path, body), f"{self.config.url}{path}")
+
+    async def pool(self, request: RowRequest) -> Pooled:
+        await self._connect()
+        path, body = pooling_request(request, self.model)
+        return pooled_of(request.task, await self._post(path, body), f"{self.config.url}{path}")
 
     async def close(self) -> None:
         if self._client is not None:

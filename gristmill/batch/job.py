@@ -24,10 +24,10 @@ from gristmill import extras
 from gristmill.batch import EngineProcessorConfig, HttpProcessorConfig, UserFunctionError, build_processor
 from gristmill.batch.io import (CsvWriter, InputError, InputFile, JsonlWriter, ParquetWriter, check_writable,
                                 cut_at, file_format)
-from gristmill.batch.openai_batch import batch_output_line, check_batch_line, is_batch_file
+from gristmill.batch.openai_batch import batch_output_line, batch_task, check_batch_line, is_batch_file
 from gristmill.batch.job_rows import INPUT_COLUMN, input_slots, merged
 from gristmill.batch.resume import ROW_ID, RowIds, skip_written, written_rows
-from gristmill.batch.rows import ERROR_COLUMN, OUTPUT_COLUMNS
+from gristmill.batch.rows import ERROR_COLUMN, output_columns
 from gristmill.batch.tables import arrow_types
 from gristmill.engine_flags import engine_config, engine_flag, engine_options, model_load_error, run_figures
 from gristmill.errors import GristmillError, RequestError, error_string
@@ -66,6 +66,8 @@ class Job:
         self.positional = not self.batch_file and args.id_column is None
         self.id_column = "custom_id" if self.batch_file else (args.id_column or ROW_ID)
         self._check_paths()
+        self.task = self._task()
+        self.output_columns = output_columns(self.task)
         self.config = self._processor_config()
         self.ids = RowIds(self.id_column, self.out_format, self.positional, self.batch_file)
         survey = self.source.survey(check=self._check_row,
@@ -108,25 +110,62 @@ class Job:
         if args.address and args.runner != "ray":
             raise InputError("--address names a Ray cluster, which only --runner ray uses; add --runner ray or "
                              "leave out --address")
-        local_only = sorted(map(engine_flag, engine_options(args))) + [flag for flag, given in (
+        # (--task is the job's: it says which endpoint a server's rows go to)
+        local_only = sorted(engine_flag(name) for name in engine_options(args) if name != "task") + [
+            flag for flag, given in (
             ("--max-engine-restarts", args.max_engine_restarts != 0), ("--concurrency", args.concurrency != 1)) if given]
         if args.deployment_url and local_only:
             print(f"warning: engine flags ({', '.join(local_only)}) configure a local engine and are ignored "
                   f"with --deployment-url", file=sys.stderr)
 
+    def _task(self) -> str:
+        """The job's task: --task, else an OpenAI batch file's (its first line's url), else
+        the model's (an HF directory's: `tasks.resolve_task`), else "generate"."""
+        args = self.args
+        given = engine_options(args).get("task", "auto")
+        if given != "auto":
+            return given
+        if self.batch_file:
+            return batch_task(self.source.first_row())
+        model = engine_options(args).get("model")
+        if model is not None and not args.deployment_url and os.path.isdir(model):
+            from pathlib import Path
+
+            from gristmill.tasks import resolve_task
+            return resolve_task("auto", Path(model))
+        return "generate"
+
     def _processor_config(self):
         args = self.args
+        pooling = self.task != "generate"
+        sampling_flags = [flag for flag, given in (
+            ("--max-tokens", args.max_tokens), ("--temperature", args.temperature),
+            ("--repetition-penalty", args.repetition_penalty), ("--presence-penalty", args.presence_penalty),
+            ("--frequency-penalty", args.frequency_penalty), ("--json-schema", args.json_schema)) if given is not None]
+        pooling_flags = [flag for flag, given in (("--dimensions", args.dimensions),
+                                                  ("--truncate-prompt-tokens", args.truncate_prompt_tokens))
+                         if given is not None]
+        if pooling and sampling_flags:
+            raise InputError(f"{', '.join(sampling_flags)} set how rows generate, and this job runs task "
+                             f"{self.task!r}; leave {'it' if len(sampling_flags) == 1 else 'them'} out")
+        if not pooling and pooling_flags:
+            raise InputError(f"{', '.join(pooling_flags)} apply to a pooling job (--task embed, classify or score), "
+                             f"and this one generates text; leave {'it' if len(pooling_flags) == 1 else 'them'} out "
+                             f"or pass --task")
         defaults = {name: getattr(args, name) for name in ("max_tokens", "temperature", "repetition_penalty",
                                                            "presence_penalty", "frequency_penalty")
                     if getattr(args, name) is not None}
-        if self.batch_file and args.max_tokens is None:
+        if self.batch_file and args.max_tokens is None and not pooling:
             defaults["max_tokens"] = None  # a request without max_tokens runs to the context, as OpenAI's
         if args.json_schema:
             defaults["structured_output"] = {"json": _read_schema(args.json_schema)}
+        pooling_defaults = {name: getattr(args, name) for name in ("dimensions", "truncate_prompt_tokens")
+                            if getattr(args, name) is not None}
         # Row errors always come back as error rows: --fail-fast stops at the first one in
         # input order (see _write_one), not at whichever of a batch's rows failed first.
         common = dict(batch_size=args.batch_size, max_concurrent_batches=args.max_concurrent_batches,
-                      should_continue_on_error=True, sampling_params=defaults, id_column=self.id_column)
+                      should_continue_on_error=True, sampling_params=defaults, id_column=self.id_column,
+                      task=self.task, pooling_params=pooling_defaults)
         try:
             SamplingParams(**defaults)
             if args.deployment_url:
@@ -148,9 +187,21 @@ class Job:
         """Before the model loads: the input has the column the prompts are read from
         (else every row would become an error row)."""
         args, have = self.args, ", ".join(map(repr, columns))
+        if self.task != "generate" and args.messages_column is not None:
+            raise InputError(f"--messages-column: task {self.task!r} takes text prompts, not chats; name the text "
+                             f"column with --prompt-column")
+        if self.task == "score":
+            missing = [c for c in ("text_1", "text_2") if c not in columns]
+            if missing:
+                raise InputError(f"{args.input} has no {' or '.join(map(repr, missing))} column (its columns are "
+                                 f"{have}); a score row holds the two texts it scores in 'text_1' and 'text_2'")
+            return
         for flag, column in (("--prompt-column", args.prompt_column), ("--messages-column", args.messages_column)):
             if column is not None and column not in columns:
                 raise InputError(f"{flag} {column}: {args.input} has no column {column!r}; its columns are {have}")
+        if self.task != "generate" and args.prompt_column is None and not {"prompt", "tokenized_prompt"} & set(columns):
+            raise InputError(f"{args.input} has no 'prompt' or 'tokenized_prompt' column (its columns are {have}); "
+                             f"name the one holding the texts to {self.task} with --prompt-column")
         if args.prompt_column is None and args.messages_column is None and not {
                 "prompt", "messages", "tokenized_prompt"} & set(columns):
             raise InputError(f"{args.input} has no 'prompt', 'messages' or 'tokenized_prompt' column (its columns "
@@ -162,8 +213,8 @@ class Job:
         if self.positional and ROW_ID in survey.columns:
             raise InputError(f"{self.args.input} has a column named {ROW_ID!r}, the column gristmill batch "
                              f"numbers rows in; rename it, or pass --id-column {ROW_ID} to name rows by its values")
-        inputs = [c for c in survey.columns if c not in OUTPUT_COLUMNS]
-        columns = ([ROW_ID] if self.positional else []) + inputs + list(OUTPUT_COLUMNS)
+        inputs = [c for c in survey.columns if c not in self.output_columns]
+        columns = ([ROW_ID] if self.positional else []) + inputs + list(self.output_columns)
         if self.out_format != "parquet":
             return columns, None
         import pyarrow as pa
@@ -184,8 +235,8 @@ class Job:
         args = self.args
         try:
             resuming = args.resume and os.path.exists(args.output)
-            written, end = written_rows(args.output, self.ids, self.batch_file, self.columns) if resuming \
-                else ([], 0)
+            written, end = written_rows(args.output, self.ids, self.batch_file, self.columns,
+                                        self.output_columns) if resuming else ([], 0)
             rows = self.source.rows()
             self.ok, failed = skip_written(rows, written, self.ids, args.output)
             self.failed = len(failed)
@@ -194,8 +245,8 @@ class Job:
             if self.total is None or self.skipped < self.total:
                 processor = self._processor()
                 slots = input_slots(rows, self.skipped, self.ids, self.batch_file, args.prompt_column,
-                                    args.messages_column)
-                self._write_all(processor, merged(processor, slots), open_outputs)
+                                    args.messages_column, self.task)
+                self._write_all(processor, merged(processor, slots, self.task), open_outputs)
             else:  # nothing is left: no engine to start
                 open_outputs()
         except KeyboardInterrupt as exc:
@@ -289,7 +340,7 @@ class Job:
                 self.errors.write({**out[INPUT_COLUMN], ERROR_COLUMN: out[ERROR_COLUMN]})
         else:
             self.ok += 1
-            self.tokens += out["num_generated_tokens"]
+            self.tokens += out["num_generated_tokens" if self.task == "generate" else "num_input_tokens"]
         self.written += 1
         if (self.written - self.skipped) % self.config.batch_size == 0:
             self.writer.flush()
@@ -301,7 +352,7 @@ class Job:
             return batch_output_line(out[INPUT_COLUMN], out, self.model_name)
         record = {ROW_ID: out[ROW_ID]} if self.positional else {}
         record.update(out[INPUT_COLUMN])
-        record.update({column: out[column] for column in OUTPUT_COLUMNS})
+        record.update({column: out[column] for column in self.output_columns})
         return record
 
     def _close(self) -> None:
@@ -334,7 +385,7 @@ class Job:
         failed = f"; failed input rows in {self.args.errors}" if self.args.errors else ""
         start = getattr(self.processor, "engine_start_s", None)
         print(f"gristmill batch: {self.ok} rows ok, {self.failed} rows with errors{resumed}; "
-              f"{run_figures(run_rows, self.tokens, run_time, start)}; "
+              f"{run_figures(run_rows, self.tokens, run_time, start, self.task == 'generate')}; "
               f"output written to {self.args.output}{failed}", file=sys.stderr)
 
 

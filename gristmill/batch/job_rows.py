@@ -29,23 +29,27 @@ class Slot:
 
 
 def input_slots(rows: Iterable[dict], start: int, ids: RowIds, batch_file: bool, prompt_column: str | None,
-                messages_column: str | None) -> Iterator[Slot]:
-    """Input rows, from position `start` (where the output ends), as processor rows."""
+                messages_column: str | None, task: str = "generate") -> Iterator[Slot]:
+    """Input rows, from position `start` (where the output ends), as processor rows of `task`."""
     for position, original in enumerate(rows, start=start):
         row_id = ids.claim(original, position)
         row = {ids.id_column: row_id, INPUT_COLUMN: original}
         try:
-            row.update(batch_request_row(original) if batch_file
-                       else request_columns(original, prompt_column, messages_column))
+            row.update(batch_request_row(original, task) if batch_file
+                       else request_columns(original, prompt_column, messages_column, task))
         except RequestError as exc:
             yield Slot(row, exc)
             continue
         yield Slot(row)
 
 
-def request_columns(original: dict, prompt_column: str | None, messages_column: str | None) -> dict:
+def request_columns(original: dict, prompt_column: str | None, messages_column: str | None,
+                    task: str = "generate") -> dict:
     """The columns the processor needs from an input row (CSV cells holding JSON decoded)."""
-    row = {"sampling_params": decoded(original.get("sampling_params"))}
+    row = {"sampling_params": decoded(original.get("sampling_params")),
+           "pooling_params": decoded(original.get("pooling_params"))}
+    if task == "score":
+        return {**row, "text_1": original.get("text_1"), "text_2": original.get("text_2")}
     column = messages_column or prompt_column
     if column is not None:
         value = decoded(original.get(column)) if messages_column else original.get(column)
@@ -65,9 +69,9 @@ def request_columns(original: dict, prompt_column: str | None, messages_column: 
     return row
 
 
-def merged(processor, slots: Iterable[Slot]) -> Iterator[dict]:
+def merged(processor, slots: Iterable[Slot], task: str = "generate") -> Iterator[dict]:
     """Output rows in input order: the processor's, with the rows that failed before it
-    put back in their places."""
+    put back in their places (with the error columns of the processor's `task`)."""
     waiting: collections.deque[Slot] = collections.deque()  # filled on the processor's feeder thread
 
     def to_run():
@@ -79,7 +83,7 @@ def merged(processor, slots: Iterable[Slot]) -> Iterator[dict]:
     def failed_early():
         while waiting and waiting[0].error is not None:
             slot = waiting.popleft()
-            yield {**slot.row, **error_columns(slot.error)}
+            yield {**slot.row, **error_columns(slot.error, task)}
 
     stream = processor.stream(to_run())
     with closing(stream):

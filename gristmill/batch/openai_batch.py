@@ -1,9 +1,12 @@
 """OpenAI Batch API files, as `vllm run-batch` reads them: each line a request
 (`custom_id`, `method`, `url`, `body`) made into a processor row, and each output row made
-into the line OpenAI's batch output holds."""
+into the line OpenAI's batch output holds. Lines to /v1/chat/completions and
+/v1/completions make a generating job; lines to /v1/embeddings an embedding job (one
+input per line), whose output lines hold /v1/embeddings responses."""
 
 from __future__ import annotations
 
+import base64
 import time
 import uuid
 
@@ -12,7 +15,10 @@ from gristmill.errors import GristmillError, RequestError
 from gristmill.structured.grammars import check_constraint
 from gristmill.structured.spec import openai_constraint
 
-BATCH_URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+BATCH_URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/embeddings": "embeddings"}
+# Embeddings body fields copied into pooling_params (vLLM's extras beside OpenAI's dimensions).
+_EMBEDDING_PARAMS = ("dimensions", "normalize", "truncate_prompt_tokens")
+_EMBEDDING_IGNORED = {"model", "input", "user", "encoding_format"}
 _BATCH_KEYS = ("custom_id", "method", "url", "body")
 # Body fields copied into sampling_params, by their SamplingParams name.
 _BODY_PARAMS = {"max_completion_tokens": "max_tokens", **{name: name for name in (
@@ -36,14 +42,26 @@ def check_batch_line(line: dict, where: str) -> None:
                          f"{'; missing ' + ', '.join(missing) if missing else ''}")
 
 
-def batch_request_row(line: dict) -> dict:
-    """A batch line as a processor row; raises RequestError for a request this line
-    cannot make (it becomes a 400 line of the output)."""
+def batch_task(first_line: dict) -> str:
+    """The task of a job on a batch file, by its first line: "embed" for /v1/embeddings."""
+    return "embed" if BATCH_URLS.get(first_line.get("url")) == "embeddings" else "generate"
+
+
+def batch_request_row(line: dict, task: str = "generate") -> dict:
+    """A batch line as a processor row of a job running `task`; raises RequestError for a
+    request this line cannot make (it becomes a 400 line of the output)."""
     url, body = line["url"], line["body"]
     if url not in BATCH_URLS:
         raise RequestError(f"url {url!r} is not supported; use one of {sorted(BATCH_URLS)}", param="url")
     if str(line.get("method", "POST")).upper() != "POST":
         raise RequestError(f"method {line['method']!r} is not supported; use POST", param="method")
+    wanted = "embed" if BATCH_URLS[url] == "embeddings" else "generate"
+    if wanted != task:
+        raise RequestError(f"url {url} needs a job of task {wanted!r} and this job runs task {task!r} (from --task "
+                           f"or the file's first line); put the lines of each task in a file of their own",
+                           param="url")
+    if wanted == "embed":
+        return _embedding_row(line["custom_id"], body)
     unsupported = sorted(k for k, v in body.items()
                          if k not in _BODY_PARAMS and k not in _BODY_IGNORED and k not in _BODY_CONSTRAINTS and v)
     if unsupported:
@@ -76,13 +94,37 @@ def batch_request_row(line: dict) -> dict:
     return row
 
 
+def _embedding_row(custom_id, body: dict) -> dict:
+    unsupported = sorted(k for k, v in body.items()
+                         if k not in _EMBEDDING_PARAMS and k not in _EMBEDDING_IGNORED and v is not None)
+    if unsupported:
+        raise RequestError(f"body fields {unsupported} are not supported by /v1/embeddings lines; leave them out",
+                           param=unsupported[0])
+    if body.get("encoding_format", "float") not in ("float", "base64"):
+        raise RequestError(f"encoding_format must be 'float' or 'base64', got {body['encoding_format']!r}",
+                           param="encoding_format")
+    given = body.get("input")
+    if isinstance(given, list) and len(given) == 1 and isinstance(given[0], (str, list)):
+        given = given[0]  # one input (text or token ids) in a list: still one request
+    row = {"custom_id": custom_id, "pooling_params": {k: body[k] for k in _EMBEDDING_PARAMS if body.get(k) is not None}}
+    if isinstance(given, list) and given and all(isinstance(t, int) for t in given):
+        return {**row, "tokenized_prompt": given}
+    if isinstance(given, list):
+        raise RequestError(f"body.input holds {len(given)} inputs; a batch line makes one embedding, so give each "
+                           f"input a line (and a custom_id) of its own", param="input")
+    return {**row, "prompt": given}
+
+
 def batch_output_line(line: dict, out: dict, model: str) -> dict:
     """The OpenAI batch output line for one request, from its processor output row."""
     error = out.get("__inference_error__")
+    model = line["body"].get("model") or model
     if error:
         status, body = _error_body(error)
+    elif BATCH_URLS[line["url"]] == "embeddings":
+        body, status = _embedding_body(out, model, line["body"].get("encoding_format") or "float"), 200
     else:
-        body = _completion_body(BATCH_URLS[line["url"]], out, line["body"].get("model") or model)
+        body = _completion_body(BATCH_URLS[line["url"]], out, model)
         status = 200
     return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": line["custom_id"],
             "response": {"status_code": status, "request_id": uuid.uuid4().hex, "body": body}, "error": None}
@@ -108,6 +150,19 @@ def _completion_body(kind: str, out: dict, model: str) -> dict:
             "model": model, "choices": [choice],
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                       "total_tokens": prompt_tokens + completion_tokens}}
+
+
+def _embedding_body(out: dict, model: str, encoding_format: str) -> dict:
+    """The /v1/embeddings response of one input ("base64": OpenAI's, the float32 values'
+    little-endian bytes)."""
+    vector = out["embeddings"]
+    if encoding_format == "base64":
+        import numpy as np
+        vector = base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
+    tokens = out["num_input_tokens"]
+    return {"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": model,
+            "data": [{"object": "embedding", "index": 0, "embedding": vector}],
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 
 def _error_body(error: str) -> tuple[int, dict]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 
-from gristmill.batch.rows import Generated, RowRequest
-from gristmill.errors import GenerationError
+from gristmill.batch.rows import Generated, Pooled, RowRequest
+from gristmill.errors import GenerationError, RequestError
 
 
 def openai_request(request: RowRequest, model: str | None) -> tuple[str, dict]:
@@ -21,6 +21,47 @@ def openai_request(request: RowRequest, model: str | None) -> tuple[str, dict]:
         body["model"] = model
     body.update(_sampling_body(params))
     return method, body
+
+
+#: Where a pooling row goes on an OpenAI-compatible server (vLLM's and gristmill's).
+POOLING_PATHS = {"embed": "/embeddings", "classify": "/classify", "score": "/score"}
+
+
+def pooling_request(request: RowRequest, model: str | None) -> tuple[str, dict]:
+    """(path, request body) of one pooling row: its PoolingParams as the endpoint's fields,
+    those left at their defaults left out (OpenAI's /embeddings knows only `dimensions`)."""
+    params = request.pooling_params
+    prompt = request.prompt_token_ids if request.prompt_token_ids is not None else request.prompt
+    if request.task == "score":
+        body = {"text_1": prompt, "text_2": request.text_pair}
+    else:
+        body = {"input": prompt}
+    fields = {"embed": ("dimensions", "normalize", "truncate_prompt_tokens"),
+              "classify": ("use_activation", "truncate_prompt_tokens"),
+              "score": ("use_activation", "truncate_prompt_tokens")}[request.task]
+    for name in ("dimensions", "normalize", "use_activation", "truncate_prompt_tokens"):
+        value = getattr(params, name)
+        if value is not None and name not in fields:
+            raise RequestError(f"pooling_params.{name} does not apply to task {request.task!r}; leave it out",
+                               param=name)
+        if value is not None:
+            body[name] = value
+    if model is not None:
+        body["model"] = model
+    return POOLING_PATHS[request.task], body
+
+
+def pooled_of(task: str, data: dict, where: str) -> Pooled:
+    """A pooling row's result from the response of its endpoint."""
+    try:
+        item = data["data"][0]
+        value = {"embed": lambda: [float(v) for v in item["embedding"]],
+                 "classify": lambda: [float(p) for p in item["probs"]],
+                 "score": lambda: float(item["score"])}[task]()
+        return Pooled(value, int((data.get("usage") or {}).get("prompt_tokens", 0)))
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        raise GenerationError(f"the response of {where} is not a {task} response ({exc!r}): "
+                              f"{str(data)[:200]}") from exc
 
 
 def generated_of(data: dict, where: str) -> Generated:

@@ -29,7 +29,8 @@ from gristmill.batch.config import (DeploymentProcessorConfig, EngineProcessorCo
 from gristmill.batch.deployment import get_deployment
 from gristmill.batch.engines import RowFailed, start_pool
 from gristmill.batch.rows import (ERROR_COLUMN, TEMPLATE_ERROR_COLUMN, TEMPLATED_COLUMN, RowRequest, error_columns,
-                                  is_error_row, result_columns, sampling_params_of)
+                                  has_values, is_error_row, pooled_columns, pooling_params_of, result_columns,
+                                  sampling_params_of)
 from gristmill.batch.stages import RowEngine
 from gristmill.batch.tables import from_rows, to_rows
 from gristmill.errors import GristmillError, RequestError, is_fatal
@@ -106,7 +107,7 @@ class Processor:
         if isinstance(config, DeploymentProcessorConfig):
             if config.app_name is not None:  # a Ray Serve deployment, in the Ray extra
                 return extras.load(extras.SERVE_ENGINE)(config.deployment_name, config.app_name)
-            return get_deployment(config.deployment_name).borrow()
+            return get_deployment(config.deployment_name).borrow(config.task)
         if isinstance(config, HttpProcessorConfig):
             from gristmill.batch.http import HttpEngine  # (httpx: imported by the processors that need it)
             return HttpEngine(config)
@@ -179,6 +180,11 @@ class Processor:
                 raise RequestError(f"a row must be a dict, got {type(row).__name__}", param="row")
             if row.get(TEMPLATE_ERROR_COLUMN):  # failed in the chat-template stage before this one
                 return self._error_row(row, row[TEMPLATE_ERROR_COLUMN])
+            if config.task != "generate":
+                request = pooling_request(config, row_id, row)
+                start = time.perf_counter()
+                pooled = await engine.pool(request)
+                return {**row, **pooled_columns(config.task, pooled, time.perf_counter() - start)}
             request = self._prepare(engine, row_id, row)
             if not config.generate:
                 return {**row, "prompt": request.prompt, "tokenized_prompt": request.prompt_token_ids or [],
@@ -199,11 +205,15 @@ class Processor:
     def _error_row(self, row: Row, error: BaseException | str) -> Row:
         if not self.config.generate:  # the columns of the rows that went well, with the error
             return {**row, "tokenized_prompt": [], ERROR_COLUMN: error_columns(error)[ERROR_COLUMN]}
-        return {**row, **error_columns(error)}
+        return {**row, **error_columns(error, self.config.task)}
 
     def _prepare(self, engine: RowEngine, row_id, row: Row) -> RowRequest:
         """The chat template and tokenize stages: a row as an engine request."""
         config = self.config
+        if has_values(row.get("pooling_params")):
+            raise RequestError("the row has pooling_params, which apply to a pooling task (embed, classify, score), "
+                               "and this processor generates text (task 'generate'): leave them out, or set the "
+                               "processor's task", param="pooling_params")
         params = sampling_params_of(row, config.sampling_params)
         method = getattr(config, "method", None)
         prompt, messages, token_ids = row.get("prompt"), row.get("messages"), row.get("tokenized_prompt")
@@ -230,6 +240,37 @@ class Processor:
         # A rendered chat holds its own special tokens.
         request = RowRequest(row_id, prompt, None, token_ids, params, add_special_tokens=not templated)
         return engine.stages.tokenize(request, config)
+
+
+def pooling_request(config: ProcessorConfig, row_id, row: Row) -> RowRequest:
+    """A row of a pooling processor as an engine request: `prompt` or `tokenized_prompt`
+    (embed, classify), or `text_1` and `text_2` (score). The engine tokenizes (a pair
+    together, and `truncate_prompt_tokens` cuts by its tokenizer), so no stage runs first."""
+    task = config.task
+    if has_values(row.get("sampling_params")):
+        raise RequestError(f"the row has sampling_params, which apply to task 'generate', and this processor "
+                           f"runs task {task!r}: leave them out (pooling_params hold what a row of task "
+                           f"{task!r} may set)", param="sampling_params")
+    params = pooling_params_of(row, config.pooling_params)
+    if task == "score":
+        first, second = row.get("text_1"), row.get("text_2")
+        if not isinstance(first, str) or not isinstance(second, str):
+            raise RequestError(f"a score row needs 'text_1' and 'text_2', the two texts it scores (strings); got "
+                               f"text_1={short(first)}, text_2={short(second)}", param="text_1")
+        return RowRequest(row_id, first, None, None, None, task=task, pooling_params=params, text_pair=second)
+    prompt, token_ids = row.get("prompt"), row.get("tokenized_prompt")
+    if row.get("messages") is not None and prompt is None and token_ids is None:
+        raise RequestError(f"task {task!r} takes a row's 'prompt' (text) or 'tokenized_prompt', not 'messages'",
+                           param="messages")
+    if prompt is None and token_ids is None:
+        raise RequestError(f"a row of task {task!r} needs 'prompt' (text) or 'tokenized_prompt'", param="prompt")
+    if token_ids is not None and not is_token_ids(token_ids):
+        raise RequestError(f"'tokenized_prompt' must be a list of token ids (integers), got "
+                           f"{type(token_ids).__name__} {short(token_ids)}", param="tokenized_prompt")
+    if token_ids is None and not isinstance(prompt, str):
+        raise RequestError(f"'prompt' must be a string, got {type(prompt).__name__}", param="prompt")
+    token_ids = [int(t) for t in token_ids] if token_ids is not None else None  # (numpy arrays from Ray Data)
+    return RowRequest(row_id, prompt, None, token_ids, None, task=task, pooling_params=params)
 
 
 def row_id_of(config: ProcessorConfig, row: Row, position):

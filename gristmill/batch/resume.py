@@ -59,10 +59,11 @@ class RowIds:
         return row_id
 
 
-def written_rows(output: str, ids: RowIds, batch_file: bool, columns: list[str]) -> tuple[list[tuple[str, str]], int]:
+def written_rows(output: str, ids: RowIds, batch_file: bool, columns: list[str],
+                 output_columns: tuple[str, ...] = OUTPUT_COLUMNS) -> tuple[list[tuple[str, str]], int]:
     """((id key, error) of each row an interrupted job wrote to `output`, whose columns must
-    be this job's `columns`; the byte offset where those rows end, after which a torn row
-    may follow: see `io.read_written`)."""
+    be this job's `columns` (of which `output_columns` are its task's); the byte offset
+    where those rows end, after which a torn row may follow: see `io.read_written`)."""
     if batch_file:
         def extract(record):
             return ids.key(record.get("custom_id")), batch_line_error(record)
@@ -71,7 +72,7 @@ def written_rows(output: str, ids: RowIds, batch_file: bool, columns: list[str])
 
         def extract(record):
             if jsonl:  # each JSONL row names its own columns; a CSV header is checked below
-                _check_columns(record, output, columns, ids.id_column)
+                _check_columns(record, output, columns, ids.id_column, output_columns)
             return ids.key(record.get(ids.id_column)), record.get(ERROR_COLUMN) or ""
     header, written, end = read_written(output, ids.out_format, extract)
     if header is not None and header != columns:
@@ -81,11 +82,12 @@ def written_rows(output: str, ids: RowIds, batch_file: bool, columns: list[str])
     return written, end
 
 
-def _check_columns(record: dict, output: str, columns: list[str], id_column: str) -> None:
+def _check_columns(record: dict, output: str, columns: list[str], id_column: str,
+                   output_columns: tuple[str, ...]) -> None:
     """A JSONL row of `output` has this job's id and output columns, and no other columns
     than this job's (a row lacks the input columns its input row lacked)."""
     other = [c for c in record if c not in columns]
-    missing = [c for c in (id_column, *OUTPUT_COLUMNS) if c not in record]
+    missing = [c for c in (id_column, *output_columns) if c not in record]
     if other or missing:
         found = f"has {_columns(other)}" if other else f"lacks {_columns(missing)}"
         raise InputError(f"--resume: a row of {output} {found}, so it is not the output of this job, whose "

@@ -1,10 +1,14 @@
 """The batch row contract: what a row brings, what it gets back, what an error row holds.
 
-A row brings `prompt` (text), `messages` (a chat) or `tokenized_prompt` (token ids), and
-optionally `sampling_params` (a dict of SamplingParams fields). It gets back the
-`OUTPUT_COLUMNS`. An error row gets empty values of the same types (so a Parquet file
-never has an all-null column) and `__inference_error__ = "<ErrorType>: <message>"`;
-a row that succeeded has `__inference_error__ = ""`.
+A row of a generating processor (task "generate") brings `prompt` (text), `messages` (a
+chat) or `tokenized_prompt` (token ids), and optionally `sampling_params` (a dict of
+SamplingParams fields). A row of a pooling processor brings `prompt` or `tokenized_prompt`
+(task "embed", "classify") or the pair `text_1`, `text_2` (task "score"), and optionally
+`pooling_params` (a dict of PoolingParams fields). Each gets back its task's
+`output_columns`: Ray Data LLM's names. An error row gets empty values of the same types
+(so a Parquet file never has an all-null column) and
+`__inference_error__ = "<ErrorType>: <message>"`; a row that succeeded has
+`__inference_error__ = ""`.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from gristmill.errors import RequestError, error_string
+from gristmill.pooling_params import PoolingParams
 from gristmill.sampling import SamplingParams
 from gristmill.structured.spec import given_kinds
 
@@ -23,7 +28,18 @@ TEMPLATED_COLUMN = "__gristmill_templated__"
 TEMPLATE_ERROR_COLUMN = "__gristmill_template_error__"
 OUTPUT_COLUMNS = ("generated_text", "generated_tokens", "num_input_tokens", "num_generated_tokens",
                   "finish_reason", "time_taken_llm", ERROR_COLUMN)
+#: The column a pooling task's result goes in: `embeddings` and `probs` a list of float32,
+#: `score` a float.
+POOLED_COLUMNS = {"embed": "embeddings", "classify": "probs", "score": "score"}
 _SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams) if f.init)
+_POOLING_FIELDS = tuple(f.name for f in fields(PoolingParams))
+
+
+def output_columns(task: str) -> tuple[str, ...]:
+    """The columns a row of a processor running `task` gets back."""
+    if task == "generate":
+        return OUTPUT_COLUMNS
+    return (POOLED_COLUMNS[task], "num_input_tokens", "time_taken_llm", ERROR_COLUMN)
 
 
 @dataclass
@@ -38,9 +54,16 @@ class RowRequest:
     messages: list[dict] | None
     #: Token ids to complete; when set, the engine does not tokenize.
     prompt_token_ids: list[int] | None
-    sampling_params: SamplingParams
+    #: None for a pooling row.
+    sampling_params: SamplingParams | None
     #: Add the tokenizer's special tokens (BOS) when tokenizing: not after a chat template.
     add_special_tokens: bool = True
+    #: "generate", or the pooling task the row is for ("embed", "classify", "score").
+    task: str = "generate"
+    #: A pooling row's params (None for a generating row).
+    pooling_params: PoolingParams | None = None
+    #: A score row's second text (its first is `prompt`).
+    text_pair: str | None = None
 
 
 @dataclass
@@ -52,6 +75,40 @@ class Generated:
     num_input_tokens: int
     num_generated_tokens: int
     finish_reason: str
+
+
+@dataclass
+class Pooled:
+    """What a pooling engine made of one row."""
+
+    #: The embedding or the label probabilities (a list of floats), or the score (a float).
+    value: list[float] | float
+    num_input_tokens: int
+
+
+def pooling_params_of(row: dict, defaults: dict) -> PoolingParams:
+    """The row's PoolingParams: the processor's defaults, overridden by the row's own."""
+    given = row.get("pooling_params")
+    if given is None:
+        given = {}
+    if not isinstance(given, dict):
+        raise RequestError(f"pooling_params must be a dict of PoolingParams fields ({', '.join(_POOLING_FIELDS)}), "
+                           f"got {type(given).__name__}", param="pooling_params")
+    # A null is a missing value (Parquet and CSV rows have every column): the default stays.
+    merged = {**defaults, **{k: v for k, v in given.items() if v is not None}}
+    unknown = sorted(set(merged) - set(_POOLING_FIELDS))
+    if unknown:
+        raise RequestError(f"unknown pooling_params {unknown}; valid: {list(_POOLING_FIELDS)}",
+                           param="pooling_params")
+    return PoolingParams(**merged)
+
+
+def has_values(params) -> bool:
+    """Whether a row's `sampling_params` / `pooling_params` cell asks for anything: not None,
+    nor a struct of nulls (the shape Arrow gives a row that has none beside rows that do)."""
+    if isinstance(params, dict):
+        return any(value is not None for value in params.values())
+    return params is not None
 
 
 def sampling_params_of(row: dict, defaults: dict) -> SamplingParams:
@@ -122,11 +179,21 @@ def result_columns(generated: Generated, time_taken: float, detokenize: bool = T
             ERROR_COLUMN: ""}
 
 
-def error_columns(exc: BaseException | str) -> dict:
-    """The output columns of a failed row (`exc`, or its "<ErrorType>: <message>")."""
+def pooled_columns(task: str, pooled: Pooled, time_taken: float) -> dict:
+    value = pooled.value if task == "score" else list(pooled.value)
+    return {POOLED_COLUMNS[task]: value, "num_input_tokens": pooled.num_input_tokens, "time_taken_llm": time_taken,
+            ERROR_COLUMN: ""}
+
+
+def error_columns(exc: BaseException | str, task: str = "generate") -> dict:
+    """The output columns of a failed row of a processor running `task` (`exc`, or its
+    "<ErrorType>: <message>"): empty values of each column's type."""
+    error = exc if isinstance(exc, str) else error_string(exc)
+    if task != "generate":
+        return {POOLED_COLUMNS[task]: 0.0 if task == "score" else [], "num_input_tokens": 0, "time_taken_llm": 0.0,
+                ERROR_COLUMN: error}
     return {"generated_text": "", "generated_tokens": [], "num_input_tokens": 0, "num_generated_tokens": 0,
-            "finish_reason": "error", "time_taken_llm": 0.0,
-            ERROR_COLUMN: exc if isinstance(exc, str) else error_string(exc)}
+            "finish_reason": "error", "time_taken_llm": 0.0, ERROR_COLUMN: error}
 
 
 def is_error_row(row: dict) -> bool:

@@ -20,7 +20,7 @@ from dataclasses import replace
 from typing import Protocol
 
 from gristmill.batch.config import ProcessorConfig
-from gristmill.batch.rows import Generated, RowRequest
+from gristmill.batch.rows import Generated, Pooled, RowRequest
 from gristmill.errors import RequestError
 
 
@@ -39,6 +39,9 @@ class RowEngine(Protocol):
 
     async def generate(self, request: RowRequest) -> Generated:
         """One row's result; a row's own failure raises its error, a dead engine a fatal one."""
+
+    async def pool(self, request: RowRequest) -> Pooled:
+        """One pooling row's result (its `task`: embed, classify, score), failing as `generate` does."""
 
     async def close(self) -> None:
         """Release what the processor opened (a shared deployment stays up for its other users)."""

@@ -2,8 +2,8 @@
 
 The stages, as Ray runs them:
 - `preprocess` and `postprocess`: `Dataset.map` tasks (postprocess skips error rows);
-- the chat template (EngineProcessorConfig): `map_batches` tasks that render rows'
-  `messages` into `prompt`;
+- the chat template (EngineProcessorConfig of task "generate"): `map_batches` tasks that
+  render rows' `messages` into `prompt`;
 - the engine stage: an actor pool of `concurrency` actors. For an EngineProcessorConfig
   each actor owns an engine (its own engine-core process) that tokenizes, generates and
   detokenizes its batches exactly as the local runner does (tokenizing and detokenizing
@@ -78,7 +78,7 @@ def process_dataset(processor: Processor, dataset, encoded: bool = False):
         # `logit_bias`) would get every other row's keys, as nulls.
         dataset = dataset.map_batches(_encode_batch, batch_size=None, batch_format="pyarrow",
                                       zero_copy_batch=True, **pre)
-    if isinstance(config, EngineProcessorConfig) and config.apply_chat_template:
+    if isinstance(config, EngineProcessorConfig) and config.apply_chat_template and config.task == "generate":
         dataset = dataset.map_batches(_ChatTemplate(config, True), batch_size=config.batch_size,
                                       batch_format="pyarrow", zero_copy_batch=False, **pre)
     # Batches of one actor run on its engine together (continuous batching across them).

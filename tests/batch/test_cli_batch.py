@@ -165,7 +165,7 @@ def test_openai_batch_file_gets_openai_batch_output_lines(tmp_path):
     assert text.object == "text_completion" and text.choices[0].text and text.usage.prompt_tokens > 0
     errors = {cid: out[cid]["response"]["body"]["error"] for cid in ("embed-1", "bad-1", "detok-1")}
     assert all(set(e) == {"message", "type", "param", "code"} for e in errors.values())
-    assert "'/v1/embeddings' is not supported" in errors["embed-1"]["message"]
+    assert "url /v1/embeddings needs a job of task 'embed'" in errors["embed-1"]["message"]  # (a file of its own)
     assert errors["bad-1"]["type"] == "invalid_request_error" and "max_tokens" in errors["bad-1"]["message"]
     assert errors["detok-1"]["code"] == "GenerationError"
 
