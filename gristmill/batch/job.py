@@ -128,11 +128,15 @@ class Job:
         if self.batch_file:
             return batch_task(self.source.first_row())
         model = engine_options(args).get("model")
-        if model is not None and not args.deployment_url and os.path.isdir(model):
-            from pathlib import Path
-
+        if model is not None and not args.deployment_url:
+            from gristmill.paths import model_source
             from gristmill.tasks import resolve_task
-            return resolve_task("auto", Path(model))
+            try:
+                source = model_source(model, engine_options(args).get("cache_dir"))
+            except (OSError, RuntimeError):  # (the engine's start says what is wrong with it)
+                return "generate"
+            if source.is_dir():  # (a name of a bundled model too; a GGUF file is a generative model)
+                return resolve_task("auto", source)
         return "generate"
 
     def _processor_config(self):

@@ -257,3 +257,14 @@ def test_an_embed_job_killed_and_resumed_writes_every_row_once(tmp_path):
     assert [row["__row_id__"] for row in out if row[ERROR_COLUMN]] == [3]
     assert all(len(row["embeddings"]) == 32 for row in out if not row[ERROR_COLUMN])
     assert f"({len(kept)} of them kept from before --resume)" in result.stderr
+
+
+def test_the_bundled_embedding_model_named_alone_makes_an_embed_job(tmp_path):
+    # No --task: the job's task is the model's, also when the model is named, not a path.
+    source = write_jsonl(tmp_path / "in.jsonl", [{"prompt": text} for text in TEXTS[:2]])
+    result = batch_main(source, "-o", tmp_path / "out.jsonl", "--model", "all-MiniLM-L6-v2", "--device", "cpu",
+                        "--quantization", "none")
+    assert result.returncode == 0, result.stderr
+    out = read_jsonl(tmp_path / "out.jsonl")
+    assert [len(row["embeddings"]) for row in out] == [384, 384] and all(not row[ERROR_COLUMN] for row in out)
+    assert abs(np.linalg.norm(out[0]["embeddings"]) - 1) < 1e-5
