@@ -4,6 +4,8 @@ over chunked prefills, a cached prefix and a preemption alike."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from gristmill import LLM, SamplingParams
@@ -71,3 +73,25 @@ def test_prompt_logprobs_survive_a_preemption(reference):
     assert small.core.scheduler.block_manager.num_free_blocks == 10
     for out in outs:
         _check(out, logprobs, 1)
+
+
+def test_a_batch_job_writes_each_prompts_logprobs(reference, tmp_path):
+    import pyarrow.parquet as pq
+
+    from tests.batch.inprocess import batch_main
+
+    llm, logprobs = reference
+    source = tmp_path / "in.jsonl"
+    rows = [{"prompt": PROMPTS[0]}, {"prompt": ""}, {"prompt": PROMPTS[2]}]  # (an empty prompt: an error row)
+    source.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    result = batch_main(source, "-o", tmp_path / "out.parquet", "--model", str(tiny_model()), "--device", "cpu",
+                        "--quantization", "none", "--prompt-logprobs", "0", "--max-tokens", "1")
+    assert result.returncode == 0, result.stderr
+    out = pq.read_table(tmp_path / "out.parquet").to_pylist()
+    assert out[1]["prompt_logprobs"] == [] and out[1]["__inference_error__"]
+    for row in (out[0], out[2]):
+        ids = llm.get_tokenizer()(row["prompt"])["input_ids"]
+        want = logprobs(ids)
+        assert row["prompt_logprobs"][0] is None and len(row["prompt_logprobs"]) == len(ids)
+        assert row["prompt_logprobs"][1:] == pytest.approx([want[i - 1][ids[i]].item() for i in range(1, len(ids))],
+                                                          rel=1e-5, abs=1e-4)

@@ -36,6 +36,14 @@ logger = logging.getLogger(__name__)
 _SETTLE_TIMEOUT_S = 10.0
 
 
+def prompt_logprobs_of(out) -> list[float | None] | None:
+    """Each prompt token's own logprob (None for the first), of an output that has them."""
+    if out.prompt_logprobs is None:
+        return None
+    return [None if entry is None else entry[token].logprob
+            for token, entry in zip(out.prompt_token_ids, out.prompt_logprobs)]
+
+
 class RowFailed(Exception):
     """A row's own error that would otherwise count as fatal (a poison row's
     EngineDeadError): the processor makes it an error row and goes on."""
@@ -199,7 +207,7 @@ class _Replica:
                                                   token_times=False, add_special_tokens=request.add_special_tokens):
                 pass
             return Generated(out.text, list(out.token_ids), len(out.prompt_token_ids), len(out.token_ids),
-                             out.finish_reason)
+                             out.finish_reason, prompt_logprobs_of(out))
         finally:
             self._leave(request_id)
 

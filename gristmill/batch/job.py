@@ -27,7 +27,7 @@ from gristmill.batch.io import (CsvWriter, InputError, InputFile, JsonlWriter, P
 from gristmill.batch.openai_batch import batch_output_line, batch_task, check_batch_line, is_batch_file
 from gristmill.batch.job_rows import INPUT_COLUMN, input_slots, merged
 from gristmill.batch.resume import ROW_ID, RowIds, skip_written, written_rows
-from gristmill.batch.rows import ERROR_COLUMN, output_columns
+from gristmill.batch.rows import ERROR_COLUMN, PROMPT_LOGPROBS_COLUMN, output_columns
 from gristmill.batch.tables import arrow_types
 from gristmill.engine_flags import engine_config, engine_flag, engine_options, model_load_error, run_figures
 from gristmill.errors import GristmillError, RequestError, error_string
@@ -67,7 +67,8 @@ class Job:
         self.id_column = "custom_id" if self.batch_file else (args.id_column or ROW_ID)
         self._check_paths()
         self.task = self._task()
-        self.output_columns = output_columns(self.task)
+        self.output_columns = output_columns(self.task) + (
+            (PROMPT_LOGPROBS_COLUMN,) if args.prompt_logprobs is not None and self.task == "generate" else ())
         self.config = self._processor_config()
         self.ids = RowIds(self.id_column, self.out_format, self.positional, self.batch_file)
         survey = self.source.survey(check=self._check_row,
@@ -145,7 +146,8 @@ class Job:
         sampling_flags = [flag for flag, given in (
             ("--max-tokens", args.max_tokens), ("--temperature", args.temperature),
             ("--repetition-penalty", args.repetition_penalty), ("--presence-penalty", args.presence_penalty),
-            ("--frequency-penalty", args.frequency_penalty), ("--json-schema", args.json_schema)) if given is not None]
+            ("--frequency-penalty", args.frequency_penalty), ("--json-schema", args.json_schema),
+            ("--prompt-logprobs", args.prompt_logprobs)) if given is not None]
         pooling_flags = [flag for flag, given in (("--dimensions", args.dimensions),
                                                   ("--truncate-prompt-tokens", args.truncate_prompt_tokens))
                          if given is not None]
@@ -157,7 +159,7 @@ class Job:
                              f"and this one generates text; leave {'it' if len(pooling_flags) == 1 else 'them'} out "
                              f"or pass --task")
         defaults = {name: getattr(args, name) for name in ("max_tokens", "temperature", "repetition_penalty",
-                                                           "presence_penalty", "frequency_penalty")
+                                                           "presence_penalty", "frequency_penalty", "prompt_logprobs")
                     if getattr(args, name) is not None}
         if self.batch_file and args.max_tokens is None and not pooling:
             defaults["max_tokens"] = None  # a request without max_tokens runs to the context, as OpenAI's
@@ -356,7 +358,9 @@ class Job:
             return batch_output_line(out[INPUT_COLUMN], out, self.model_name)
         record = {ROW_ID: out[ROW_ID]} if self.positional else {}
         record.update(out[INPUT_COLUMN])
-        record.update({column: out[column] for column in self.output_columns})
+        # (an error row has no prompt logprobs: an empty list, the column's type)
+        record.update({column: out.get(column, []) if column == PROMPT_LOGPROBS_COLUMN else out[column]
+                       for column in self.output_columns})
         return record
 
     def _close(self) -> None:

@@ -28,6 +28,10 @@ TEMPLATED_COLUMN = "__gristmill_templated__"
 TEMPLATE_ERROR_COLUMN = "__gristmill_template_error__"
 OUTPUT_COLUMNS = ("generated_text", "generated_tokens", "num_input_tokens", "num_generated_tokens",
                   "finish_reason", "time_taken_llm", ERROR_COLUMN)
+#: A generating row that asks for `sampling_params.prompt_logprobs` also gets this column:
+#: each prompt token's logprob after the ones before it, the first null (scoring text by
+#: its likelihood); `gristmill batch --prompt-logprobs` gives it to every row.
+PROMPT_LOGPROBS_COLUMN = "prompt_logprobs"
 #: The column a pooling task's result goes in: `embeddings` and `probs` a list of float32,
 #: `score` a float.
 POOLED_COLUMNS = {"embed": "embeddings", "classify": "probs", "score": "score"}
@@ -75,6 +79,9 @@ class Generated:
     num_input_tokens: int
     num_generated_tokens: int
     finish_reason: str
+    #: With `sampling_params.prompt_logprobs`: each prompt token's logprob after the ones
+    #: before it (None for the first); else None.
+    prompt_logprobs: list[float | None] | None = None
 
 
 @dataclass
@@ -176,7 +183,8 @@ def result_columns(generated: Generated, time_taken: float, detokenize: bool = T
             "num_generated_tokens": generated.num_generated_tokens,
             "finish_reason": generated.finish_reason,
             "time_taken_llm": time_taken,
-            ERROR_COLUMN: ""}
+            ERROR_COLUMN: "",
+            **({PROMPT_LOGPROBS_COLUMN: generated.prompt_logprobs} if generated.prompt_logprobs is not None else {})}
 
 
 def pooled_columns(task: str, pooled: Pooled, time_taken: float) -> dict:

@@ -59,7 +59,7 @@ def arrow_types() -> dict:
     return {"generated_text": pa.string(), "generated_tokens": pa.list_(pa.int64()),
             "num_input_tokens": pa.int64(), "num_generated_tokens": pa.int64(),
             "finish_reason": pa.string(), "time_taken_llm": pa.float64(), "__inference_error__": pa.string(),
-            "tokenized_prompt": pa.list_(pa.int64()),
+            "tokenized_prompt": pa.list_(pa.int64()), "prompt_logprobs": pa.list_(pa.float64()),
             # pooling tasks' columns (rows.POOLED_COLUMNS)
             "embeddings": pa.list_(pa.float32()), "probs": pa.list_(pa.float32()), "score": pa.float64()}
 
