@@ -181,8 +181,11 @@ class LLM(EngineFace):
             raise EngineDeadError(self.dead_error.message)
         with self._lock:
             try:
-                results = [self._add_pooling(prompt, params, kind, pairs)
-                           for prompt, params in zip(prompts, params_list)]
+                # Added shortest first, as sentence-transformers sorts its batches: a step's
+                # sequences are then of near lengths, and its attention pads few rows.
+                results = [None] * len(prompts)
+                for i in sorted(range(len(prompts)), key=lambda i: _prompt_size(prompts[i])):
+                    results[i] = self._add_pooling(prompts[i], params_list[i], kind, pairs)
                 self._step_until_done(len(results), sum(r.finished for r in results), use_tqdm, kind)
                 return results
             except BaseException:
@@ -340,6 +343,16 @@ def _score_pairs(data_1, data_2) -> tuple[list, list]:
         raise RequestError(f"data_1 has {len(firsts)} texts and data_2 {len(seconds)}; pass one text as data_1 "
                            f"(scored against each of data_2) or as many as data_2 (scored pairwise)", param="data_2")
     return firsts, seconds
+
+
+def _prompt_size(prompt) -> int:
+    """About how long a prompt is before it is tokenized: its characters, token ids, or
+    both texts of a pair."""
+    if isinstance(prompt, tuple):
+        return sum(map(_prompt_size, prompt))
+    if isinstance(prompt, dict):
+        prompt = prompt.get("prompt", prompt.get("prompt_token_ids", ""))
+    return len(prompt) if isinstance(prompt, (str, bytes, list)) else 0
 
 
 def _prompt_key(prompt) -> object:

@@ -155,6 +155,8 @@ def test_quantization_option_is_validated_and_resolved():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert resolve_quantization("auto", cuda) is None
     assert resolve_quantization("auto", cpu) == ("int8" if EXT is not None else None)
+    assert resolve_quantization("auto", cpu, encoder=True) is None  # float GEMM wins on prompt-only steps
+    assert resolve_quantization("int8", cpu, encoder=True) == "int8"
     assert resolve_quantization(None, cpu) is None
     for scheme in ("int8", "q4"):
         assert resolve_quantization(scheme, cpu) == scheme
