@@ -1,7 +1,8 @@
 """AsyncEngine's failure contract against a real engine-core process, with failures made
-to happen for real (GRISTMILL_FAULTS, SIGKILL): on the bundled Gemma 3 270M where texts
-are compared with a run without faults, on the tiny random-weight model where only the
-failure is the point (it starts in a fraction of the bundled model's time)."""
+to happen for real (GRISTMILL_FAULTS, SIGKILL). The shared engine (`baseline`) and the
+tests whose timing needs long requests run the bundled Gemma 3 270M; a test that starts
+an engine of its own for a fault runs the tiny random-weight model (it starts in a
+fraction of the time), its texts compared with the tiny model's run without faults."""
 
 from __future__ import annotations
 
@@ -100,6 +101,20 @@ def baseline():
         mp.undo()
 
 
+@pytest.fixture(scope="module")
+def tiny_texts():
+    """The baseline's texts on the tiny random-weight model."""
+    mp = pytest.MonkeyPatch()
+    engine = start_tiny_engine(mp)
+    try:
+        results = asyncio.run(run_all(engine, prompts()))
+        assert all(error is None for _, error, _ in results)
+        return [text for text, _, _ in results]
+    finally:
+        engine.shutdown()
+        mp.undo()
+
+
 def test_concurrent_requests_stream_and_leave_nothing_behind(baseline):
     engine, texts = baseline
     assert all(texts) and len(set(texts)) > 1
@@ -108,10 +123,10 @@ def test_concurrent_requests_stream_and_leave_nothing_behind(baseline):
     assert stats["num_live_requests"] == stats["num_running"] == stats["num_waiting"] == 0
 
 
-def test_per_request_faults_end_only_their_request(monkeypatch, baseline):
-    _, texts = baseline
+def test_per_request_faults_end_only_their_request(monkeypatch, tiny_texts):
+    texts = tiny_texts
     marks = {1: " TKZFAIL", 5: " INITFAIL", 9: " DTKFAIL", 13: " DTKFAIL"}
-    engine = start_engine(monkeypatch, "tokenize@prompt~TKZFAIL,detokenize_init@prompt~INITFAIL,"
+    engine = start_tiny_engine(monkeypatch, "tokenize@prompt~TKZFAIL,detokenize_init@prompt~INITFAIL,"
                                        "detokenize@prompt~DTKFAIL")
     try:
         results = asyncio.run(run_all(engine, prompts(marks)))
@@ -155,9 +170,9 @@ def test_500_failed_requests_leave_stats_at_baseline(monkeypatch):
         engine.shutdown()
 
 
-def test_failed_output_batch_ends_its_requests_and_the_engine_goes_on(monkeypatch, baseline):
-    _, texts = baseline
-    engine = start_engine(monkeypatch, "output_batch@step=3")
+def test_failed_output_batch_ends_its_requests_and_the_engine_goes_on(monkeypatch, tiny_texts):
+    texts = tiny_texts
+    engine = start_tiny_engine(monkeypatch, "output_batch@step=3")
     try:
         results = asyncio.run(run_all(engine, prompts()))
         failed = [error for _, error, _ in results if error is not None]
