@@ -1,9 +1,7 @@
 """The first run a newcomer sees, on a fresh cache: the CLI says what the engine's start
 is doing (each step done once says where it is cached), and the summary keeps the
 start apart from the throughput. A tiny GGUF model keeps it fast; the compiled C++
-kernels are shared with the machine's cache (compiling them takes minutes). The CLI runs
-in this process (`run_main`: what it prints is the point, and its engine core is a
-process all the same); a client that must not import torch runs in a fresh one."""
+kernels are shared with the machine's cache (compiling them takes minutes)."""
 
 from __future__ import annotations
 
@@ -14,7 +12,6 @@ import subprocess
 import sys
 
 from gristmill.paths import cache_root
-from tests.batch.inprocess import run_main, without_faults
 from tests.model.test_loader import write_tiny_gguf
 from tests.test_layering import fresh_imports
 
@@ -34,8 +31,11 @@ def _fresh_cache(tmp_path):
 def _batch(tmp_path, model, cache):
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps({"prompt": f"row {i} says"}) + "\n" for i in range(4)))
-    return run_main("batch", rows, "-o", tmp_path / "out.jsonl", "--model", model, "--device", "cpu",
-                    "--max-tokens", "4", env={**without_faults(), "GRISTMILL_CACHE": str(cache)})
+    env = {**os.environ, "GRISTMILL_CACHE": str(cache)}
+    env.pop("GRISTMILL_FAULTS", None)
+    return subprocess.run([sys.executable, "-m", "gristmill.cli", "batch", str(rows), "-o", str(tmp_path / "out.jsonl"),
+                           "--model", str(model), "--device", "cpu", "--max-tokens", "4"],
+                          capture_output=True, text=True, timeout=300, env=env)
 
 
 def test_a_fresh_cache_says_what_the_start_does_and_the_figures_leave_it_out(tmp_path):
@@ -72,8 +72,11 @@ def test_a_fresh_cache_says_what_the_start_does_and_the_figures_leave_it_out(tmp
 
 def test_generate_keeps_the_start_apart_too(tmp_path):
     model = write_tiny_gguf(tmp_path / "models" / "tiny.gguf", "llama", "gpt2")
-    result = run_main("generate", "a", "b", "--model", model, "--device", "cpu", "--max-tokens", "3",
-                      env={**without_faults(), "GRISTMILL_CACHE": str(_fresh_cache(tmp_path))})
+    env = {k: v for k, v in os.environ.items() if k != "GRISTMILL_FAULTS"}
+    env["GRISTMILL_CACHE"] = str(_fresh_cache(tmp_path))
+    result = subprocess.run([sys.executable, "-m", "gristmill.cli", "generate", "a", "b", "--model", str(model),
+                             "--device", "cpu", "--max-tokens", "3"], capture_output=True, text=True, timeout=300,
+                            env=env)
     assert result.returncode == 0, result.stderr
     last = result.stderr.splitlines()[-1]
     assert last.startswith("2 prompts, 2 ok, 0 failed; ") and FIGURES.search(last), last
