@@ -1,5 +1,8 @@
-"""AsyncEngine's failure contract against a real engine-core process on the bundled
-Gemma 3 270M, with failures made to happen for real (GRISTMILL_FAULTS, SIGKILL)."""
+"""AsyncEngine's failure contract against a real engine-core process, with failures made
+to happen for real (GRISTMILL_FAULTS, SIGKILL). The shared engine (`baseline`) and the
+tests whose timing needs long requests run the bundled Gemma 3 270M; a test that starts
+an engine of its own for a fault runs the tiny random-weight model (it starts in a
+fraction of the time), its texts compared with the tiny model's run without faults."""
 
 from __future__ import annotations
 
@@ -16,10 +19,12 @@ import pytest
 from gristmill import (AsyncEngine, EngineConfig, EngineDeadError, EngineOverloadedError,
                        GenerationError, PromptTooLongError, RequestError, SamplingParams, faults)
 from gristmill.engine.messages import AddRequest
+from tests.batch.inprocess import tiny_model
 
 CONCURRENCY = 16
 PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 LONG = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+TINY_LONG = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)  # (the tiny model's context: 256)
 
 
 def prompts(marked: dict[int, str] | None = None) -> list[str]:
@@ -38,6 +43,11 @@ def start_engine(monkeypatch, spec: str | None = None, **options) -> AsyncEngine
         return AsyncEngine(EngineConfig(**{"device": "cpu", **options}))
     finally:
         monkeypatch.delenv("GRISTMILL_FAULTS", raising=False)
+
+
+def start_tiny_engine(monkeypatch, spec: str | None = None, **options) -> AsyncEngine:
+    """start_engine on the tiny random-weight model."""
+    return start_engine(monkeypatch, spec, model=str(tiny_model()), **options)
 
 
 @pytest.fixture(autouse=True)
@@ -91,6 +101,20 @@ def baseline():
         mp.undo()
 
 
+@pytest.fixture(scope="module")
+def tiny_texts():
+    """The baseline's texts on the tiny random-weight model."""
+    mp = pytest.MonkeyPatch()
+    engine = start_tiny_engine(mp)
+    try:
+        results = asyncio.run(run_all(engine, prompts()))
+        assert all(error is None for _, error, _ in results)
+        return [text for text, _, _ in results]
+    finally:
+        engine.shutdown()
+        mp.undo()
+
+
 def test_concurrent_requests_stream_and_leave_nothing_behind(baseline):
     engine, texts = baseline
     assert all(texts) and len(set(texts)) > 1
@@ -99,10 +123,10 @@ def test_concurrent_requests_stream_and_leave_nothing_behind(baseline):
     assert stats["num_live_requests"] == stats["num_running"] == stats["num_waiting"] == 0
 
 
-def test_per_request_faults_end_only_their_request(monkeypatch, baseline):
-    _, texts = baseline
+def test_per_request_faults_end_only_their_request(monkeypatch, tiny_texts):
+    texts = tiny_texts
     marks = {1: " TKZFAIL", 5: " INITFAIL", 9: " DTKFAIL", 13: " DTKFAIL"}
-    engine = start_engine(monkeypatch, "tokenize@prompt~TKZFAIL,detokenize_init@prompt~INITFAIL,"
+    engine = start_tiny_engine(monkeypatch, "tokenize@prompt~TKZFAIL,detokenize_init@prompt~INITFAIL,"
                                        "detokenize@prompt~DTKFAIL")
     try:
         results = asyncio.run(run_all(engine, prompts(marks)))
@@ -123,7 +147,7 @@ def test_per_request_faults_end_only_their_request(monkeypatch, baseline):
 
 
 def test_500_failed_requests_leave_stats_at_baseline(monkeypatch):
-    engine = start_engine(monkeypatch, "detokenize@prompt~DTKFAIL")
+    engine = start_tiny_engine(monkeypatch, "detokenize@prompt~DTKFAIL")
     try:
         before = asyncio.run(engine.stats())
 
@@ -146,9 +170,9 @@ def test_500_failed_requests_leave_stats_at_baseline(monkeypatch):
         engine.shutdown()
 
 
-def test_failed_output_batch_ends_its_requests_and_the_engine_goes_on(monkeypatch, baseline):
-    _, texts = baseline
-    engine = start_engine(monkeypatch, "output_batch@step=3")
+def test_failed_output_batch_ends_its_requests_and_the_engine_goes_on(monkeypatch, tiny_texts):
+    texts = tiny_texts
+    engine = start_tiny_engine(monkeypatch, "output_batch@step=3")
     try:
         results = asyncio.run(run_all(engine, prompts()))
         failed = [error for _, error, _ in results if error is not None]
@@ -220,12 +244,12 @@ def test_a_malformed_or_duplicate_wire_message_fails_only_its_request(baseline):
     assert stats["num_free_blocks"] == stats["num_total_blocks"] and stats["num_live_requests"] == 0
 
 
-async def fail_in_flight(engine, kill=None):
+async def fail_in_flight(engine, kill=None, params=LONG):
     """Start CONCURRENCY long requests, optionally kill the core once they run; return
     results, the kill time and the time the engine was declared dead."""
     died_at = []
     engine.add_failure_callback(lambda error: died_at.append(time.monotonic()))
-    tasks = [asyncio.create_task(run_one(engine, p, LONG)) for p in prompts()]
+    tasks = [asyncio.create_task(run_one(engine, p, params)) for p in prompts()]
     killed_at = None
     if kill is not None:
         await asyncio.sleep(1.5)
@@ -245,7 +269,7 @@ async def fail_in_flight(engine, kill=None):
 def test_fatal_faults_fail_every_request_fast(monkeypatch, spec, says):
     # Only the hang test shortens the step timeout: elsewhere a slow machine's long step
     # must not pass for a hang.
-    engine = start_engine(monkeypatch, spec, **({"step_timeout_s": 1.0} if "hang" in spec else {}))
+    engine = start_tiny_engine(monkeypatch, spec, **({"step_timeout_s": 1.0} if "hang" in spec else {}))
     assert_a_fatal_fault_fails_every_request(engine, says)
 
 
@@ -254,7 +278,7 @@ def assert_a_fatal_fault_fails_every_request(engine, says):
     EngineDeadError within a second of the death, and the core process is gone."""
     pid = engine.core_pid
     try:
-        results, _, died_at = asyncio.run(fail_in_flight(engine))
+        results, _, died_at = asyncio.run(fail_in_flight(engine, params=TINY_LONG))
         assert_all_dead(engine, results, died_at[0], says)
         assert process_gone(pid)
     finally:
@@ -354,7 +378,7 @@ def test_cancel_and_abort_free_the_request(baseline):
 
 
 def test_admission_limits(monkeypatch):
-    engine = start_engine(monkeypatch, num_kv_blocks=8, block_size=16, max_num_seqs=1,
+    engine = start_tiny_engine(monkeypatch, num_kv_blocks=8, block_size=16, max_num_seqs=1,
                           max_num_batched_tokens=64, max_waiting_requests=1)
     try:
         too_big = error_of(engine, "hi", SamplingParams(max_tokens=200))
@@ -380,7 +404,7 @@ def test_admission_limits(monkeypatch):
 
 
 def test_shutdown_and_client_death_leave_no_engine_process(monkeypatch, tmp_path):
-    engine = start_engine(monkeypatch)
+    engine = start_tiny_engine(monkeypatch)
     pid = engine.core_pid
     engine.shutdown()
     assert process_gone(pid)
@@ -393,10 +417,10 @@ def test_shutdown_and_client_death_leave_no_engine_process(monkeypatch, tmp_path
         import os, signal, sys
         from gristmill import AsyncEngine, EngineConfig
         if __name__ == "__main__":
-            engine = AsyncEngine(EngineConfig(device="cpu"))
+            engine = AsyncEngine(EngineConfig(model=MODEL, device="cpu"))
             print(engine.core_pid, flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
-    """))
+    """).replace("MODEL", repr(str(tiny_model()))))
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     core_pid = int(result.stdout.split()[0])
     deadline = time.monotonic() + 10

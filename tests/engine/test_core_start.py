@@ -13,15 +13,18 @@ import pytest
 
 from gristmill import AsyncEngine, EngineConfig, EngineDeadError
 from gristmill.engine.core_process import EXIT_ENGINE_ERROR
+from tests.batch.inprocess import tiny_model
 from tests.harness import process_gone, run_script, wait_for_core_child
 from tests.server.conftest import free_port
 
+# Each script runs on the tiny random-weight model (MODEL): how its engine core starts
+# from a main module without a guard is the point, not which model it loads.
 UNGUARDED_SCRIPTS = {
     "async_engine": """
         import asyncio
         from gristmill import AsyncEngine, EngineConfig, SamplingParams
 
-        engine = AsyncEngine(EngineConfig(device="cpu"))
+        engine = AsyncEngine(EngineConfig(model=MODEL, device="cpu"))
 
         async def main():
             async for out in engine.generate("The capital of France is",
@@ -35,7 +38,7 @@ UNGUARDED_SCRIPTS = {
     "llm": """
         from gristmill import LLM, SamplingParams
 
-        llm = LLM(device="cpu")
+        llm = LLM(model=MODEL, device="cpu")
         out = llm.generate("The capital of France is", SamplingParams(max_tokens=8, temperature=0))[0]
         print("TEXT:", repr(out.text))
     """,
@@ -43,7 +46,7 @@ UNGUARDED_SCRIPTS = {
         from gristmill import EngineConfig
         from gristmill.batch import EngineProcessorConfig, build_processor
 
-        processor = build_processor(EngineProcessorConfig(engine=EngineConfig(device="cpu")))
+        processor = build_processor(EngineProcessorConfig(engine=EngineConfig(model=MODEL, device="cpu")))
         [row] = processor([{"prompt": "The capital of France is",
                             "sampling_params": {"max_tokens": 8, "temperature": 0}}])
         print("TEXT:", repr(row["generated_text"]))
@@ -54,7 +57,7 @@ UNGUARDED_SCRIPTS = {
         from gristmill import AsyncEngine, EngineConfig
         from gristmill.server.app import build_app
 
-        engine = AsyncEngine(EngineConfig(device="cpu"))
+        engine = AsyncEngine(EngineConfig(model=MODEL, device="cpu"))
         server = uvicorn.Server(uvicorn.Config(build_app(engine, "m"), host="127.0.0.1", port=PORT,
                                                log_level="warning"))
         thread = threading.Thread(target=server.run)
@@ -74,7 +77,7 @@ UNGUARDED_SCRIPTS = {
 
 @pytest.mark.parametrize("kind", sorted(UNGUARDED_SCRIPTS))
 def test_a_script_without_a_main_guard_generates(tmp_path, kind):
-    source = UNGUARDED_SCRIPTS[kind].replace("PORT", str(free_port()))
+    source = UNGUARDED_SCRIPTS[kind].replace("PORT", str(free_port())).replace("MODEL", repr(str(tiny_model())))
     result = run_script(tmp_path, source, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
     [line] = [line for line in result.stdout.splitlines() if line.startswith("TEXT:")]

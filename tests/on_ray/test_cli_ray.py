@@ -1,5 +1,7 @@
 """`gristmill batch --runner ray` against the test's Ray cluster: the same output as the
-local runner on the same input (greedy), bad rows included."""
+local runner on the same input (greedy), bad rows included. The Ray runner runs as a
+process of its own (a Ray client of the cluster, as a user's job is); the local runner
+and the refusals run in this process."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import sys
 import pytest
 import ray
 
+from tests.batch.inprocess import batch_main
 from tests.on_ray.conftest import TINY_MAX_MODEL_LEN
 
 pytestmark = pytest.mark.timeout(240)
@@ -29,7 +32,7 @@ def test_runner_ray_writes_what_the_local_runner_writes(tmp_path, tiny_model):
     source.write_text("".join(json.dumps(row) + "\n" for row in rows))
     common = ["--temperature", "0", "--max-tokens", "8", "--max-model-len", TINY_MAX_MODEL_LEN, "--batch-size", "4",
               "--model", tiny_model]
-    local = batch_cli(source, "-o", tmp_path / "local.jsonl", *common)
+    local = batch_main(source, "-o", tmp_path / "local.jsonl", *common)
     assert local.returncode == 0, local.stderr
     on_ray = batch_cli(source, "-o", tmp_path / "ray.jsonl", *common, "--runner", "ray",
                        "--address", ray.get_runtime_context().gcs_address)
@@ -59,5 +62,5 @@ def test_an_address_nothing_answers_at_fails_in_seconds(tmp_path):
 def test_an_address_without_runner_ray_is_refused(tmp_path):
     source = tmp_path / "in.jsonl"
     source.write_text(json.dumps({"prompt": "Hi"}) + "\n")
-    result = batch_cli(source, "-o", tmp_path / "out.jsonl", "--address", "127.0.0.1:9")
+    result = batch_main(source, "-o", tmp_path / "out.jsonl", "--address", "127.0.0.1:9")
     assert result.returncode != 0 and "--address names a Ray cluster, which only --runner ray uses" in result.stderr

@@ -15,7 +15,7 @@ from gristmill.batch import ERROR_COLUMN, DeploymentProcessorConfig, build_proce
 from gristmill.errors import EngineDeadError, RequestError, is_fatal, root_cause
 from gristmill.ray import deploy
 from tests.harness import process_gone
-from tests.on_ray.conftest import ENGINE, GREEDY, by_key, story_rows
+from tests.on_ray.conftest import ENGINE, GREEDY, by_key, story_rows, tiny_engine
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -166,9 +166,10 @@ def test_a_deployment_that_is_not_running_fails_the_job_at_once_saying_how_to_st
     assert time.monotonic() - started < 30
 
 
-def test_back_pressure_from_full_queues_is_retried_until_every_row_is_done(caplog):
+def test_back_pressure_from_full_queues_is_retried_until_every_row_is_done(caplog, tiny_model):
     # One request at a time and one queued: of 6 rows sent at once, Serve refuses some.
-    deploy(ENGINE, name="narrow", app_name="narrow-app", max_ongoing_requests=1, max_queued_requests=1)
+    # The tiny model: the retries are the point, not the texts.
+    deploy(tiny_engine(tiny_model), name="narrow", app_name="narrow-app", max_ongoing_requests=1, max_queued_requests=1)
     try:
         config = DeploymentProcessorConfig(deployment_name="narrow", app_name="narrow-app", id_column="key")
         with caplog.at_level("WARNING", logger="gristmill.ray.handle"):
