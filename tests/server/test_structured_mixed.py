@@ -1,12 +1,10 @@
 """200 rows mixing a nested JSON schema, a regex (a date), a choice list and unconstrained
-rows on the real bundled model, through LLM.generate, and the first 100 of them (25 of each
-kind) through every other face: the server with the real openai client (`response_format`
-json_schema, `structured_outputs`), `gristmill batch` with `--json-schema`, and an OpenAI
-Batch file (each job over more than one batch of 64). Every constrained output that
-finished with "stop" validates (jsonschema), matches its regex or is one of the choices;
-the unconstrained rows give the same text as without the feature; every face gives the
-texts LLM.generate gives. (Each face generates its rows again on the real model: half of
-them, in the same mix, keeps the test's time down.)"""
+rows on the real bundled model, through every face: LLM.generate, the server with the real
+openai client (`response_format` json_schema, `structured_outputs`), `gristmill batch`
+with `--json-schema`, and an OpenAI Batch file. Every constrained output that finished
+with "stop" validates (jsonschema), matches its regex or is one of the choices; the
+unconstrained rows give the same text as without the feature; every face gives the
+texts LLM.generate gives."""
 
 from __future__ import annotations
 
@@ -41,7 +39,6 @@ DATE = r"20[0-9]{2}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])"
 MOODS = ["positive", "negative", "neutral"]
 KINDS = ("json", "regex", "choice", "free")
 N = 200
-FACE_N = 100  # rows through each face other than LLM.generate
 
 
 def _row(i: int) -> tuple[str, str, dict | None, int]:
@@ -57,7 +54,6 @@ def _row(i: int) -> tuple[str, str, dict | None, int]:
 
 
 ROWS = [_row(i) for i in range(N)]
-FACE_ROWS = ROWS[:FACE_N]
 
 
 def _check(kind: str, text: str, finish_reason: str) -> bool:
@@ -84,8 +80,8 @@ def generated(default_llm):
 
 @pytest.fixture(scope="module")
 def offline(generated):
-    """What every other face must give: (text, finish reason) by row, for its FACE_ROWS."""
-    return [(o.text, o.finish_reason) for o in generated[:FACE_N]]
+    """What every other face must give: (text, finish reason) by row."""
+    return [(o.text, o.finish_reason) for o in generated]
 
 
 def test_llm_generate(generated, default_llm):
@@ -102,7 +98,7 @@ def test_the_server_with_the_openai_client(offline, server):
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=300)
 
     def one(i):
-        kind, prompt, structured, max_tokens = FACE_ROWS[i]
+        kind, prompt, structured, max_tokens = ROWS[i]
         extra = {}  # (the client's completions method has no response_format argument: it goes as a body field)
         if kind == "json":
             extra["response_format"] = {"type": "json_schema",
@@ -114,8 +110,8 @@ def test_the_server_with_the_openai_client(offline, server):
         return choice.text, choice.finish_reason
 
     with ThreadPoolExecutor(32) as pool:
-        served = list(pool.map(one, range(FACE_N)))
-    for (kind, *_), (text, reason) in zip(FACE_ROWS, served):
+        served = list(pool.map(one, range(N)))
+    for (kind, *_), (text, reason) in zip(ROWS, served):
         if kind != "free":
             _check(kind, text, reason)
     assert served == offline
@@ -126,7 +122,7 @@ def test_gristmill_batch_with_json_schema(offline, tmp_path):
     # --json-schema applies to every row without a constraint of its own (a row's own wins),
     # so the unconstrained rows are left out of this face.
     rows = []
-    for i, (kind, prompt, structured, max_tokens) in enumerate(FACE_ROWS):
+    for i, (kind, prompt, structured, max_tokens) in enumerate(ROWS):
         params = {"max_tokens": max_tokens}
         if kind != "free":
             if kind != "json":
@@ -145,7 +141,7 @@ def test_gristmill_batch_with_json_schema(offline, tmp_path):
 
 def test_an_openai_batch_file(offline, tmp_path):
     lines = []
-    for i, (kind, prompt, structured, max_tokens) in enumerate(FACE_ROWS):
+    for i, (kind, prompt, structured, max_tokens) in enumerate(ROWS):
         body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
         if kind == "json":
             body["response_format"] = {"type": "json_schema", "json_schema": {"name": "c", "schema": CUSTOMER}}
@@ -156,9 +152,9 @@ def test_an_openai_batch_file(offline, tmp_path):
     result = batch_main(source, "-o", tmp_path / "results.jsonl", "--device", "cpu", "--batch-size", "64")
     assert result.returncode == 0, result.stderr
     by_id = {line["custom_id"]: line for line in read_jsonl(tmp_path / "results.jsonl")}
-    assert len(by_id) == FACE_N
+    assert len(by_id) == N
     got = []
-    for i in range(FACE_N):
+    for i in range(N):
         line = by_id[f"row-{i}"]
         assert line["error"] is None and line["response"]["status_code"] == 200, line
         choice = line["response"]["body"]["choices"][0]
