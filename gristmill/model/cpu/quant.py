@@ -35,9 +35,10 @@ _FORMATS = {"int8": "int8-v3", "q4": "q4-v1"}
 def resolve_quantization(quantization: str | None, device: torch.device, encoder: bool = False) -> str | None:
     """What runs: "auto" is int8 on CPU when the kernel builds, float elsewhere and for
     an encoder. An encoder's steps are all prompt tokens, hundreds to thousands of rows
-    a matmul, where float GEMM is compute-bound and beats our int8 kernel on AVX2
-    (all-MiniLM-L6-v2 embeds about 1.8x faster in float32: benchmarks/embeddings.py);
-    int8 pays in a decoder's decode steps, which are bound by the weights' bytes."""
+    a matmul, where float GEMM is compute-bound and our int8 kernel gains nothing on AVX2
+    (all-MiniLM-L6-v2: int8 no faster than float32 in benchmarks/embeddings.py, and
+    float32 is exact; docs/performance.md, "Embeddings"); int8 pays in a decoder's
+    decode steps, which are bound by the weights' bytes."""
     if quantization == "auto":
         if device.type != "cpu" or encoder:
             return None
