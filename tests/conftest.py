@@ -3,7 +3,16 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
+
+# Triton decides at import whether its own jit functions (tl.sum...) run interpreted: set
+# TRITON_INTERPRET before any test imports it (sentence-transformers does, through
+# transformers), or the kernels tests/model/test_triton_kernels.py runs on CPU fail.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")
