@@ -20,7 +20,7 @@ def process_gone(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:  # a zombie is gone too, only not yet reaped
             return f.read().split()[2] == "Z"
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # (gone before, or while, it was read)
         return True
 
 
