@@ -17,7 +17,7 @@ from gristmill.outputs import (POOLING_OUTPUT_CLASSES, ClassificationRequestOutp
                                EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput, ScoringOutput,
                                ScoringRequestOutput)
 from gristmill.pooling_params import PoolingParams
-from gristmill.prompts import is_token_ids, prompt_item
+from gristmill.prompts import is_token_ids, prompt_item, score_pairs
 from gristmill.sampling import SamplingParams
 
 Prompt = str | list[int]
@@ -174,7 +174,8 @@ class LLM(EngineFace):
             prompts = [prompts]
         prompts = list(prompts)
         self.client.check_pooling(kind)
-        params_list = _pooling_params_per_prompt(pooling_params, len(prompts))
+        params_list = _params_per_prompt(PoolingParams() if pooling_params is None else pooling_params, len(prompts),
+                                         PoolingParams)
         if truncate_prompt_tokens is not None:
             params_list = [p.clone(truncate_prompt_tokens=truncate_prompt_tokens) for p in params_list]
         if self.dead_error is not None:
@@ -272,21 +273,22 @@ class LLM(EngineFace):
             return result
 
 
-def _params_per_prompt(sampling_params, count: int) -> list[SamplingParams]:
-    if isinstance(sampling_params, SamplingParams):
-        return [sampling_params] * count
-    if isinstance(sampling_params, (dict, str, bytes)):
-        raise RequestError(f"sampling_params must be a SamplingParams or a list of them, got "
-                           f"{type(sampling_params).__name__}; e.g. SamplingParams(**your_dict)",
-                           param="sampling_params")
-    params = list(sampling_params)
+def _params_per_prompt(given, count: int, kind: type = SamplingParams) -> list:
+    """One `kind` (SamplingParams or PoolingParams) per prompt, from one for all or a list."""
+    name = "sampling_params" if kind is SamplingParams else "pooling_params"
+    if isinstance(given, kind):
+        return [given] * count
+    if isinstance(given, (dict, str, bytes)):
+        raise RequestError(f"{name} must be a {kind.__name__} or a list of them, got {type(given).__name__}; "
+                           f"e.g. {kind.__name__}(**your_dict)", param=name)
+    params = list(given)
     if len(params) != count:
-        raise RequestError(f"got {len(params)} SamplingParams for {count} prompts; pass one for "
-                           f"all prompts or exactly one per prompt", param="sampling_params")
-    bad = next((p for p in params if not isinstance(p, SamplingParams)), None)
+        raise RequestError(f"got {len(params)} {kind.__name__} for {count} prompts; pass one for "
+                           f"all prompts or exactly one per prompt", param=name)
+    bad = next((p for p in params if not isinstance(p, kind)), None)
     if bad is not None:
-        raise RequestError(f"sampling_params must be SamplingParams, got a {type(bad).__name__} in the list; "
-                           f"e.g. SamplingParams(**your_dict)", param="sampling_params")
+        raise RequestError(f"{name} must be {kind.__name__}, got a {type(bad).__name__} in the list; "
+                           f"e.g. {kind.__name__}(**your_dict)", param=name)
     return params
 
 
@@ -305,44 +307,14 @@ def _progress_bar(total: int, use_tqdm: bool, what: str):
     return tqdm(total=total, desc=what, unit="prompt")
 
 
-def _pooling_params_per_prompt(pooling_params, count: int) -> list[PoolingParams]:
-    if pooling_params is None:
-        return [PoolingParams()] * count
-    if isinstance(pooling_params, PoolingParams):
-        return [pooling_params] * count
-    if isinstance(pooling_params, (dict, str, bytes)):
-        raise RequestError(f"pooling_params must be a PoolingParams or a list of them, got "
-                           f"{type(pooling_params).__name__}; e.g. PoolingParams(**your_dict)", param="pooling_params")
-    params = list(pooling_params)
-    if len(params) != count:
-        raise RequestError(f"got {len(params)} PoolingParams for {count} prompts; pass one for all prompts or "
-                           f"exactly one per prompt", param="pooling_params")
-    bad = next((p for p in params if not isinstance(p, PoolingParams)), None)
-    if bad is not None:
-        raise RequestError(f"pooling_params must be PoolingParams, got a {type(bad).__name__} in the list",
-                           param="pooling_params")
-    return params
-
-
 def _score_pairs(data_1, data_2) -> tuple[list, list]:
     """The (first, second) texts `LLM.score` scores: one against each, or i-th with i-th."""
     def as_list(data, name):
         if data is None:
             raise RequestError(f"{name} is None; pass a text or a list of texts", param=name)
-        if isinstance(data, (str, bytes, dict)) or is_token_ids(data):
-            return [data]
-        data = list(data)
-        if not data:
-            raise RequestError(f"{name} is empty; pass at least one text", param=name)
-        return data
+        return [data] if isinstance(data, (str, bytes, dict)) or is_token_ids(data) else list(data)
 
-    firsts, seconds = as_list(data_1, "data_1"), as_list(data_2, "data_2")
-    if len(firsts) == 1:
-        return firsts * len(seconds), seconds
-    if len(firsts) != len(seconds):
-        raise RequestError(f"data_1 has {len(firsts)} texts and data_2 {len(seconds)}; pass one text as data_1 "
-                           f"(scored against each of data_2) or as many as data_2 (scored pairwise)", param="data_2")
-    return firsts, seconds
+    return score_pairs(as_list(data_1, "data_1"), as_list(data_2, "data_2"), ("data_1", "data_2"))
 
 
 def _prompt_size(prompt) -> int:

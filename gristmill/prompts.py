@@ -42,3 +42,17 @@ def prompt_item(prompt) -> tuple[object, RequestError | None]:
         return (prompt if type(prompt) is list and all(type(t) is int for t in prompt)
                 else [int(t) for t in prompt]), None
     return prompt, None
+
+
+def score_pairs(firsts: list, seconds: list, names: tuple[str, str]) -> tuple[list, list]:
+    """The pairs a score request scores, as two lists: one first text against each second,
+    or the i-th with the i-th; `names` are the two fields, for the error."""
+    if not firsts or not seconds:
+        raise RequestError(f"{names[0]} and {names[1]} must each hold at least one text", param=names[1])
+    if len(firsts) == 1:
+        return firsts * len(seconds), seconds
+    if len(firsts) != len(seconds):
+        raise RequestError(f"{names[0]} has {len(firsts)} texts and {names[1]} {len(seconds)}; give one text as "
+                           f"{names[0]} (scored against each of {names[1]}) or as many as {names[1]} (scored "
+                           f"pairwise)", param=names[1])
+    return firsts, seconds

@@ -22,6 +22,7 @@ from gristmill.engine.async_engine import LONG_PROMPT_CHARS, AsyncEngine
 from gristmill.errors import RequestError
 from gristmill.outputs import PoolingRequestOutput
 from gristmill.pooling_params import PoolingParams
+from gristmill.prompts import score_pairs
 from gristmill.server.limits import ServerLimits, at_most
 from gristmill.server.metrics import RequestTimer, ServerMetrics
 from gristmill.server.openai_serving import ClientDisconnected, OpenAIServing, until_disconnect
@@ -77,7 +78,8 @@ class PoolingServing:
     async def score(self, body: ScoreRequest, request: Request):
         async def answer():
             self._check(body, "/v1/score", "score")
-            firsts, seconds = _pairs(body.firsts, body.seconds)
+            texts = [[t] if isinstance(t, str) else list(t) for t in (body.firsts, body.seconds)]
+            firsts, seconds = score_pairs(*texts, ("text_1", "text_2"))
             self._bound(firsts + seconds, "text_2")
             scores, outs = await self._scores(request, body, firsts, seconds)
             data = [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)]
@@ -195,19 +197,6 @@ class PoolingServing:
         outs = await self._pool(request, [(t, None) for t in texts], params, "encode", body.add_special_tokens)
         vectors = dict(zip(texts, (out.outputs.data for out in outs)))
         return [float(np.dot(vectors[a], vectors[b])) for a, b in zip(firsts, seconds)], outs
-
-
-def _pairs(firsts, seconds) -> tuple[list[str], list[str]]:
-    firsts = [firsts] if isinstance(firsts, str) else list(firsts)
-    seconds = [seconds] if isinstance(seconds, str) else list(seconds)
-    if not firsts or not seconds:
-        raise RequestError("text_1 and text_2 must each hold at least one text", param="text_2")
-    if len(firsts) == 1:
-        return firsts * len(seconds), seconds
-    if len(firsts) != len(seconds):
-        raise RequestError(f"text_1 has {len(firsts)} texts and text_2 {len(seconds)}; send one text_1 (scored "
-                           f"against each text_2) or as many as text_2 (scored pairwise)", param="text_2")
-    return firsts, seconds
 
 
 def _encoded(vector: np.ndarray, encoding_format: str):
