@@ -98,6 +98,18 @@ class LLM(EngineFace):
         return render_chat(self.tokenizer, messages, add_generation_prompt, continue_final_message,
                            chat_template_kwargs, chat_template)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt prefix (as vLLM's `LLM.reset_prefix_cache`), so the
+        next prompts are computed whole: for timing a cold cache, or comparing outputs
+        with and without it. True once done; False if another thread's generate is
+        running, and then nothing changes."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            return self.core.reset_prefix_cache()
+        finally:
+            self._lock.release()
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` and `chat` sample with when given no SamplingParams, as vLLM's:
         SamplingParams() with the fields the model directory's generation_config.json sets

@@ -15,6 +15,17 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.hookimpl(tryfirst=True)  # (before xdist's own hook reads the marks)
+def pytest_collection_modifyitems(config, items):
+    """Under `pytest -n N --dist loadgroup` (what `make test` runs): a test file's tests
+    run in one worker, so its module fixtures (an engine, a server) start once; the Ray
+    tests all run in one worker, on one cluster of 2 CPUs (two clusters would deadlock
+    the machine's CPUs)."""
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        item.add_marker(pytest.mark.xdist_group("ray" if path.startswith("tests/on_ray/") else path))
+
+
 @pytest.fixture(scope="session")
 def default_llm():
     from gristmill import LLM

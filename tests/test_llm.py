@@ -250,8 +250,9 @@ def test_max_new_tokens_is_the_room_a_prompt_leaves(default_llm):
 
 def test_prefix_caching_changes_no_output_on_the_real_model(float_llm):
     """Prompts sharing a preamble shorter than Gemma 3's sliding window (512) and one past
-    it: greedy tokens and their logprobs equal those of an engine without the cache, both
-    the first time (siblings share in one batch) and again (all preambles cached).
+    it: greedy tokens and their logprobs equal those of each prompt computed whole
+    (alone, after `reset_prefix_cache`), both the first time (siblings share in one
+    batch) and again (all preambles cached).
 
     On the exact float path: int8 activations round each value to one of 255 levels, so
     a difference in the last float bit (attention over a cached prefix sums in another
@@ -262,8 +263,13 @@ def test_prefix_caching_changes_no_output_on_the_real_model(float_llm):
     assert len(float_llm.tokenizer.encode(long)) > 600
     prompts = [pre + q for pre in (short, long) for q in ("What does a fox eat?", "Where do owls sleep?")]
     params = greedy(6, logprobs=2)
-    off = LLM(device="cpu", quantization=None, enable_prefix_caching=False)
-    uncached = off.generate(prompts, params, use_tqdm=False)
+    uncached = []
+    for prompt in prompts:
+        assert float_llm.reset_prefix_cache()
+        before = float_llm.core.stats()
+        uncached += float_llm.generate(prompt, params, use_tqdm=False)
+        assert float_llm.core.stats()["prefix_cache_hits"] == before["prefix_cache_hits"]
+    assert float_llm.reset_prefix_cache()
     before = float_llm.core.stats()
     for _ in range(2):
         cached = float_llm.generate(prompts, params, use_tqdm=False)

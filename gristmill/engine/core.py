@@ -159,6 +159,10 @@ class EngineCore:
         for request_id in request_ids:
             self.scheduler.finish_request(request_id, reason)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the cached prefixes; False (nothing changed) while requests run."""
+        return not self.scheduler.num_unfinished and self.block_manager.reset_prefix_cache()
+
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0

@@ -148,6 +148,15 @@ class BlockManager:
             if end > first:  # most decode steps fill no block
                 self._register_full_blocks(request, first, end)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix, so later requests compute their whole prompt.
+        Only while no request holds a block (True); otherwise nothing changes (False)."""
+        if any(self.ref_counts):
+            return False
+        self._cached.clear()
+        self.block_hashes = [None] * self.num_total_blocks
+        return True
+
     def _register_full_blocks(self, request: Request, first: int, end: int) -> None:
         for i in range(first, end):
             block = request.block_ids[i]

@@ -37,6 +37,26 @@ def test_a_request_after_a_finished_one_computes_only_the_new_suffix():
     h.check_all_done()
 
 
+def test_a_reset_prefix_cache_makes_the_next_request_compute_its_whole_prompt():
+    h = Harness(block_size=4, num_blocks=32)
+    system = prompt(1, 16)
+    h.add("a", system + prompt(2, 5), max_tokens=30)
+    h.step()
+    assert h.core.reset_prefix_cache() is False  # a request runs: nothing changes
+    assert h.core.stats()["num_cached_blocks"] > 0
+    h.run()
+    assert h.core.reset_prefix_cache() is True
+    assert h.core.stats()["num_cached_blocks"] == 0
+    h.add("b", system + prompt(3, 6), max_tokens=3)
+    rec, _ = h.step()
+    assert (rec.item("b").start, rec.item("b").num_new) == (0, 22)
+    h.run()
+    for rid in "ab":
+        h.check_matches_reference(rid)
+    assert h.core.stats()["prefix_cache_hits"] == 0
+    h.check_all_done()
+
+
 def test_completions_of_one_prompt_admitted_in_one_step_share_its_blocks():
     # n > 1 becomes n requests with the same prompt. The first computes the prompt's
     # full blocks in this step; the others reuse them in the same step, since the model
