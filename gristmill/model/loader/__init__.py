@@ -105,7 +105,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     # The tokenizer (Python and Rust: mostly holding the GIL) is built on a thread while the
     # weights (numpy and the file writes: mostly not) are converted here.
     tokenizer = concurrent.futures.ThreadPoolExecutor(1, "gristmill-gguf-tokenizer")
-    from gristmill.tokenizer import convert_gguf_tokenizer
+    from gristmill.model.loader.gguf_tokenizer import convert_gguf_tokenizer
     converting = tokenizer.submit(convert_gguf_tokenizer, reader.fields, model_type, out_dir, gguf_path)
     try:
         _convert_gguf_weights(reader, arch, config, out_dir)
