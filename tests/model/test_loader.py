@@ -575,3 +575,28 @@ def test_tokenizer_classes_are_what_auto_tokenizer_picks():
     for model_type in TOKENIZER_CLASSES:
         assert _tokenizer_class(model_type) is (TOKENIZER_MAPPING.get(CONFIG_MAPPING[model_type], None)
                                                 or TokenizersBackend), model_type
+
+
+@pytest.mark.parametrize("metadata", [None, {"format": "pt"}])
+def test_streamed_safetensors_are_what_save_file_writes(tmp_path, metadata):
+    from safetensors.numpy import save_file
+
+    from gristmill.model.loader.safetensors_writer import TensorSource, write_safetensors
+
+    rng = np.random.default_rng(3)
+    arrays = {"b.weight": rng.standard_normal((7, 5)).astype(np.float32),
+              "a.weight.q8_0": rng.integers(-128, 128, (7, 64), dtype=np.int8),
+              "a.weight.q8_0_scale": rng.standard_normal((7, 2)).astype(np.float16),
+              "a.weight": rng.standard_normal((3,)).astype(np.float32),
+              "model.layers.10.x": np.zeros((0, 4), dtype=np.float32),
+              "model.layers.2.x": rng.standard_normal((2, 3)).astype(np.float32)}
+    save_file(arrays, str(tmp_path / "reference.safetensors"), metadata=metadata)
+    # Each tensor in pieces of two rows, in another order than the file's.
+    sources = [TensorSource(name, array.dtype, array.shape,
+                            lambda a=array: (np.ascontiguousarray(a[i:i + 2]) for i in range(0, max(len(a), 1), 2)))
+               for name, array in reversed(arrays.items())]
+    write_safetensors(tmp_path / "streamed.safetensors", sources, metadata=metadata)
+    assert (tmp_path / "streamed.safetensors").read_bytes() == (tmp_path / "reference.safetensors").read_bytes()
+    with pytest.raises(ValueError, match="bytes more than its shape"):
+        write_safetensors(tmp_path / "short.safetensors",
+                          [TensorSource("x", np.float32, (4,), lambda: [np.zeros(3, np.float32)])])

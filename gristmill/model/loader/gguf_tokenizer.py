@@ -244,13 +244,13 @@ def derive_merges(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple
     length, right length), ties in token order and then by (left id, right id).
 
     generate_merges slices every token at every place and looks both halves up, in Python
-    (1.2M lookups for Gemma's 262k tokens: seconds). Here numpy does it: each token's
-    prefix hashes (polynomial, mod 2^64) give every split's two halves' hashes, looked up
-    among the tokens' own hashes; a hit counts only where the characters are equal, so a
-    hash collision cannot add a merge. None (the caller then lets transformers derive
-    them) where `scores` is not over the same tokens in the same order, two tokens' hashes
-    collide (a split could then miss its half), a score is not a number, or a piece holds
-    a space (merges are passed as "left right")."""
+    (1.2M lookups for Gemma's 262k tokens: seconds). Here numpy does it: the prefix hashes
+    (polynomial, mod 2^64) of every token give every split's two halves' hashes, looked
+    up among the tokens' own hashes; a hit counts only where the two halves' text is the
+    token's, so a hash collision cannot add a merge. None (the caller then lets
+    transformers derive them) where `scores` is not over the same tokens in the same
+    order, two tokens' hashes collide (a split could then miss its half), a score is not
+    a number, or a piece holds a space (merges are passed as "left right")."""
     import numpy as np
 
     tokens = list(vocab)
@@ -262,58 +262,56 @@ def derive_merges(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple
         return None
     if np.isnan(token_scores).any() or not tokens:
         return None
-    ids = np.fromiter(vocab.values(), dtype=np.int64, count=len(tokens))
-    lengths = np.fromiter(map(len, tokens), dtype=np.int64, count=len(tokens))
-    has_space = np.fromiter((" " in token for token in tokens), dtype=bool, count=len(tokens))
-    n, width = len(tokens), int(lengths.max())
-    # Every token's code points (+1), column c of row t at [c * n + t] (a column is
-    # contiguous), zero past its end; one zero column past the longest.
-    flat = np.frombuffer("".join(tokens).encode("utf-32-le"), dtype=np.uint32).astype(np.uint64) + 1
-    columns = np.arange(len(flat)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-    codes = np.zeros((width + 1) * n, dtype=np.uint64)
-    codes[columns * n + np.repeat(np.arange(n), lengths)] = flat
-    codes = codes.reshape(width + 1, n)
+    n = len(tokens)
+    ids = np.fromiter(vocab.values(), dtype=np.int64, count=n)
+    lengths = np.fromiter(map(len, tokens), dtype=np.int64, count=n)
+    # Every character (its code point + 1) of every token, one after another; per character
+    # its token and its place in it.
+    chars = np.frombuffer("".join(tokens).encode("utf-32-le"), dtype=np.uint32).astype(np.uint64) + 1
+    token_of = np.repeat(np.arange(n), lengths)
+    starts = np.cumsum(lengths) - lengths
+    place = np.arange(len(chars)) - starts[token_of]
+    by_place = np.argsort(place, kind="stable")
+    place_ends = np.cumsum(np.bincount(place, minlength=1))
     base = np.uint64(0x100000001B3)
-    powers = np.ones(width + 1, dtype=np.uint64)
-    prefix = np.zeros((width + 1, n), dtype=np.uint64)  # prefix[i, t]: hash of token t's first i
+    powers = base ** np.arange(int(lengths.max()) + 1, dtype=np.uint64)
+    prefix = chars.copy()  # prefix[k]: the hash of its token's characters up to and including k
+    whole = np.zeros(n, dtype=np.uint64)
     with np.errstate(over="ignore"):
-        for i in range(1, width + 1):
-            powers[i] = powers[i - 1] * base
-            prefix[i] = prefix[i - 1] * base + codes[i - 1]
-        whole = prefix[lengths, np.arange(n)]
+        for c in range(1, len(place_ends)):
+            at = by_place[place_ends[c - 1]:place_ends[c]]
+            prefix[at] = prefix[at - 1] * base + chars[at]
+        whole[lengths > 0] = prefix[(starts + lengths - 1)[lengths > 0]]
         order = np.argsort(whole, kind="stable")
         sorted_hashes = whole[order]
         if (sorted_hashes[1:] == sorted_hashes[:-1]).any():
             return None
-        # Every split (at i of token t), token by token and left to right.
-        i, t = np.nonzero((np.arange(width + 1)[:, None] < lengths[None, :]) &
-                          (np.arange(width + 1)[:, None] > 0))
-        by_token = np.argsort(t, kind="stable")
-        i, t = i[by_token], t[by_token]
-        left_hash = prefix.reshape(-1)[i * n + t]
+        # Every split: after character k, which is not its token's last; token by token,
+        # left to right. i: the left half's length.
+        k = np.flatnonzero(place < lengths[token_of] - 1)
+        t, i = token_of[k], place[k] + 1
+        left_hash = prefix[k]
         right_hash = whole[t] - left_hash * powers[lengths[t] - i]
 
     def lookup(hashes):
         at = np.minimum(np.searchsorted(sorted_hashes, hashes), n - 1)
         return sorted_hashes[at] == hashes, order[at]
 
-    left_found, left = lookup(left_hash)
-    right_found, right = lookup(right_hash)
-    hit = left_found & right_found
+    found, left = lookup(left_hash)
+    hit = np.flatnonzero(found & (lengths[left] == i))
+    t, i, left, right_hash = t[hit], i[hit], left[hit], right_hash[hit]
+    found, right = lookup(right_hash)
+    hit = found & (lengths[right] == lengths[t] - i)
     t, i, left, right = t[hit], i[hit], left[hit], right[hit]
-    # The characters must match too (a hash collision is not a token).
-    right_lengths = lengths[t] - i
-    same = (lengths[left] == i) & (lengths[right] == right_lengths)
-    flat_codes = codes.reshape(-1)
-    for c in range(width):
-        column = codes[c]
-        same &= (c >= i) | (column[left] == column[t])
-        same &= (c >= right_lengths) | (column[right] == flat_codes[np.minimum(i + c, width) * n + t])
+    names = np.array(tokens, dtype=object)
+    # The text must match too (a hash collision is not a token).
+    same = np.fromiter(map(str.__eq__, names[left] + names[right], names[t]), dtype=bool, count=len(t))
     t, i, left, right = t[same], i[same], left[same], right[same]
+    has_space = np.fromiter((" " in token for token in tokens), dtype=bool, count=n)
     if has_space[left].any() or has_space[right].any():
         return None
     # Descending by (score, left length, right length); ties as generate_merges's stable
-    # sorts leave them: token order, then (left id, right id). lexsort: last key first.
-    ranked = np.lexsort((ids[right], ids[left], t, -(lengths[t] - i), -i, -token_scores[t]))
-    names = np.array(tokens, dtype=object)
+    # sorts leave them: token order (and then by (left id, right id), which never decides:
+    # a token and a left length are one split). lexsort: last key first.
+    ranked = np.lexsort((t, -(lengths[t] - i), -i, -token_scores[t]))
     return list(zip(names[left[ranked]].tolist(), names[right[ranked]].tolist()))
