@@ -581,7 +581,7 @@ def test_tokenizer_classes_are_what_auto_tokenizer_picks():
 def test_streamed_safetensors_are_what_save_file_writes(tmp_path, metadata):
     from safetensors.numpy import save_file
 
-    from gristmill.model.loader.safetensors_writer import TensorSource, write_safetensors
+    from gristmill.model.loader.safetensors_io import TensorSource, write_safetensors
 
     rng = np.random.default_rng(3)
     arrays = {"b.weight": rng.standard_normal((7, 5)).astype(np.float32),
@@ -600,3 +600,28 @@ def test_streamed_safetensors_are_what_save_file_writes(tmp_path, metadata):
     with pytest.raises(ValueError, match="bytes more than its shape"):
         write_safetensors(tmp_path / "short.safetensors",
                           [TensorSource("x", np.float32, (4,), lambda: [np.zeros(3, np.float32)])])
+
+
+def test_safetensors_reader_reads_what_safetensors_reads_and_refuses_a_cut_file(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from gristmill.model.loader.safetensors_io import SafetensorsReader
+
+    tensors = {"w": torch.randn(5, 7), "q": torch.randint(-128, 127, (3, 64), dtype=torch.int8),
+               "s": torch.randn(3, 2).to(torch.bfloat16), "h": torch.randn(4).half(),
+               "empty": torch.zeros(0, 3), "flag": torch.tensor([True, False])}
+    path = tmp_path / "t.safetensors"
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    expected = load_file(str(path))
+    with SafetensorsReader(path) as reader:
+        assert sorted(reader.keys()) == sorted(tensors)
+        for name in tensors:
+            got = reader.read(name)
+            assert got.dtype == expected[name].dtype and torch.equal(got, expected[name]), name
+    data = path.read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(data[:len(data) - 3])
+    with pytest.raises(ValueError, match="does not fit the file"):
+        SafetensorsReader(tmp_path / "cut.safetensors")
+    (tmp_path / "header.safetensors").write_bytes(data[:20])
+    with pytest.raises(ValueError, match="not a whole safetensors file"):
+        SafetensorsReader(tmp_path / "header.safetensors")

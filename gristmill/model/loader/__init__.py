@@ -123,7 +123,7 @@ def _convert_gguf_weights(reader, arch: str, config: dict, out_dir: Path) -> Non
     factors)."""
     import gguf
 
-    from gristmill.model.loader.safetensors_writer import write_safetensors
+    from gristmill.model.loader.safetensors_io import write_safetensors
 
     layer_names = _GEMMA_LAYER_TENSORS if arch == "gemma3" else _LAYER_TENSORS
     floats, blocks = [], []
@@ -161,7 +161,7 @@ def _tensor_source(name: str, dtype, shape: tuple[int, ...], data: np.ndarray, b
     tensor's `data` into its values (written into `out`, a flat `dtype` array, when one
     is given). Pieces of whole rows that fit in `buffer`; the whole tensor at once where
     `transform` (a function of the whole tensor) applies."""
-    from gristmill.model.loader.safetensors_writer import TensorSource
+    from gristmill.model.loader.safetensors_io import TensorSource
 
     rows = data.reshape(-1, data.shape[-1])
     row_items = math.prod(shape) // len(rows)
