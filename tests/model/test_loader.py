@@ -200,7 +200,10 @@ def write_tiny_gguf(path: Path, arch: str, vocab: str, variant: dict | None = No
         writer.add_value_length(HEAD_DIM)
     if arch == "gemma3":
         writer.add_sliding_window(128)
-    n_vocab = _add_byte_level_vocab(writer, arch) if vocab == "gpt2" else _add_sentencepiece_vocab(writer, arch, variant)
+    if vocab == "gpt2":
+        n_vocab = _add_byte_level_vocab(writer, arch)
+    else:
+        n_vocab = _add_sentencepiece_vocab(writer, arch, variant)
     rng = np.random.default_rng(len(arch))
     embedding = rng.standard_normal((n_vocab, HIDDEN)).astype(np.float32)
     writer.add_tensor("token_embd.weight", gguf.quantize(embedding, gguf.GGMLQuantizationType.Q8_0),
@@ -274,7 +277,8 @@ def test_gguf_tokenizer_mapping_is_transformers():
     from gristmill.model.loader import gguf_tokenizer
 
     assert gguf_tokenizer.GGUF_TOKENIZER_MAPPING == GGUF_TOKENIZER_MAPPING
-    gemma = {arch for arch, builder in mapping.GGUF_SENTENCEPIECE_BUILDERS.items() if builder is mapping.gemma_tokenizer}
+    builders = mapping.GGUF_SENTENCEPIECE_BUILDERS
+    gemma = {arch for arch, builder in builders.items() if builder is mapping.gemma_tokenizer}
     assert set(gguf_tokenizer.GEMMA_ARCHITECTURES) == gemma
 
 

@@ -148,7 +148,8 @@ def _bos_eos_template(tokenizer, bos: str, eos: str, add_bos: bool, add_eos: boo
 
     single = f"{(bos + ':0 ') if add_bos else ''}$A:0{(' ' + eos + ':0') if add_eos else ''}"
     pair = f"{single}{(' ' + bos + ':1') if add_bos else ''} $B:1{(' ' + eos + ':1') if add_eos else ''}"
-    special_tokens = [(bos, tokenizer.token_to_id(bos))] * bool(add_bos) + [(eos, tokenizer.token_to_id(eos))] * bool(add_eos)
+    special_tokens = [(token, tokenizer.token_to_id(token)) for token, added in ((bos, add_bos), (eos, add_eos))
+                      if added]
     return processors.TemplateProcessing(single=single, pair=pair, special_tokens=special_tokens)
 
 
