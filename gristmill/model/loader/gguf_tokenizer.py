@@ -92,7 +92,7 @@ def write_gemma_tokenizer(tokenizer_dict: dict, tokenizer_config: dict, out_dir:
     written nothing, where the file names no token for one of its special tokens, a
     special or control token is not in the vocabulary (transformers would then add new
     ids), the file lists merges, or `derive_merges` declines the vocabulary."""
-    from tokenizers import AddedToken, Tokenizer, decoders, normalizers, pre_tokenizers, processors
+    from tokenizers import AddedToken, Tokenizer, decoders, normalizers, pre_tokenizers
     from tokenizers.models import BPE
 
     tokens = tokenizer_dict["tokens"]
