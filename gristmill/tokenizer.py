@@ -1,7 +1,7 @@
 """Tokenizers and chat templates (HF tokenizers through transformers, imported when used).
 
-Used by the client side of an engine (tokenizing, detokenizing, chat templates) and by
-the GGUF converter; imports no torch itself.
+Used by the client side of an engine (tokenizing, detokenizing, chat templates); imports
+no torch itself. A GGUF file's tokenizer is converted by gristmill.model.loader.gguf_tokenizer.
 """
 
 from __future__ import annotations
@@ -49,8 +49,7 @@ END_OF_TURN_TOKENS = ("<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>")
 def load_tokenizer(model_dir: Path, model_type: str, cache: Path | None = None):
     """The model's HF tokenizer. With `cache` (a directory), a copy is kept there, keyed
     by the tokenizer files and the library versions: transformers takes ~3 s to build a
-    262k-token tokenizer from its files; the copy loads in about one (most of it the Rust
-    tokenizer's parse, which holds the GIL)."""
+    262k-token tokenizer from its files; the copy loads in about one (`_load_cached`)."""
     tokenizer = _load_cached(model_dir, cache)
     if tokenizer is None:
         from transformers import AutoTokenizer
@@ -62,8 +61,8 @@ def load_tokenizer(model_dir: Path, model_type: str, cache: Path | None = None):
     return tokenizer
 
 
-def _cache_paths(model_dir: Path, cache: Path | None) -> tuple[Path, Path] | None:
-    """(the tokenizer object's state, its Rust tokenizer as JSON) in `cache`."""
+def _cache_path(model_dir: Path, cache: Path | None) -> Path | None:
+    """The kept copy of the tokenizer of `model_dir` in `cache`."""
     if cache is None:
         return None
     import importlib.metadata
@@ -71,44 +70,97 @@ def _cache_paths(model_dir: Path, cache: Path | None) -> tuple[Path, Path] | Non
     # The files as they really are (a symlinked copy of a model shares its tokenizer).
     files = sorted((f.name, f.resolve()) for f in model_dir.iterdir()
                    if f.is_file() and not f.name.endswith((".safetensors", ".bin")))
-    parts = ["v1", importlib.metadata.version("transformers"), importlib.metadata.version("tokenizers")]
+    parts = ["v2", importlib.metadata.version("transformers"), importlib.metadata.version("tokenizers")]
     parts += [f"{name}:{path}:{path.stat().st_size}:{path.stat().st_mtime_ns}" for name, path in files]
     key = hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
-    base = cache / "tokenizers" / key
-    return base.with_suffix(".pickle"), base.with_suffix(".json")
+    return cache / "tokenizers" / f"{key}.pickle"
 
 
 def _load_cached(model_dir: Path, cache: Path | None):
-    paths = _cache_paths(model_dir, cache)
-    if paths is None or not all(p.exists() for p in paths):
+    """The kept tokenizer: its class's Python state as it was, and its Rust tokenizer
+    rebuilt from what `_rust_parts` kept."""
+    path = _cache_path(model_dir, cache)
+    if path is None or not path.exists():
         return None
     try:
-        from tokenizers import Tokenizer
-
-        kind, state = pickle.loads(paths[0].read_bytes())  # noqa: S301 - our own cache, as trusted as its kernels
+        kind, state, rust = pickle.loads(path.read_bytes())  # noqa: S301 - our own cache, as trusted as its kernels
         tokenizer = kind.__new__(kind)
         tokenizer.__dict__.update(state)
-        tokenizer._tokenizer = Tokenizer.from_file(str(paths[1]))
+        tokenizer._tokenizer = _rust_tokenizer(rust)
         return tokenizer
     except Exception as exc:  # noqa: BLE001 - a damaged or stale copy: load from the files
-        logger.warning("ignoring unreadable cached tokenizer %s (%s)", paths[0], exc)
+        logger.warning("ignoring unreadable cached tokenizer %s (%s)", path, exc)
         return None
 
 
 def _save_cached(tokenizer, model_dir: Path, cache: Path | None) -> None:
-    """Keep the tokenizer: its Python state pickled, its Rust tokenizer as JSON (the
-    tokenizer classes pickle their plain __dict__; the Rust part is what takes time)."""
+    """Keep the tokenizer: its Python state (the tokenizer classes pickle their plain
+    __dict__) and its Rust tokenizer (`_rust_parts`), in one pickle."""
     from tokenizers import Tokenizer
 
-    paths = _cache_paths(model_dir, cache)
-    if paths is None or not isinstance(getattr(tokenizer, "_tokenizer", None), Tokenizer):
+    path = _cache_path(model_dir, cache)
+    if path is None or not isinstance(getattr(tokenizer, "_tokenizer", None), Tokenizer):
         return  # (a tokenizer without a Rust one is left as it is)
     state = {k: v for k, v in tokenizer.__dict__.items() if k != "_tokenizer"}
     try:
-        _write_atomically(paths[1], tokenizer._tokenizer.to_str().encode())
-        _write_atomically(paths[0], pickle.dumps((type(tokenizer), state), protocol=pickle.HIGHEST_PROTOCOL))
+        rust = _rust_parts(tokenizer._tokenizer, state)
+        _write_atomically(path, pickle.dumps((type(tokenizer), state, rust), protocol=pickle.HIGHEST_PROTOCOL))
     except Exception as exc:  # noqa: BLE001 - a cache that cannot be written only costs time
-        logger.warning("could not cache the tokenizer in %s (%s)", paths[0].parent, exc)
+        logger.warning("could not cache the tokenizer in %s (%s)", path.parent, exc)
+
+
+# What a BPE model takes besides its vocabulary and merges, as tokenizer.json names them.
+_BPE_OPTIONS = ("dropout", "unk_token", "continuing_subword_prefix", "end_of_word_suffix", "fuse_unk",
+                "byte_fallback", "ignore_merges")
+
+
+def _rust_parts(rust, state: dict) -> tuple:
+    """What `_rust_tokenizer` rebuilds the Rust tokenizer `rust` from. For a BPE model:
+    its JSON without the vocabulary, the merges and the added tokens, and those three as
+    Python objects (the vocabulary and merges shared with the class's `state` where it
+    holds the same ones, so the pickle keeps them once): tokenizers builds a BPE model from
+    Python objects in half the time it takes to parse them from JSON (~1 s of a 262k
+    vocabulary, holding the GIL), and the pickle reads them back in less. Otherwise, or
+    where that does not rebuild the same tokenizer, its whole JSON."""
+    import json
+
+    text = rust.to_str()
+    config = json.loads(text)
+    model = config.get("model") or {}
+    if model.get("type") != "BPE" or set(model) - {"type", "vocab", "merges", *_BPE_OPTIONS}:
+        return ("json", text)
+    vocab = model["vocab"]
+    merges = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    vocab = state["_vocab"] if state.get("_vocab") == vocab else vocab
+    merges = state["_merges"] if state.get("_merges") == merges else merges
+    skeleton = json.dumps({**config, "added_tokens": [], "model": {**model, "vocab": {}, "merges": []}})
+    options = {name: model[name] for name in _BPE_OPTIONS if model.get(name) is not None}
+    parts = ("bpe", skeleton, vocab, merges, options, config["added_tokens"])
+    try:
+        same = _rust_tokenizer(parts).to_str() == text
+    except Exception:  # noqa: BLE001 - whatever does not rebuild is kept whole
+        same = False
+    return parts if same else ("json", text)
+
+
+def _rust_tokenizer(parts: tuple):
+    """The Rust tokenizer `_rust_parts` kept: added tokens as its JSON loader adds them, in
+    id order (the special ones with add_special_tokens), a run of either in one call."""
+    import itertools
+
+    from tokenizers import AddedToken, Tokenizer
+    from tokenizers.models import BPE
+
+    if parts[0] == "json":
+        return Tokenizer.from_str(parts[1])
+    _, skeleton, vocab, merges, options, added = parts
+    rust = Tokenizer.from_str(skeleton)
+    rust.model = BPE(vocab=vocab, merges=merges, **options)
+    for special, run in itertools.groupby(added, key=lambda token: token["special"]):
+        tokens = [AddedToken(t["content"], single_word=t["single_word"], lstrip=t["lstrip"], rstrip=t["rstrip"],
+                             normalized=t["normalized"], special=special) for t in run]
+        (rust.add_special_tokens if special else rust.add_tokens)(tokens)
+    return rust
 
 
 def _write_atomically(path: Path, data: bytes) -> None:
@@ -236,206 +288,10 @@ def eos_token_ids(tokenizer, model_dir: Path, config: dict) -> frozenset[int]:
     if gen_config.exists():
         add(json.loads(gen_config.read_text()).get("eos_token_id"))
     add(tokenizer.eos_token_id)
-    vocab = tokenizer.get_vocab()
+    # A token's id where the tokenizer has it (the Rust tokenizer's lookup: get_vocab would
+    # build a dict of the whole vocabulary, half a second of 262k tokens).
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    token_id = backend.token_to_id if backend is not None else tokenizer.get_vocab().get
     for token in END_OF_TURN_TOKENS:
-        add(vocab.get(token))
+        add(token_id(token))
     return frozenset(ids)
-
-
-def convert_gguf_tokenizer(metadata: dict, model_type: str, out_dir: Path, gguf_path: Path | None = None) -> None:
-    """Build an HF tokenizer from a GGUF file's metadata and save it into `out_dir`.
-
-    `metadata` is `GGUFFile.fields` of the file (gristmill.model.loader.gguf_file). This does
-    what `AutoTokenizer.from_pretrained(dir, gguf_file=name)` does in transformers 5, but
-    from the metadata already read instead of parsing the file again: the tokenizer
-    settings by transformers' GGUF key mapping, the backend tokenizer from
-    `transformers.integrations.gguf.convert_gguf_tokenizer`, and the tokenizer class
-    AutoTokenizer picks for the model type. The saved files are the same.
-    """
-    try:
-        from transformers.integrations.gguf import convert_gguf_tokenizer as build_backend
-    except ImportError:  # another transformers layout: let it read the file itself (slower)
-        if gguf_path is None:
-            raise
-        from transformers import AutoTokenizer
-        AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name).save_pretrained(str(out_dir))
-        return
-    tokenizer_dict, tokenizer_config = gguf_tokenizer_settings(metadata)
-    architecture = metadata["general.architecture"]
-    backend, extra_kwargs = build_backend(architecture, _with_derived_merges(architecture, tokenizer_dict))
-    # is_local / local_files_only: what from_pretrained passes and save_pretrained writes
-    # into tokenizer_config.json; given here too so the saved files are the same.
-    tokenizer = _tokenizer_class(model_type)(
-        tokenizer_object=backend, is_local=True, local_files_only=False,
-        **tokenizer_config, **extra_kwargs)
-    tokenizer.save_pretrained(str(out_dir))
-
-
-# tokenizer_config key -> the GGUF key (after "tokenizer.ggml.") holding its token id.
-_GGUF_SPECIAL_TOKENS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id",
-                        "unk_token": "unknown_token_id", "pad_token": "padding_token_id"}
-
-
-def gguf_tokenizer_settings(metadata: dict) -> tuple[dict, dict]:
-    """`(tokenizer_dict, tokenizer_config)` from GGUF metadata, as transformers'
-    `get_gguf_tokenizer` makes them: GGUF "tokenizer.*" keys renamed by its
-    GGUF_TOKENIZER_MAPPING, arrays of numbers as lists, special tokens by id."""
-    from transformers.integrations.gguf import GGUF_TOKENIZER_MAPPING
-
-    tokenizer_dict, tokenizer_config = (
-        {name: _plain(metadata[f"tokenizer.{key}"]) for key, name in GGUF_TOKENIZER_MAPPING[group].items()
-         if f"tokenizer.{key}" in metadata}
-        for group in ("tokenizer", "tokenizer_config"))
-    tokenizer_type = tokenizer_dict.get("tokenizer_type")
-    if tokenizer_type == "llama":  # llama.cpp adds BOS to a sentencepiece vocabulary unless told not to
-        tokenizer_config.setdefault("add_bos_token", True)
-    elif tokenizer_type == "gemma4":  # its chat template writes <bos> itself
-        tokenizer_config["add_bos_token"] = False
-    tokens = tokenizer_dict["tokens"]
-    for name, key in _GGUF_SPECIAL_TOKENS.items():
-        token_id = metadata.get(f"tokenizer.ggml.{key}")
-        if token_id is not None and not 0 <= token_id < len(tokens):
-            raise ValueError(f"GGUF tokenizer.ggml.{key} {token_id} is not a token id "
-                             f"(the vocabulary has {len(tokens)} tokens)")
-        tokenizer_config[name] = tokens[token_id] if token_id is not None else None
-    return tokenizer_dict, tokenizer_config
-
-
-def _plain(value):
-    """A metadata value as transformers' GGUF reader gives it: arrays as lists."""
-    return value.tolist() if hasattr(value, "tolist") else value
-
-
-# The tokenizer class AutoTokenizer picks for each supported model type (module, class),
-# named here: looking it up in transformers' TOKENIZER_MAPPING imports its config classes,
-# and those import torch (seconds of a conversion). tests/model/test_loader.py checks these
-# against TOKENIZER_MAPPING.
-TOKENIZER_CLASSES = {
-    "gemma3_text": ("transformers.models.gemma.tokenization_gemma", "GemmaTokenizer"),
-    "llama": ("transformers.tokenization_utils_tokenizers", "TokenizersBackend"),
-    "qwen2": ("transformers.models.qwen2.tokenization_qwen2", "Qwen2Tokenizer"),
-    "qwen3": ("transformers.models.qwen2.tokenization_qwen2", "Qwen2Tokenizer"),
-}
-
-
-def _tokenizer_class(model_type: str):
-    """The tokenizer class AutoTokenizer uses for a model type with no tokenizer files."""
-    import importlib
-
-    if model_type in TOKENIZER_CLASSES:
-        module, name = TOKENIZER_CLASSES[model_type]
-        return getattr(importlib.import_module(module), name)
-    from transformers import TokenizersBackend
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
-
-    return TOKENIZER_MAPPING.get(CONFIG_MAPPING[model_type], None) or TokenizersBackend
-
-
-def _with_derived_merges(architecture: str, tokenizer_dict: dict) -> dict:
-    """`tokenizer_dict`, for a sentencepiece vocabulary without merges (Gemma's, Llama 2's),
-    with the merges transformers' GGUF builders would derive from it
-    (`generate_merges`, which takes seconds of Python for 262k tokens), derived by
-    `derive_merges` instead. Where the builder is not one this knows, or a piece holds a
-    space (merges are given as "left right"), the dict is left for transformers to derive."""
-    from transformers.integrations.gguf import gguf_tokenizer_mapping as mapping
-
-    if "merges" in tokenizer_dict or tokenizer_dict.get("tokenizer_type") != "llama":
-        return tokenizer_dict
-    builder = getattr(mapping, "GGUF_SENTENCEPIECE_BUILDERS", {}).get(architecture)
-    tokens = tokenizer_dict["tokens"]
-    if builder is not None and builder is getattr(mapping, "gemma_tokenizer", None):
-        # gemma_tokenizer: runs of spaces spelled as "\u2581"s, ranked by their place in the file.
-        tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
-        scores = {token: -index for index, token in enumerate(tokens)}
-    elif builder is None or builder is getattr(mapping, "phi3_tokenizer", None):
-        if "scores" not in tokenizer_dict:
-            return tokenizer_dict
-        scores = dict(zip(tokens, tokenizer_dict["scores"]))
-    else:
-        return tokenizer_dict
-    merges = derive_merges({token: index for index, token in enumerate(tokens)}, scores)
-    if merges is None:
-        return tokenizer_dict
-    return {**tokenizer_dict, "merges": [f"{left} {right}" for left, right in merges]}
-
-
-def derive_merges(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]] | None:
-    """The merges of a vocabulary, as transformers' `generate_merges(vocab, scores)` gives
-    them: every split of a token into two tokens, best first by (the token's score, left
-    length, right length), ties in token order and then by (left id, right id).
-
-    generate_merges slices every token at every place and looks both halves up, in Python
-    (1.2M lookups for Gemma's 262k tokens: seconds). Here numpy does it: each token's
-    prefix hashes (polynomial, mod 2^64) give every split's two halves' hashes, looked up
-    among the tokens' own hashes; a hit counts only where the characters are equal, so a
-    hash collision cannot add a merge. None (the caller then lets transformers derive
-    them) where `scores` is not over the same tokens in the same order, two tokens' hashes
-    collide (a split could then miss its half), a score is not a number, or a piece holds
-    a space (merges are passed as "left right")."""
-    import numpy as np
-
-    tokens = list(vocab)
-    if list(scores) != tokens:
-        return None
-    try:
-        token_scores = np.array(list(scores.values()), dtype=np.float64)
-    except (TypeError, ValueError):
-        return None
-    if np.isnan(token_scores).any() or not tokens:
-        return None
-    ids = np.fromiter(vocab.values(), dtype=np.int64, count=len(tokens))
-    lengths = np.fromiter(map(len, tokens), dtype=np.int64, count=len(tokens))
-    has_space = np.fromiter((" " in token for token in tokens), dtype=bool, count=len(tokens))
-    n, width = len(tokens), int(lengths.max())
-    # Every token's code points (+1), column c of row t at [c * n + t] (a column is
-    # contiguous), zero past its end; one zero column past the longest.
-    flat = np.frombuffer("".join(tokens).encode("utf-32-le"), dtype=np.uint32).astype(np.uint64) + 1
-    columns = np.arange(len(flat)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-    codes = np.zeros((width + 1) * n, dtype=np.uint64)
-    codes[columns * n + np.repeat(np.arange(n), lengths)] = flat
-    codes = codes.reshape(width + 1, n)
-    base = np.uint64(0x100000001B3)
-    powers = np.ones(width + 1, dtype=np.uint64)
-    prefix = np.zeros((width + 1, n), dtype=np.uint64)  # prefix[i, t]: hash of token t's first i
-    with np.errstate(over="ignore"):
-        for i in range(1, width + 1):
-            powers[i] = powers[i - 1] * base
-            prefix[i] = prefix[i - 1] * base + codes[i - 1]
-        whole = prefix[lengths, np.arange(n)]
-        order = np.argsort(whole, kind="stable")
-        sorted_hashes = whole[order]
-        if (sorted_hashes[1:] == sorted_hashes[:-1]).any():
-            return None
-        # Every split (at i of token t), token by token and left to right.
-        i, t = np.nonzero((np.arange(width + 1)[:, None] < lengths[None, :]) &
-                          (np.arange(width + 1)[:, None] > 0))
-        by_token = np.argsort(t, kind="stable")
-        i, t = i[by_token], t[by_token]
-        left_hash = prefix.reshape(-1)[i * n + t]
-        right_hash = whole[t] - left_hash * powers[lengths[t] - i]
-
-    def lookup(hashes):
-        at = np.minimum(np.searchsorted(sorted_hashes, hashes), n - 1)
-        return sorted_hashes[at] == hashes, order[at]
-
-    left_found, left = lookup(left_hash)
-    right_found, right = lookup(right_hash)
-    hit = left_found & right_found
-    t, i, left, right = t[hit], i[hit], left[hit], right[hit]
-    # The characters must match too (a hash collision is not a token).
-    right_lengths = lengths[t] - i
-    same = (lengths[left] == i) & (lengths[right] == right_lengths)
-    flat_codes = codes.reshape(-1)
-    for c in range(width):
-        column = codes[c]
-        same &= (c >= i) | (column[left] == column[t])
-        same &= (c >= right_lengths) | (column[right] == flat_codes[np.minimum(i + c, width) * n + t])
-    t, i, left, right = t[same], i[same], left[same], right[same]
-    if has_space[left].any() or has_space[right].any():
-        return None
-    # Descending by (score, left length, right length); ties as generate_merges's stable
-    # sorts leave them: token order, then (left id, right id). lexsort: last key first.
-    ranked = np.lexsort((ids[right], ids[left], t, -(lengths[t] - i), -i, -token_scores[t]))
-    names = np.array(tokens, dtype=object)
-    return list(zip(names[left[ranked]].tolist(), names[right[ranked]].tolist()))

@@ -11,6 +11,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from gristmill.paths import cache_root
 from tests.model.test_loader import write_tiny_gguf
 from tests.test_layering import fresh_imports
@@ -91,12 +93,13 @@ def test_the_tokenizer_is_kept_in_the_cache_and_a_damaged_copy_is_rebuilt(tmp_pa
     model_dir = resolve_model(str(write_tiny_gguf(tmp_path / "tiny.gguf", "llama", "llama")), str(cache))
     text = "Hello, wörld!  <s> 123 \n\t tabs"
     built = load_tokenizer(model_dir, "llama", cache)
-    [copy] = (cache / "tokenizers").glob("*.pickle")
-    assert len(list((cache / "tokenizers").glob("*.json"))) == 1  # its Rust tokenizer, beside it
+    [copy] = (cache / "tokenizers").iterdir()  # one file: the class's state and its Rust tokenizer
     written = copy.stat().st_mtime_ns
     loaded = load_tokenizer(model_dir, "llama", cache)  # from the copy: nothing written again
     assert copy.stat().st_mtime_ns == written
     assert type(loaded) is type(built) and loaded(text).input_ids == built(text).input_ids
+    assert loaded.backend_tokenizer.to_str() == built.backend_tokenizer.to_str()
+    assert loaded.__dict__.keys() == built.__dict__.keys()
     assert loaded.decode(built(text).input_ids) == built.decode(built(text).input_ids)
     assert loaded.get_vocab() == built.get_vocab() and loaded.all_special_ids == built.all_special_ids
 
@@ -109,6 +112,32 @@ def test_the_tokenizer_is_kept_in_the_cache_and_a_damaged_copy_is_rebuilt(tmp_pa
     (model_dir / "tokenizer_config.json").touch()  # a changed tokenizer file: a copy of its own
     load_tokenizer(model_dir, "llama", cache)
     assert len(list((cache / "tokenizers").glob("*.pickle"))) == 2
+
+
+@pytest.mark.parametrize("model", ["gemma3 sentencepiece", "qwen2 byte-level", "bert wordpiece"])
+def test_a_kept_rust_tokenizer_is_the_one_its_files_make(tmp_path, model):
+    """The kept copy rebuilds a BPE tokenizer from its parts (vocabulary, merges, added
+    tokens) and any other from its JSON; either way the very tokenizer its files make."""
+    import pickle
+
+    from gristmill.model.loader import resolve_model
+    from gristmill.tokenizer import load_tokenizer
+
+    cache = tmp_path / "cache"
+    if model == "bert wordpiece":
+        model_dir = resolve_model("all-MiniLM-L6-v2", str(cache))
+    else:
+        arch, vocab = {"gemma3 sentencepiece": ("gemma3", "llama"), "qwen2 byte-level": ("qwen2", "gpt2")}[model]
+        model_dir = resolve_model(str(write_tiny_gguf(tmp_path / "tiny.gguf", arch, vocab)), str(cache))
+    built = load_tokenizer(model_dir, "x", cache)
+    [copy] = (cache / "tokenizers").iterdir()
+    assert pickle.loads(copy.read_bytes())[2][0] == ("json" if model == "bert wordpiece" else "bpe")
+    loaded = load_tokenizer(model_dir, "x", cache)
+    assert loaded.backend_tokenizer.to_str() == built.backend_tokenizer.to_str()
+    text = "Hello, wörld!  <|im_end|> <end_of_turn> 123 \n\t [CLS] tabs"
+    assert loaded(text).input_ids == built(text).input_ids
+    assert loaded.decode(built(text).input_ids, skip_special_tokens=True) == built.decode(
+        built(text).input_ids, skip_special_tokens=True)
 
 
 def test_a_client_on_a_warm_cache_imports_no_torch(tmp_path):

@@ -112,12 +112,30 @@ def _add_byte_level_vocab(writer, arch: str) -> int:
     return len(tokens) + len(specials) + 1
 
 
-def _add_sentencepiece_vocab(writer, arch: str) -> int:
-    """A sentencepiece-style vocabulary (Llama 2, Gemma): byte tokens, scored pieces, no merges."""
+# Gemma vocabularies that differ from the usual one where the converter's own Gemma path
+# must do what transformers does, or leave the file to transformers (see GEMMA_VARIANTS).
+GEMMA_VARIANTS = {
+    "usual": {},
+    "chat template, EOS added, no BOS": {"chat_template": CHAT_TEMPLATE, "add_eos": True, "add_bos": False},
+    "BOS a plain piece, user-defined tokens": {"bos": "\u2581the", "user_defined": ("<b>", "[multimodal]")},
+    "no pad token": {"pad": None},
+    "no <mask> in the vocabulary": {"drop": "<mask>"},
+    "a control token of spaces": {"control": "  "},
+}
+
+
+def _add_sentencepiece_vocab(writer, arch: str, variant: dict | None = None) -> int:
+    """A sentencepiece-style vocabulary (Llama 2, Gemma): byte tokens, scored pieces, no
+    merges; a Gemma one as `variant` (a GEMMA_VARIANTS value) says."""
+    variant = variant or {}
     pieces, _ = _trained_bpe(byte_level=False)
     if arch == "gemma3":
-        specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>"]
-        special_types = [3, 3, 3, 2, 4, 3, 3]
+        specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>",
+                    *variant.get("user_defined", ())]
+        special_types = [3, 3, 3, 2, 4, 3, 3] + [4] * len(variant.get("user_defined", ()))
+        if "drop" in variant:
+            del special_types[specials.index(variant["drop"])]
+            specials.remove(variant["drop"])
         pieces = ["\n", "  ", "   "] + pieces
     else:
         specials, special_types = ["<unk>", "<s>", "</s>"], [2, 3, 3]
@@ -126,15 +144,23 @@ def _add_sentencepiece_vocab(writer, arch: str) -> int:
     writer.add_tokenizer_model("llama")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
-    writer.add_token_types(special_types + [6] * 256 + [1] * len(pieces))
+    types = special_types + [6] * 256 + [1] * len(pieces)
+    if "control" in variant:
+        types[tokens.index(variant["control"])] = 3
+    writer.add_token_types(types)
     writer.add_token_scores([0.0] * (len(specials) + 256) + [-float(i) for i in range(len(pieces))])
     ids = {t: i for i, t in enumerate(tokens)}
-    writer.add_bos_token_id(ids["<bos>" if arch == "gemma3" else "<s>"])
+    writer.add_bos_token_id(ids[variant.get("bos", "<bos>") if arch == "gemma3" else "<s>"])
     writer.add_eos_token_id(ids["<eos>" if arch == "gemma3" else "</s>"])
     writer.add_unk_token_id(ids["<unk>"])
     if arch == "gemma3":
-        writer.add_pad_token_id(ids["<pad>"])
-        writer.add_add_bos_token(True)
+        if variant.get("pad", "<pad>") is not None:
+            writer.add_pad_token_id(ids["<pad>"])
+        writer.add_add_bos_token(variant.get("add_bos", True))
+        if "add_eos" in variant:
+            writer.add_add_eos_token(variant["add_eos"])
+        if "chat_template" in variant:
+            writer.add_chat_template(variant["chat_template"])
     return len(tokens)
 
 
@@ -153,9 +179,9 @@ def _layer_tensors(arch: str) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def write_tiny_gguf(path: Path, arch: str, vocab: str) -> Path:
-    """A one-layer `arch` model with a `vocab` ("gpt2" or "llama") vocabulary; the token
-    embedding is Q8_0, the output F16, the rest F32."""
+def write_tiny_gguf(path: Path, arch: str, vocab: str, variant: dict | None = None) -> Path:
+    """A one-layer `arch` model with a `vocab` ("gpt2" or "llama") vocabulary (a Gemma one
+    as `variant` says); the token embedding is Q8_0, the output F16, the rest F32."""
     import gguf
 
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -174,7 +200,10 @@ def write_tiny_gguf(path: Path, arch: str, vocab: str) -> Path:
         writer.add_value_length(HEAD_DIM)
     if arch == "gemma3":
         writer.add_sliding_window(128)
-    n_vocab = (_add_byte_level_vocab if vocab == "gpt2" else _add_sentencepiece_vocab)(writer, arch)
+    if vocab == "gpt2":
+        n_vocab = _add_byte_level_vocab(writer, arch)
+    else:
+        n_vocab = _add_sentencepiece_vocab(writer, arch, variant)
     rng = np.random.default_rng(len(arch))
     embedding = rng.standard_normal((n_vocab, HIDDEN)).astype(np.float32)
     writer.add_tensor("token_embd.weight", gguf.quantize(embedding, gguf.GGMLQuantizationType.Q8_0),
@@ -206,8 +235,51 @@ def test_convert_gguf_tokenizer_is_what_transformers_builds(tmp_path, arch, voca
     convert_gguf(path, out)
     reference = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     reference.save_pretrained(str(tmp_path / "ref"))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        assert (out / name).read_text() == (tmp_path / "ref" / name).read_text(), name
+    _assert_same_tokenizer_files(out, tmp_path / "ref")
+
+
+def _assert_same_tokenizer_files(out: Path, reference: Path) -> None:
+    """Every tokenizer file of a conversion (all but config.json and the weights) is the
+    reference's, byte for byte, and there are no others."""
+    written = sorted(f.name for f in out.iterdir() if f.name != "config.json" and f.suffix != ".safetensors")
+    assert written == sorted(f.name for f in reference.iterdir())
+    for name in written:
+        assert (out / name).read_bytes() == (reference / name).read_bytes(), name
+
+
+@pytest.mark.parametrize("variant", GEMMA_VARIANTS)
+def test_gemma_tokenizer_written_directly_is_what_transformers_writes(tmp_path, monkeypatch, variant):
+    """The tokenizer files of a Gemma vocabulary, written without transformers where the
+    converter can (the usual files) and by transformers where it declines, are the ones
+    transformers writes when it reads the file itself."""
+    from transformers import AutoTokenizer
+
+    from gristmill.model.loader import gguf_tokenizer
+    from gristmill.model.loader.gguf_file import GGUFFile
+
+    path = write_tiny_gguf(tmp_path / "src" / "tiny.gguf", "gemma3", "llama", GEMMA_VARIANTS[variant])
+    written = []
+    direct = gguf_tokenizer.write_gemma_tokenizer
+    monkeypatch.setattr(gguf_tokenizer, "write_gemma_tokenizer",
+                        lambda *args: written.append(direct(*args)) or written[-1])
+    out = tmp_path / "out"
+    out.mkdir()
+    gguf_tokenizer.convert_gguf_tokenizer(GGUFFile(path).fields, "gemma3_text", out, path)
+    assert written == [variant not in ("no pad token", "no <mask> in the vocabulary", "a control token of spaces")]
+    AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(str(tmp_path / "ref"))
+    _assert_same_tokenizer_files(out, tmp_path / "ref")
+
+
+def test_gguf_tokenizer_mapping_is_transformers():
+    from transformers.integrations.gguf import GGUF_TOKENIZER_MAPPING
+    from transformers.integrations.gguf import gguf_tokenizer_mapping as mapping
+
+    from gristmill.model.loader import gguf_tokenizer
+
+    assert gguf_tokenizer.GGUF_TOKENIZER_MAPPING == GGUF_TOKENIZER_MAPPING
+    builders = mapping.GGUF_SENTENCEPIECE_BUILDERS
+    gemma = {arch for arch, builder in builders.items() if builder is mapping.gemma_tokenizer}
+    assert set(gguf_tokenizer.GEMMA_ARCHITECTURES) == gemma
 
 
 @pytest.mark.parametrize("arch, vocab", FAMILIES)
@@ -242,7 +314,7 @@ def test_convert_gguf_config_and_weights(tmp_path, arch, vocab):
 
 
 def test_gguf_special_token_id_out_of_range_is_a_value_error():
-    from gristmill.tokenizer import gguf_tokenizer_settings
+    from gristmill.model.loader.gguf_tokenizer import gguf_tokenizer_settings
 
     with pytest.raises(ValueError, match="bos_token_id 5 is not a token id"):
         gguf_tokenizer_settings({"tokenizer.ggml.tokens": ["a", "b"], "tokenizer.ggml.bos_token_id": 5})
@@ -474,7 +546,7 @@ def _sentencepiece_like_vocab() -> list[str]:
 def test_derive_merges_is_generate_merges(scoring):
     from transformers.tokenization_utils_base import generate_merges
 
-    from gristmill.tokenizer import derive_merges
+    from gristmill.model.loader.gguf_tokenizer import derive_merges
 
     tokens = _sentencepiece_like_vocab()
     vocab = {token: index for index, token in enumerate(tokens)}
@@ -488,7 +560,7 @@ def test_derive_merges_is_generate_merges(scoring):
 
 
 def test_derive_merges_declines_what_it_cannot_pass_on():
-    from gristmill.tokenizer import derive_merges
+    from gristmill.model.loader.gguf_tokenizer import derive_merges
 
     vocab = {"a": 0, " b": 1, "a b": 2}  # a piece with a space cannot be written "left right"
     assert derive_merges(vocab, {t: -i for t, i in vocab.items()}) is None
@@ -501,9 +573,59 @@ def test_tokenizer_classes_are_what_auto_tokenizer_picks():
     from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
 
     from gristmill.model.loader import _GGUF_MODEL_TYPES
-    from gristmill.tokenizer import TOKENIZER_CLASSES, _tokenizer_class
+    from gristmill.model.loader.gguf_tokenizer import TOKENIZER_CLASSES, _tokenizer_class
 
     assert sorted(TOKENIZER_CLASSES) == sorted(_GGUF_MODEL_TYPES.values())
     for model_type in TOKENIZER_CLASSES:
         assert _tokenizer_class(model_type) is (TOKENIZER_MAPPING.get(CONFIG_MAPPING[model_type], None)
                                                 or TokenizersBackend), model_type
+
+
+@pytest.mark.parametrize("metadata", [None, {"format": "pt"}])
+def test_streamed_safetensors_are_what_save_file_writes(tmp_path, metadata):
+    from safetensors.numpy import save_file
+
+    from gristmill.model.loader.safetensors_io import TensorSource, write_safetensors
+
+    rng = np.random.default_rng(3)
+    arrays = {"b.weight": rng.standard_normal((7, 5)).astype(np.float32),
+              "a.weight.q8_0": rng.integers(-128, 128, (7, 64), dtype=np.int8),
+              "a.weight.q8_0_scale": rng.standard_normal((7, 2)).astype(np.float16),
+              "a.weight": rng.standard_normal((3,)).astype(np.float32),
+              "model.layers.10.x": np.zeros((0, 4), dtype=np.float32),
+              "model.layers.2.x": rng.standard_normal((2, 3)).astype(np.float32)}
+    save_file(arrays, str(tmp_path / "reference.safetensors"), metadata=metadata)
+    # Each tensor in pieces of two rows, in another order than the file's.
+    sources = [TensorSource(name, array.dtype, array.shape,
+                            lambda a=array: (np.ascontiguousarray(a[i:i + 2]) for i in range(0, max(len(a), 1), 2)))
+               for name, array in reversed(arrays.items())]
+    write_safetensors(tmp_path / "streamed.safetensors", sources, metadata=metadata)
+    assert (tmp_path / "streamed.safetensors").read_bytes() == (tmp_path / "reference.safetensors").read_bytes()
+    with pytest.raises(ValueError, match="bytes more than its shape"):
+        write_safetensors(tmp_path / "short.safetensors",
+                          [TensorSource("x", np.float32, (4,), lambda: [np.zeros(3, np.float32)])])
+
+
+def test_safetensors_reader_reads_what_safetensors_reads_and_refuses_a_cut_file(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from gristmill.model.loader.safetensors_io import SafetensorsReader
+
+    tensors = {"w": torch.randn(5, 7), "q": torch.randint(-128, 127, (3, 64), dtype=torch.int8),
+               "s": torch.randn(3, 2).to(torch.bfloat16), "h": torch.randn(4).half(),
+               "empty": torch.zeros(0, 3), "flag": torch.tensor([True, False])}
+    path = tmp_path / "t.safetensors"
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    expected = load_file(str(path))
+    with SafetensorsReader(path) as reader:
+        assert sorted(reader.keys()) == sorted(tensors)
+        for name in tensors:
+            got = reader.read(name)
+            assert got.dtype == expected[name].dtype and torch.equal(got, expected[name]), name
+    data = path.read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(data[:len(data) - 3])
+    with pytest.raises(ValueError, match="does not fit the file"):
+        SafetensorsReader(tmp_path / "cut.safetensors")
+    (tmp_path / "header.safetensors").write_bytes(data[:20])
+    with pytest.raises(ValueError, match="not a whole safetensors file"):
+        SafetensorsReader(tmp_path / "header.safetensors")

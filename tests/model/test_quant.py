@@ -262,6 +262,10 @@ def test_engine_model_is_int8_by_default_and_cached_on_disk(tmp_path, tiny_gemma
     scores = [r.score(ids) for r in (first, second, rebuilt, reference)]
     assert torch.equal(scores[0], scores[1]) and torch.equal(scores[0], scores[2])
     assert (scores[0] - scores[3]).abs().mean() < 0.1 * scores[3].abs().mean()
+    data = cache.read_bytes()
+    cache.write_bytes(data[:len(data) // 2])  # cut short: rebuilt too, not read as far as it goes
+    assert torch.equal(runner("int8").score(ids), scores[0])
+    assert cache.stat().st_size == len(data)
 
 
 def test_q4_model_has_4bit_layers_an_int8_lm_head_and_its_own_cache(tmp_path, tiny_gemma):

@@ -92,7 +92,7 @@ def load_quantized(model: nn.Module, scheme: str, cache_file: Path) -> set[str] 
     `cache_file`. Returns the checkpoint tensors the model now holds in quantized form
     (to skip when loading the rest), or None when the cache lacks a layer (`model` is
     then unusable)."""
-    from safetensors import safe_open
+    from gristmill.model.loader.safetensors_io import SafetensorsReader
 
     if not cache_file.exists():
         return None
@@ -102,24 +102,23 @@ def load_quantized(model: nn.Module, scheme: str, cache_file: Path) -> set[str] 
     linears = {name: module for name, module in model.named_modules() if isinstance(module, nn.Linear)}
     layers = {}
     try:
-        with safe_open(str(cache_file), framework="pt") as f:
+        with SafetensorsReader(cache_file) as f:
             stored_names = set(f.keys())
             for name, linear in linears.items():
-                # Built on the meta device, then given copies of the stored tensors: no
-                # zero-filled buffers for the weights to be copied into. (A copy, not the
-                # stored tensors themselves: safetensors maps the file, and a cache file
-                # overwritten or truncated in place would then crash the engine with
-                # SIGBUS at its next step.)
+                # Built on the meta device, then given the stored tensors, each read into
+                # memory of its own: no zero-filled buffers for the weights to be copied
+                # into, and nothing of the file mapped (a cache file overwritten or
+                # truncated in place would then crash the engine with SIGBUS).
                 with torch.device("meta"):
                     _, layer = _empty_layer(scheme, name, linear)
                 buffers = dict(layer.named_buffers(recurse=False))
                 if any(f"{name}.{buf}" not in stored_names for buf in buffers):
                     return None
-                stored = {buf: f.get_tensor(f"{name}.{buf}") for buf in buffers}
+                stored = {buf: f.read(f"{name}.{buf}") for buf in buffers}
                 if any(t.shape != buffers[buf].shape for buf, t in stored.items()):
                     return None
                 for buf, tensor in stored.items():  # (a dtype the file differs in: cast, as load_state_dict did)
-                    setattr(layer, buf, tensor.to(buffers[buf].dtype, copy=True))
+                    setattr(layer, buf, tensor.to(buffers[buf].dtype))
                 layers[name] = layer
     except Exception as exc:  # noqa: BLE001 - a damaged cache: the cold path rebuilds it
         logger.warning("ignoring unreadable quantized cache %s (%s)", cache_file, exc)

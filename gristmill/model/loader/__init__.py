@@ -13,6 +13,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import logging
+import math
 import shutil
 import tempfile
 from pathlib import Path
@@ -105,7 +106,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     # The tokenizer (Python and Rust: mostly holding the GIL) is built on a thread while the
     # weights (numpy and the file writes: mostly not) are converted here.
     tokenizer = concurrent.futures.ThreadPoolExecutor(1, "gristmill-gguf-tokenizer")
-    from gristmill.tokenizer import convert_gguf_tokenizer
+    from gristmill.model.loader.gguf_tokenizer import convert_gguf_tokenizer
     converting = tokenizer.submit(convert_gguf_tokenizer, reader.fields, model_type, out_dir, gguf_path)
     try:
         _convert_gguf_weights(reader, arch, config, out_dir)
@@ -116,13 +117,17 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
 
 
 def _convert_gguf_weights(reader, arch: str, config: dict, out_dir: Path) -> None:
-    """model.safetensors and Q8_0_FILE; sets config's tie_word_embeddings (and rope_scaling
-    where the file holds llama3 rope factors)."""
+    """model.safetensors and Q8_0_FILE, each tensor dequantized and written a piece at a
+    time through one reused buffer (no gigabyte of fresh memory to fault in); sets
+    config's tie_word_embeddings (and rope_scaling where the file holds llama3 rope
+    factors)."""
     import gguf
-    from safetensors.numpy import save_file
+
+    from gristmill.model.loader.safetensors_io import write_safetensors
 
     layer_names = _GEMMA_LAYER_TENSORS if arch == "gemma3" else _LAYER_TENSORS
-    tensors, blocks = {}, {}
+    floats, blocks = [], []
+    buffer = np.empty(_PIECE_BYTES, dtype=np.uint8)
     for tensor in reader.tensors:
         name = _hf_tensor_name(tensor.name, layer_names)
         if name is None:
@@ -131,21 +136,58 @@ def _convert_gguf_weights(reader, arch: str, config: dict, out_dir: Path) -> Non
                     np.asarray(tensor.data, dtype=np.float32), config)
                 continue
             raise ValueError(f"GGUF tensor {tensor.name!r} has no place in a {arch} model")
-        weights = _dequantize(tensor.data, tensor.tensor_type)
-        parts = {"": np.ascontiguousarray(weights.reshape(tuple(reversed(tensor.shape))), dtype=np.float32)}
-        if tensor.tensor_type == gguf.GGMLQuantizationType.Q8_0 and len(tensor.shape) == 2:
-            parts.update(zip((Q8_0_VALUES, Q8_0_SCALES), _q8_0_blocks(tensor)))
-        for suffix, weights in parts.items():
-            if arch == "gemma3" and name.endswith("norm.weight"):  # (never Q8_0: vectors)
-                weights = weights - 1.0  # llama.cpp stores Gemma norms as (1 + w)
-            if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
-                heads = config["num_attention_heads"] if ".q_proj." in name else config["num_key_value_heads"]
-                weights = _unpermute_rotary(weights, heads)
-            (blocks if suffix else tensors)[name + suffix] = weights
-    config["tie_word_embeddings"] = "lm_head.weight" not in tensors
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})  # as torch writes it
+        transform = _hf_transform(arch, name, config)
+        shape = tuple(reversed(tensor.shape))
+        floats.append(_tensor_source(name, np.float32, shape, tensor.data, buffer, transform,
+                                     lambda rows, out, t=tensor: _dequantize(rows, t.tensor_type, out=out)))
+        if tensor.tensor_type == gguf.GGMLQuantizationType.Q8_0 and len(shape) == 2:
+            for suffix, dtype, columns, part in ((Q8_0_VALUES, np.int8, shape[1], _q8_0_values),
+                                                 (Q8_0_SCALES, np.float16, shape[1] // 32, _q8_0_scales)):
+                blocks.append(_tensor_source(name + suffix, dtype, (shape[0], columns), tensor.data, buffer,
+                                             transform, part))
+    config["tie_word_embeddings"] = "lm_head.weight" not in {t.name for t in floats}
+    write_safetensors(out_dir / "model.safetensors", floats, metadata={"format": "pt"})  # as torch writes it
     if blocks:
-        save_file(blocks, str(out_dir / Q8_0_FILE))
+        write_safetensors(out_dir / Q8_0_FILE, blocks)
+
+
+# The bytes of one piece of a tensor as it is converted (the buffer every piece reuses).
+_PIECE_BYTES = 8 << 20
+
+
+def _tensor_source(name: str, dtype, shape: tuple[int, ...], data: np.ndarray, buffer: np.ndarray,
+                   transform, convert):
+    """A tensor of the converted checkpoint: `convert(rows, out)` turns rows of the GGUF
+    tensor's `data` into its values (written into `out`, a flat `dtype` array, when one
+    is given). Pieces of whole rows that fit in `buffer`; the whole tensor at once where
+    `transform` (a function of the whole tensor) applies."""
+    from gristmill.model.loader.safetensors_io import TensorSource
+
+    rows = data.reshape(-1, data.shape[-1])
+    row_items = math.prod(shape) // len(rows)
+
+    def pieces():
+        if transform is not None:
+            yield np.ascontiguousarray(transform(convert(rows, None).reshape(shape)), dtype=dtype)
+            return
+        out = buffer.view(dtype)
+        step = max(1, len(out) // max(row_items, 1))
+        for start in range(0, len(rows), step):
+            chunk = rows[start:start + step]
+            piece = convert(chunk, out if len(chunk) * row_items <= len(out) else None)
+            yield np.ascontiguousarray(piece, dtype=dtype)
+
+    return TensorSource(name, np.dtype(dtype), shape, pieces)
+
+
+def _hf_transform(arch: str, name: str, config: dict):
+    """What a tensor needs beyond its dequantization to be the HF checkpoint's, or None."""
+    if arch == "gemma3" and name.endswith("norm.weight"):  # (never Q8_0: vectors)
+        return lambda weights: weights - 1.0  # llama.cpp stores Gemma norms as (1 + w)
+    if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+        heads = config["num_attention_heads"] if ".q_proj." in name else config["num_key_value_heads"]
+        return lambda weights: _unpermute_rotary(weights, heads)
+    return None
 
 
 # Blocks dequantized per call: whole tensors at once but for the largest (an embedding's
@@ -153,10 +195,14 @@ def _convert_gguf_weights(reader, arch: str, config: dict, out_dir: Path) -> Non
 _DEQUANTIZE_CHUNK_BLOCKS = 1 << 16
 
 
-def _dequantize(data: np.ndarray, tensor_type, chunk_blocks: int = _DEQUANTIZE_CHUNK_BLOCKS) -> np.ndarray:
+def _dequantize(data: np.ndarray, tensor_type, chunk_blocks: int = _DEQUANTIZE_CHUNK_BLOCKS,
+                out: np.ndarray | None = None) -> np.ndarray:
     """`gguf.dequantize(data, tensor_type)`, the same numbers (flattened): gguf's own
     per-type block arithmetic, but over many blocks per call instead of 16 rows at a time,
-    whose per-call overhead took most of a conversion's dequantization time."""
+    whose per-call overhead took most of a conversion's dequantization time; and for the
+    types that are an fp16 scale times small integers (Q8_0, Q5_0, Q4_0), that product
+    written straight into the output, without gguf's float32 temporaries. `out`: a flat
+    float32 array at least that long to write the numbers into (a view of it is returned)."""
     import gguf
 
     quant = getattr(gguf.quants, tensor_type.name, None)
@@ -164,20 +210,49 @@ def _dequantize(data: np.ndarray, tensor_type, chunk_blocks: int = _DEQUANTIZE_C
     if quant is None or not hasattr(quant, "dequantize_blocks") or block_size == 1:
         return gguf.dequantize(data, tensor_type).reshape(-1)  # (F32, F16, ...: plain values)
     quant.init_grid()
+    codes = _SCALED_CODES.get(tensor_type.name)
     blocks = np.asarray(data).view(np.uint8).reshape(-1, type_size)
-    out = np.empty((len(blocks), block_size), dtype=np.float32)
+    size = len(blocks) * block_size
+    out = (np.empty(size, dtype=np.float32) if out is None else out[:size]).reshape(len(blocks), block_size)
     for start in range(0, len(blocks), chunk_blocks):
-        stop = start + chunk_blocks
-        out[start:stop] = quant.dequantize_blocks(blocks[start:stop])
+        chunk, chunk_out = blocks[start:start + chunk_blocks], out[start:start + chunk_blocks]
+        if codes is None:
+            chunk_out[:] = quant.dequantize_blocks(chunk)
+        else:  # (int8 codes and an fp16 scale are exact in float32: gguf's product, bit for bit)
+            chunk_out[:] = codes(chunk)
+            chunk_out *= chunk[:, :2].view(np.float16).astype(np.float32)
     return out.reshape(-1)
 
 
-def _q8_0_blocks(tensor) -> tuple[np.ndarray, np.ndarray]:
-    """A Q8_0 matrix's own numbers: int8 values (rows, cols) and fp16 scales (rows, cols / 32)."""
-    cols = tensor.shape[0]
-    blocks = np.asarray(tensor.data).reshape(-1, 34)  # per block: fp16 scale, then 32 int8 values
-    scales = np.ascontiguousarray(blocks[:, :2]).view(np.float16).reshape(-1, cols // 32)
-    return np.ascontiguousarray(blocks[:, 2:]).view(np.int8).reshape(-1, cols), scales
+def _low_high_nibbles(quants: np.ndarray) -> np.ndarray:
+    """A block's 4-bit values: the low nibbles of its bytes, then the high ones. (blocks, 2 * bytes)"""
+    return np.concatenate([quants & 0x0F, quants >> 4], axis=1)
+
+
+# The integer codes (int8, (blocks, 32)) of the blocks of a type whose block is an fp16
+# scale (2 bytes) and the codes, as ggml packs them.
+_SCALED_CODES = {
+    "Q8_0": lambda blocks: blocks[:, 2:].view(np.int8),
+    "Q4_0": lambda blocks: _low_high_nibbles(blocks[:, 2:]).view(np.int8) - np.int8(8),
+    # Q5_0: the fifth bits, bit i of a little-endian uint32 for value i, then 16 bytes of nibbles.
+    "Q5_0": lambda blocks: (_low_high_nibbles(blocks[:, 6:]) | np.unpackbits(blocks[:, 2:6], axis=1, bitorder="little")
+                            << np.uint8(4)).view(np.int8) - np.int8(16),
+}
+
+
+def _q8_0_values(rows: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+    """Rows of a Q8_0 matrix's own int8 values (rows, cols), from its blocks (per block: an
+    fp16 scale, then 32 int8 values); written into `out` (flat int8) when given."""
+    values = rows.reshape(-1, 34)[:, 2:].view(np.int8)
+    if out is None:
+        return np.ascontiguousarray(values).reshape(len(rows), -1)
+    np.copyto(out[:values.size].reshape(values.shape), values)
+    return out[:values.size].reshape(len(rows), -1)
+
+
+def _q8_0_scales(rows: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+    """Rows of a Q8_0 matrix's fp16 block scales (rows, cols / 32)."""
+    return np.ascontiguousarray(rows.reshape(-1, 34)[:, :2]).view(np.float16).reshape(len(rows), -1)
 
 
 def _field(reader, key: str, default=None):
