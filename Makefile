@@ -25,8 +25,10 @@ install: $(BIN)/gristmill
 run: install
 	$(BIN)/gristmill batch examples/prompts.jsonl -o results.jsonl --max-tokens 64
 
+# Two workers: much of the suite waits on processes starting (servers, engine cores, Ray),
+# and a test file's tests stay in one worker (tests/conftest.py), the Ray tests in one.
 test: $(VENV)/.test-tools
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup
 
 bench: $(VENV)/.test-tools
 	$(BIN)/python benchmarks/throughput.py

@@ -6,7 +6,14 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
+
+# Under xdist (`make test`: two workers on a 2-core machine) each worker and the engines it
+# starts compute on one thread: two processes of two spinning OpenMP threads on two cores
+# slow each other several times over. Set before torch is imported; children inherit it.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
 
 # Triton decides at import whether its own jit functions (tl.sum...) run interpreted: set
 # TRITON_INTERPRET before any test imports it (sentence-transformers does, through
