@@ -1,11 +1,12 @@
 """Tiny random-weight Qwen3 models whose vocabulary has `<think>` and `</think>` (added
 tokens, not special, as in Qwen3's), with a reasoning model's chat template: Qwen3's
-hybrid one ("qwen3": `enable_thinking=False` writes an empty `<think>\\n\\n</think>\\n\\n`)
-or one that opens the reasoning in the prompt ("opened": DeepSeek-R1's and QwQ's way).
+hybrid one ("qwen3": `enable_thinking=False` writes an empty `<think>\\n\\n</think>\\n\\n`),
+the same opening the reasoning in the prompt when thinking is on ("qwen3_opened"), or
+DeepSeek-R1's, which always opens it ("r1").
 Each is written once per test run.
 
-A random model does not write `</think>` on its own: `forced_close` is a logit bias that
-makes it the likeliest token, so a test knows the output holds one."""
+A random model does not write `</think>` on its own: a test biases it (`logit_bias`) until
+greedy decoding writes it a few tokens in, and checks that it did."""
 
 from __future__ import annotations
 
@@ -19,10 +20,14 @@ from tests.model.test_loader import write_tiny_gguf
 
 _TURNS = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
           "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}")
+_THINKING_OFF = "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}"
 TEMPLATES = {
-    "qwen3": _TURNS + "{% if enable_thinking is defined and enable_thinking is false %}"
-                      "{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}{% endif %}",
-    "opened": _TURNS + "{{ '<think>\\n' }}{% endif %}",
+    # Qwen3's hybrid models: the model writes <think> itself; thinking off closes it empty.
+    "qwen3": _TURNS + _THINKING_OFF + "{% endif %}{% endif %}",
+    # The same switch, but the prompt opens the reasoning when it is on (Qwen3's 2507 ones).
+    "qwen3_opened": _TURNS + _THINKING_OFF + "{% else %}{{ '<think>\\n' }}{% endif %}{% endif %}",
+    # DeepSeek-R1's: the prompt always opens it.
+    "r1": _TURNS + "{{ '<think>\\n' }}{% endif %}",
 }
 
 

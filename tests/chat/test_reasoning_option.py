@@ -34,7 +34,8 @@ def test_every_command_takes_the_reasoning_parser_flag(command):
 
 @pytest.mark.parametrize("setting, template, chosen", [
     (None, TEMPLATES["qwen3"], "qwen3"),
-    (None, TEMPLATES["opened"], "deepseek_r1"),
+    (None, TEMPLATES["qwen3_opened"], "qwen3"),
+    (None, TEMPLATES["r1"], "deepseek_r1"),
     (None, "{{ messages[0]['content'] }}", None),
     (None, None, None),
     ("none", TEMPLATES["qwen3"], None),
