@@ -6,6 +6,7 @@ import os
 import random
 from dataclasses import Field, dataclass, field, fields, replace
 
+from gristmill.chat.reasoning import REASONING_PARSERS, check_reasoning_parser_name
 from gristmill.errors import RequestError
 from gristmill.pooling_params import TASKS
 
@@ -76,6 +77,11 @@ class EngineConfig:
     structured_output_backend: str = _field(
         "llguidance", 'Grammar engine of structured output: "llguidance" (the default) or "xgrammar" '
                       "(pip install xgrammar; see docs/structured_output.md).")
+    reasoning_parser: str | None = _field(
+        None, "How a chat's reasoning (the text between <think> and </think>) is kept apart from its "
+              f"answer: {', '.join(map(repr, REASONING_PARSERS))}; None = chosen from the model's chat "
+              "template (one that writes <think>: 'qwen3' when it has enable_thinking, else "
+              "'deepseek_r1'; no split for other models); 'none' = no split, whatever the template.")
     seed: int | None = _field(
         0, "Seed of the engine's random stream, used by requests without a seed of their own; "
            "None = a random one.")
@@ -142,6 +148,10 @@ class EngineConfig:
             self.quantization = None
         check(self.quantization in (None, "auto", "int8", "q4"), "quantization",
               f"must be 'auto', 'int8', 'q4' or None ('none'), got {self.quantization!r}")
+        try:
+            check_reasoning_parser_name(self.reasoning_parser)
+        except ValueError as exc:
+            check(False, "reasoning_parser", f"{exc} (or None: from the chat template; 'none': no split)")
         check(self.max_waiting_requests is None or _positive_int(self.max_waiting_requests),
               "max_waiting_requests", f"must be a positive integer or None, got {self.max_waiting_requests!r}")
         for name in ("step_timeout_s", "start_timeout_s"):

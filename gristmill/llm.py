@@ -77,7 +77,9 @@ class LLM(EngineFace):
         rendered with the model's chat template (or `chat_template`, a Jinja text), as vLLM's
         LLM.chat: `continue_final_message` continues the last (assistant) message, left
         open (with add_generation_prompt=False); `chat_template_kwargs` are more variables
-        for the template."""
+        for the template (Qwen3's `enable_thinking`). On a reasoning model
+        (`reasoning_parser`) each completion's `reasoning` holds its reasoning and `text`
+        only its answer."""
         if isinstance(conversations, (str, bytes, dict)) or (
                 conversations and isinstance(conversations[0], dict)):
             conversations = [conversations]  # one conversation (a str is one, malformed)
@@ -89,7 +91,13 @@ class LLM(EngineFace):
                 items.append((text, None))
             except RequestError as exc:
                 items.append((None, exc))
-        return self._run(items, sampling_params, use_tqdm, add_special_tokens=False)
+        results = self._run(items, sampling_params, use_tqdm, add_special_tokens=False)
+        if self.reasoning_parser is not None:
+            for (prompt_text, _), result in zip(items, results):
+                for output in result.outputs:
+                    if output.finish_reason != "error":
+                        output.reasoning, output.text = self.reasoning_parser.split(output.text, prompt_text)
+        return results
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             continue_final_message: bool = False, chat_template: str | None = None,

@@ -39,6 +39,9 @@ class CompletionOutput:
     stop_reason: str | int | None = None
     #: The sum of its tokens' logprobs, when it asked for logprobs.
     cumulative_logprob: float | None = None
+    #: `LLM.chat` on a reasoning model: the reasoning (the text between `<think>` and
+    #: `</think>`, stripped), while `text` holds only the answer; None when it had none.
+    reasoning: str | None = None
 
     @property
     def finished(self) -> bool:

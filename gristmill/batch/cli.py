@@ -48,6 +48,10 @@ def add_batch_command(commands) -> None:
     parser.add_argument("--json-schema", metavar="FILE", help="constrain every row's output to this JSON schema "
                         "(a .json file); a row's own sampling_params.structured_output wins (false: none), as does an "
                         "OpenAI batch line's response_format ({\"type\": \"text\"}: none)")
+    parser.add_argument("--chat-template-kwargs", metavar="JSON", default=None,
+                        help="variables for every chat row's template, a JSON object such as "
+                             "'{\"enable_thinking\": false}' (Qwen3); a row's own chat_template_kwargs are merged "
+                             "over them (its values win, key by key)")
     parser.add_argument("--prompt-logprobs", type=int, default=None, metavar="K",
                         help="score each row's prompt: a prompt_logprobs column with each prompt token's logprob "
                              "after the ones before it (the first null), as evaluation harnesses score text")

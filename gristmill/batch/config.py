@@ -53,6 +53,9 @@ class ProcessorConfig:
     task: Task = "generate"
     #: Defaults for every row's `sampling_params` (a row's own values win); task "generate".
     sampling_params: dict = field(default_factory=dict)
+    #: Variables for every row's chat template (Qwen3's {"enable_thinking": False}); a
+    #: row's own `chat_template_kwargs` are merged over them (its values win, key by key).
+    chat_template_kwargs: dict | None = None
     #: Defaults for every row's `pooling_params` (PoolingParams fields: dimensions,
     #: normalize, use_activation, truncate_prompt_tokens; a row's own values win); pooling tasks.
     pooling_params: dict = field(default_factory=dict)
@@ -72,6 +75,9 @@ class ProcessorConfig:
             _check(isinstance(value, bool), name, f"must be True or False, got {value!r}")
         _check(isinstance(self.sampling_params, dict), "sampling_params",
                f"must be a dict of SamplingParams fields, got {type(self.sampling_params).__name__}")
+        _check(self.chat_template_kwargs is None or isinstance(self.chat_template_kwargs, dict),
+               "chat_template_kwargs", f"must be a dict of chat template variables or None, got "
+               f"{type(self.chat_template_kwargs).__name__}")
         _check(self.task in TASKS, "task", f"must be one of {', '.join(map(repr, TASKS))}, got {self.task!r}")
         _check(isinstance(self.pooling_params, dict), "pooling_params",
                f"must be a dict of PoolingParams fields, got {type(self.pooling_params).__name__}")

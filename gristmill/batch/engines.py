@@ -105,8 +105,8 @@ class EnginePool:
     def tokenizer(self):
         return self.replicas[0].engine.tokenizer
 
-    def render_chat(self, messages: list[dict]) -> str:
-        return render_chat(self.tokenizer, messages, add_generation_prompt=True)
+    def render_chat(self, messages: list[dict], template_kwargs: dict | None = None) -> str:
+        return render_chat(self.tokenizer, messages, add_generation_prompt=True, template_kwargs=template_kwargs)
 
     def tokenize(self, prompt: str, add_special_tokens: bool) -> list[int]:
         return self.replicas[0].engine.inputs.tokenize(prompt, add_special_tokens)
@@ -206,8 +206,13 @@ class _Replica:
             async for out in self.engine.generate(prompt, request.sampling_params, request_id, output_kind="final",
                                                   token_times=False, add_special_tokens=request.add_special_tokens):
                 pass
-            return Generated(out.text, list(out.token_ids), len(out.prompt_token_ids), len(out.token_ids),
-                             out.finish_reason, prompt_logprobs_of(out))
+            generated = Generated(out.text, list(out.token_ids), len(out.prompt_token_ids), len(out.token_ids),
+                                  out.finish_reason, prompt_logprobs_of(out))
+            parser = self.engine.reasoning_parser
+            if request.chat and parser is not None:
+                generated.reasoning, generated.text = parser.split(out.text, request.prompt)
+                generated.reasoned = True
+            return generated
         finally:
             self._leave(request_id)
 

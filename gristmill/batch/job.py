@@ -27,7 +27,7 @@ from gristmill.batch.io import (CsvWriter, InputError, InputFile, JsonlWriter, P
 from gristmill.batch.openai_batch import batch_output_line, batch_task, check_batch_line, is_batch_file
 from gristmill.batch.job_rows import INPUT_COLUMN, input_slots, merged
 from gristmill.batch.resume import ROW_ID, RowIds, skip_written, written_rows
-from gristmill.batch.rows import ERROR_COLUMN, PROMPT_LOGPROBS_COLUMN, output_columns
+from gristmill.batch.rows import ERROR_COLUMN, PROMPT_LOGPROBS_COLUMN, REASONING_COLUMN, output_columns
 from gristmill.batch.tables import arrow_types
 from gristmill.engine_flags import engine_config, engine_flag, engine_options, model_load_error, run_figures
 from gristmill.errors import GristmillError, RequestError, error_string
@@ -68,7 +68,11 @@ class Job:
         self._check_paths()
         self.task = self._task()
         self.output_columns = output_columns(self.task) + (
-            (PROMPT_LOGPROBS_COLUMN,) if args.prompt_logprobs is not None and self.task == "generate" else ())
+            (PROMPT_LOGPROBS_COLUMN,) if args.prompt_logprobs is not None and self.task == "generate" else ()) + (
+            # (a CSV or Parquet file's columns are fixed before the model loads: named, a
+            # parser's column is there; JSONL rows carry it whenever the engine split one)
+            (REASONING_COLUMN,) if engine_options(args).get("reasoning_parser") not in (None, "none")
+            and self.task == "generate" else ())
         self.config = self._processor_config()
         self.ids = RowIds(self.id_column, self.out_format, self.positional, self.batch_file)
         survey = self.source.survey(check=self._check_row,
@@ -171,7 +175,8 @@ class Job:
         # input order (see _write_one), not at whichever of a batch's rows failed first.
         common = dict(batch_size=args.batch_size, max_concurrent_batches=args.max_concurrent_batches,
                       should_continue_on_error=True, sampling_params=defaults, id_column=self.id_column,
-                      task=self.task, pooling_params=pooling_defaults)
+                      task=self.task, pooling_params=pooling_defaults,
+                      chat_template_kwargs=_template_kwargs(args.chat_template_kwargs))
         try:
             SamplingParams(**defaults)
             if args.deployment_url:
@@ -359,8 +364,11 @@ class Job:
         record = {ROW_ID: out[ROW_ID]} if self.positional else {}
         record.update(out[INPUT_COLUMN])
         # (an error row has no prompt logprobs: an empty list, the column's type)
-        record.update({column: out.get(column, []) if column == PROMPT_LOGPROBS_COLUMN else out[column]
+        record.update({column: out.get(column, []) if column == PROMPT_LOGPROBS_COLUMN
+                       else out.get(column) if column == REASONING_COLUMN else out[column]
                        for column in self.output_columns})
+        if REASONING_COLUMN in out and self.out_format == "jsonl":
+            record[REASONING_COLUMN] = out[REASONING_COLUMN]
         return record
 
     def _close(self) -> None:
@@ -415,3 +423,18 @@ def _api_url(url: str) -> str:
     from urllib.parse import urlsplit
 
     return url.rstrip("/") + "/v1" if urlsplit(url).path in ("", "/") else url
+
+
+def _template_kwargs(text: str | None) -> dict | None:
+    """--chat-template-kwargs: a JSON object of chat template variables."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InputError(f"--chat-template-kwargs must be a JSON object such as '{{\"enable_thinking\": false}}': "
+                         f"{exc}") from None
+    if not isinstance(value, dict):
+        raise InputError(f"--chat-template-kwargs must be a JSON object such as '{{\"enable_thinking\": false}}', "
+                         f"got {type(value).__name__}")
+    return value

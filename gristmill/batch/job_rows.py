@@ -50,6 +50,8 @@ def request_columns(original: dict, prompt_column: str | None, messages_column: 
            "pooling_params": decoded(original.get("pooling_params"))}
     if task == "score":
         return {**row, "text_1": original.get("text_1"), "text_2": original.get("text_2")}
+    if decoded(original.get("chat_template_kwargs")) is not None:
+        row["chat_template_kwargs"] = decoded(original["chat_template_kwargs"])
     column = messages_column or prompt_column
     if column is not None:
         value = decoded(original.get(column)) if messages_column else original.get(column)

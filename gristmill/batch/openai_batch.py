@@ -21,12 +21,14 @@ _EMBEDDING_PARAMS = ("dimensions", "normalize", "truncate_prompt_tokens")
 _EMBEDDING_IGNORED = {"model", "input", "user", "encoding_format"}
 _BATCH_KEYS = ("custom_id", "method", "url", "body")
 # Body fields copied into sampling_params, by their SamplingParams name.
+from gristmill.batch.rows import REASONING_COLUMN
+
 _BODY_PARAMS = {"max_completion_tokens": "max_tokens", **{name: name for name in (
     "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "n",
     "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "bad_words",
     "skip_special_tokens")}}
 # Body fields that change nothing here (a model name may be anything).
-_BODY_IGNORED = {"model", "messages", "prompt", "user", "stream", "stream_options", "metadata", "store"}
+_BODY_IGNORED = {"model", "messages", "prompt", "chat_template_kwargs", "user", "stream", "stream_options", "metadata", "store"}
 # Body fields that become sampling_params.structured_output.
 _BODY_CONSTRAINTS = ("response_format", "structured_outputs")
 
@@ -80,6 +82,7 @@ def batch_request_row(line: dict, task: str = "generate") -> dict:
     row = {"custom_id": line["custom_id"], "sampling_params": {k: v for k, v in params.items() if v is not None}}
     if BATCH_URLS[url] == "chat":
         row["messages"] = body.get("messages")
+        row["chat_template_kwargs"] = body.get("chat_template_kwargs")
         return row
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -144,6 +147,8 @@ def _completion_body(kind: str, out: dict, model: str) -> dict:
     choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
                "logprobs": None} if kind == "chat"
               else {"index": 0, "text": text, "finish_reason": reason, "logprobs": None})
+    if kind == "chat" and REASONING_COLUMN in out:  # a reasoning model: as the server answers
+        choice["message"].update(reasoning_content=out[REASONING_COLUMN], reasoning=out[REASONING_COLUMN])
     prompt_tokens, completion_tokens = out["num_input_tokens"], out["num_generated_tokens"]
     return {"id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}",
             "object": "chat.completion" if kind == "chat" else "text_completion", "created": int(time.time()),

@@ -14,6 +14,8 @@ def openai_request(request: RowRequest, model: str | None) -> tuple[str, dict]:
     params = request.sampling_params
     if request.messages is not None:
         method, body = "chat", {"messages": request.messages}
+        if request.chat_template_kwargs:
+            body["chat_template_kwargs"] = request.chat_template_kwargs
     else:
         prompt = request.prompt_token_ids if request.prompt_token_ids is not None else request.prompt
         method, body = "completions", {"prompt": prompt}
@@ -71,8 +73,12 @@ def generated_of(data: dict, where: str) -> Generated:
         text = choice["message"]["content"] if "message" in choice else choice["text"]
         usage = data.get("usage") or {}
         token_ids = [int(t) for t in choice.get("token_ids") or []]  # where the server returns them
+        message = choice.get("message") or {}
+        # (a reasoning model's server: vLLM's and gristmill's reasoning_content, or the newer reasoning)
+        reasoned = "reasoning_content" in message or "reasoning" in message
         return Generated(text or "", token_ids, int(usage.get("prompt_tokens", 0)),
-                         int(usage.get("completion_tokens", 0)), choice.get("finish_reason") or "stop")
+                         int(usage.get("completion_tokens", 0)), choice.get("finish_reason") or "stop",
+                         reasoning=message.get("reasoning_content", message.get("reasoning")), reasoned=reasoned)
     except (KeyError, IndexError, TypeError, ValueError) as exc:
         raise GenerationError(f"the response of {where} is not an OpenAI completion ({exc!r}): "
                               f"{str(data)[:200]}") from exc

@@ -28,7 +28,7 @@ from gristmill.batch.config import (DeploymentProcessorConfig, EngineProcessorCo
                                     ProcessorConfig)
 from gristmill.batch.deployment import get_deployment
 from gristmill.batch.engines import RowFailed, start_pool
-from gristmill.batch.rows import (ERROR_COLUMN, TEMPLATE_ERROR_COLUMN, TEMPLATED_COLUMN, RowRequest, error_columns,
+from gristmill.batch.rows import (ERROR_COLUMN, TEMPLATE_ERROR_COLUMN, TEMPLATED_COLUMN, RowRequest, chat_template_kwargs_of, error_columns,
                                   has_values, is_error_row, pooled_columns, pooling_params_of, result_columns,
                                   sampling_params_of)
 from gristmill.batch.stages import RowEngine
@@ -234,11 +234,14 @@ class Processor:
                                param="tokenized_prompt")
         templated = bool(row.get(TEMPLATED_COLUMN))  # rendered by a stage before this one
         if messages is not None and not templated and needs_template(row, config):
-            return engine.stages.chat(RowRequest(row_id, None, messages, token_ids, params), config)
+            kwargs = chat_template_kwargs_of(row, config.chat_template_kwargs)
+            return engine.stages.chat(RowRequest(row_id, None, messages, token_ids, params,
+                                                 chat_template_kwargs=kwargs), config)
         if prompt is not None and not isinstance(prompt, str):
             raise RequestError(f"'prompt' must be a string, got {type(prompt).__name__}", param="prompt")
         # A rendered chat holds its own special tokens.
-        request = RowRequest(row_id, prompt, None, token_ids, params, add_special_tokens=not templated)
+        request = RowRequest(row_id, prompt, None, token_ids, params, add_special_tokens=not templated,
+                             chat=templated)
         return engine.stages.tokenize(request, config)
 
 

@@ -32,6 +32,9 @@ OUTPUT_COLUMNS = ("generated_text", "generated_tokens", "num_input_tokens", "num
 #: each prompt token's logprob after the ones before it, the first null (scoring text by
 #: its likelihood); `gristmill batch --prompt-logprobs` gives it to every row.
 PROMPT_LOGPROBS_COLUMN = "prompt_logprobs"
+#: A chat row on a reasoning model also gets this column: its reasoning (None when it had
+#: none), while `generated_text` holds only the answer.
+REASONING_COLUMN = "reasoning"
 #: The column a pooling task's result goes in: `embeddings` and `probs` a list of float32,
 #: `score` a float.
 POOLED_COLUMNS = {"embed": "embeddings", "classify": "probs", "score": "score"}
@@ -68,6 +71,10 @@ class RowRequest:
     pooling_params: PoolingParams | None = None
     #: A score row's second text (its first is `prompt`).
     text_pair: str | None = None
+    #: More variables for the chat template (the processor's, merged with the row's own).
+    chat_template_kwargs: dict | None = None
+    #: `prompt` is a rendered chat: on a reasoning model its output's reasoning is split off.
+    chat: bool = False
 
 
 @dataclass
@@ -82,6 +89,10 @@ class Generated:
     #: With `sampling_params.prompt_logprobs`: each prompt token's logprob after the ones
     #: before it (None for the first); else None.
     prompt_logprobs: list[float | None] | None = None
+    #: A chat on a reasoning model: its reasoning (None when it had none), `text` being
+    #: only the answer; `reasoned` says the split was made (the row gets the column).
+    reasoning: str | None = None
+    reasoned: bool = False
 
 
 @dataclass
@@ -91,6 +102,18 @@ class Pooled:
     #: The embedding or the label probabilities (a list of floats), or the score (a float).
     value: list[float] | float
     num_input_tokens: int
+
+
+def chat_template_kwargs_of(row: dict, defaults: dict | None) -> dict | None:
+    """The variables a row's chat template gets: the processor's, with the row's own
+    `chat_template_kwargs` merged over them (a row's value wins, key by key; a null is a
+    missing value, as Arrow gives rows each other's keys)."""
+    given = row.get("chat_template_kwargs")
+    if given is not None and not isinstance(given, dict):
+        raise RequestError(f"chat_template_kwargs must be a dict of chat template variables, got "
+                           f"{type(given).__name__}", param="chat_template_kwargs")
+    merged = {**(defaults or {}), **{k: v for k, v in (given or {}).items() if v is not None}}
+    return merged or None
 
 
 def pooling_params_of(row: dict, defaults: dict) -> PoolingParams:
@@ -184,6 +207,7 @@ def result_columns(generated: Generated, time_taken: float, detokenize: bool = T
             "finish_reason": generated.finish_reason,
             "time_taken_llm": time_taken,
             ERROR_COLUMN: "",
+            **({REASONING_COLUMN: generated.reasoning} if generated.reasoned else {}),
             **({PROMPT_LOGPROBS_COLUMN: generated.prompt_logprobs} if generated.prompt_logprobs is not None else {})}
 
 

@@ -55,7 +55,7 @@ def _refuse_template_off(config: ProcessorConfig) -> None:
 
 class LocalStages:
     """The chat template and the tokenizer run here, before the engine, with its tokenizer.
-    `engine` has `render_chat(messages) -> str` and `tokenize(prompt, add_special_tokens)`."""
+    `engine` has `render_chat(messages, template_kwargs) -> str` and `tokenize(prompt, add_special_tokens)`."""
 
     def __init__(self, engine):
         self.engine = engine
@@ -63,8 +63,8 @@ class LocalStages:
     def chat(self, request: RowRequest, config: ProcessorConfig) -> RowRequest:
         _refuse_template_off(config)
         # A rendered chat holds its own special tokens.
-        rendered = replace(request, prompt=self.engine.render_chat(request.messages), messages=None,
-                           add_special_tokens=False)
+        rendered = replace(request, prompt=self.engine.render_chat(request.messages, request.chat_template_kwargs),
+                           messages=None, add_special_tokens=False, chat=True)
         return self.tokenize(rendered, config)
 
     def tokenize(self, request: RowRequest, config: ProcessorConfig) -> RowRequest:

@@ -60,6 +60,7 @@ def arrow_types() -> dict:
             "num_input_tokens": pa.int64(), "num_generated_tokens": pa.int64(),
             "finish_reason": pa.string(), "time_taken_llm": pa.float64(), "__inference_error__": pa.string(),
             "tokenized_prompt": pa.list_(pa.int64()), "prompt_logprobs": pa.list_(pa.float64()),
+            "reasoning": pa.string(),
             # pooling tasks' columns (rows.POOLED_COLUMNS)
             "embeddings": pa.list_(pa.float32()), "probs": pa.list_(pa.float32()), "score": pa.float64()}
 

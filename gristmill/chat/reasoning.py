@@ -186,6 +186,26 @@ def get_reasoning_parser(name: str) -> ReasoningParser:
                          f"{', '.join(sorted(REASONING_PARSERS))}") from None
 
 
+#: `EngineConfig.reasoning_parser`'s value that turns the split off, whatever the chat template.
+NO_PARSER = "none"
+
+
+def check_reasoning_parser_name(name: str | None) -> None:
+    """ValueError unless `name` is None (from the chat template), "none" or a known parser."""
+    if name is not None and name != NO_PARSER:
+        get_reasoning_parser(name)
+
+
+def choose_reasoning_parser(setting: str | None, chat_template: str | None) -> ReasoningParser | None:
+    """The parser an engine splits its chats with: `setting` (EngineConfig.reasoning_parser)
+    by name; None: the one the model's chat template calls for (`reasoning_parser_for`), if
+    any; "none": no split."""
+    if setting == NO_PARSER:
+        return None
+    name = setting if setting is not None else reasoning_parser_for(chat_template)
+    return None if name is None else get_reasoning_parser(name)
+
+
 def reasoning_parser_for(chat_template: str | None) -> str | None:
     """The name of the reasoning parser a chat template calls for, or None when the model
     does not reason. A template that mentions `<think>` or `</think>` and switches thinking

@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from gristmill import faults
+from gristmill.chat.reasoning import ReasoningParser, choose_reasoning_parser
 from gristmill.config import EngineConfig
 from gristmill.engine import builder
 from gristmill.engine.core import EngineCore
@@ -210,6 +211,10 @@ class EngineClient:
             self.core = self.start_core()
             capacity = self.core.capacity
         self.capacity = capacity
+        #: What keeps a chat's reasoning apart from its answer (EngineConfig.reasoning_parser,
+        #: or the model's chat template's), or None.
+        self.reasoning_parser = choose_reasoning_parser(config.reasoning_parser,
+                                                        getattr(self.tokenizer, "chat_template", None))
         #: The config as the core runs it: step limits left None are its device's defaults.
         self.config = dataclasses.replace(config, max_num_seqs=capacity.max_num_seqs,
                                           max_num_batched_tokens=capacity.max_num_batched_tokens)
@@ -432,6 +437,11 @@ class EngineFace:
     @property
     def inputs(self) -> InputProcessor:
         return self.client.inputs
+
+    @property
+    def reasoning_parser(self) -> ReasoningParser | None:
+        """What splits a chat's reasoning from its answer (None: no split)."""
+        return self.client.reasoning_parser
 
     @property
     def outputs(self) -> OutputProcessor:

@@ -36,7 +36,7 @@ import warnings
 from gristmill.batch import runtime
 from gristmill.batch.config import DeploymentProcessorConfig, EngineProcessorConfig, ProcessorConfig
 from gristmill.batch.processor import Processor, call_user, naming_row, needs_template, row_id_of
-from gristmill.batch.rows import ERROR_COLUMN, TEMPLATE_ERROR_COLUMN, TEMPLATED_COLUMN
+from gristmill.batch.rows import ERROR_COLUMN, TEMPLATE_ERROR_COLUMN, TEMPLATED_COLUMN, chat_template_kwargs_of
 from gristmill.batch.tables import arrow_table, arrow_types
 from gristmill.config import EngineConfig
 from gristmill.errors import EngineDeadError, GristmillError, RequestError, error_string, last_line, root_cause
@@ -256,7 +256,9 @@ class _ChatTemplate:
                 continue
             changed = True
             try:
-                row["prompt"] = render_chat(_tokenizer(self.config), row["messages"], add_generation_prompt=True)
+                row["prompt"] = render_chat(_tokenizer(self.config), row["messages"], add_generation_prompt=True,
+                                            template_kwargs=chat_template_kwargs_of(row,
+                                                                                   self.config.chat_template_kwargs))
                 row[TEMPLATED_COLUMN] = True
             except GristmillError as exc:
                 if not self.config.should_continue_on_error:

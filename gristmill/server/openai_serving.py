@@ -148,6 +148,7 @@ class OpenAIServing:
                    constraint_field=field, continuous_usage=_continuous_usage(body))
         job.return_token_ids = body.return_token_ids
         job.prompt_logprobs = body.prompt_logprobs
+        job.reasoning_parser, job.prompt_text = self.engine.reasoning_parser, text
         return job, [(text, body.add_special_tokens)], params
 
     def _prompt_text(self, prompt: str | list[int]) -> str:

@@ -6,6 +6,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from gristmill.chat.reasoning import REASONING, Delta, ReasoningParser
 from gristmill.engine.stream import RequestStream
 from gristmill.outputs import Logprob, RequestOutput
 
@@ -36,6 +37,10 @@ class Job:
     echo_logprobs: bool = False
     #: vLLM's prompt_logprobs field: the prompt's logprobs in its own shape, top-k of them.
     prompt_logprobs: int | None = None
+    #: A chat on a reasoning model: what keeps the reasoning apart from the answer, and
+    #: the rendered prompt (whether the template opened or closed the reasoning).
+    reasoning_parser: ReasoningParser | None = None
+    prompt_text: str | None = None
 
 
 class ChoiceStates:
@@ -47,6 +52,20 @@ class ChoiceStates:
         #: response does, never over the text handed out so far (which lags behind
         #: while it may begin a stop string).
         self.offsets = {(p, i): 0 for p in range(num_prompts) for i in range(n)}
+        #: A reasoning chat's split of each choice's text, as it streams.
+        self.reasoning = {}
+
+    def delta(self, job: Job, key: tuple[int, int], c) -> dict:
+        """A chat chunk's delta for the new text of choice `key`: its content, or on a
+        reasoning model its reasoning and content apart (text that may begin `</think>`
+        waits for the next chunk)."""
+        if job.reasoning_parser is None:
+            return {"content": c.delta_text}
+        if key not in self.reasoning:
+            self.reasoning[key] = job.reasoning_parser.stream(job.prompt_text)
+        stream = self.reasoning[key]
+        pieces = stream.feed(c.delta_text) + (stream.finish() if c.finish_reason is not None else [])
+        return reasoning_fields(pieces) or {"content": ""}
 
 
 class ResponseWriter:
@@ -72,10 +91,13 @@ class ResponseWriter:
             choices.finished.add(key)
         if not (c.delta_text or c.finish_reason or (c.token_ids and (job.want_logprobs or job.return_token_ids))):
             return None
+        content = choices.delta(job, key, c) if job.chat else c.delta_text
+        if content == {"content": ""} and job.reasoning_parser is not None and not (
+                c.finish_reason or (c.token_ids and (job.want_logprobs or job.return_token_ids))):
+            return None  # (its text waits: it may begin `</think>`)
         logprobs = self.logprobs(job, c, 0, choices.offsets[key])
         if logprobs and not job.chat:
             choices.offsets[key] += sum(len(text) for text in logprobs["tokens"])
-        content = {"content": c.delta_text} if job.chat else c.delta_text
         chunk = self.chunk(job, prompt_index * job.n + c.index, content, c.finish_reason, logprobs)
         if job.return_token_ids:
             chunk["choices"][0]["token_ids"] = list(c.token_ids)  # this chunk's tokens
@@ -107,6 +129,9 @@ class ResponseWriter:
                           "stop_reason": c.stop_reason, "logprobs": logprobs}
                 if job.chat:
                     choice["message"] = {"role": "assistant", "content": c.text}
+                    if job.reasoning_parser is not None:
+                        reasoning, content = job.reasoning_parser.split(c.text, job.prompt_text)
+                        choice["message"].update(content=content, reasoning_content=reasoning, reasoning=reasoning)
                 else:
                     echo = job.echo_texts[prompt_index] if job.echo_texts is not None else ""
                     choice["text"] = echo + c.text
@@ -189,6 +214,17 @@ def finite(logprob: float) -> float:
 def top(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
     """The k most likely tokens of a logprobs entry (which also holds the sampled token)."""
     return sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:k]
+
+
+def reasoning_fields(pieces: list[Delta]) -> dict:
+    """A chat delta of a reasoning stream's pieces: `reasoning_content` and `reasoning`
+    (vLLM's newer name; the same text) apart from `content`, each only when it has text."""
+    fields = {}
+    for piece in pieces:
+        names = ("reasoning_content", "reasoning") if piece.field == REASONING else ("content",)
+        for name in names:
+            fields[name] = fields.get(name, "") + piece.text
+    return fields
 
 
 def usage(job: Job, completion_tokens: int) -> dict:

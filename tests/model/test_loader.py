@@ -92,14 +92,17 @@ def _trained_bpe(byte_level: bool) -> tuple[list[str], list[str]]:
     return tokens, merges
 
 
-def _add_byte_level_vocab(writer, arch: str) -> int:
-    """A gpt2-style vocabulary (Qwen, Llama 3): byte-level tokens, merges, control tokens."""
+def _add_byte_level_vocab(writer, arch: str, variant: dict | None = None) -> int:
+    """A gpt2-style vocabulary (Qwen, Llama 3): byte-level tokens, merges, control tokens;
+    `variant` may give its "chat_template" and its "user_defined" tokens (not special)."""
+    variant = variant or {}
     tokens, merges = _trained_bpe(byte_level=True)
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    user_defined = list(variant.get("user_defined", ("<think>",)))
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("llama-bpe" if arch == "llama" else "qwen2")
-    writer.add_token_list(tokens + specials + ["<think>"])
-    writer.add_token_types([1] * len(tokens) + [3] * len(specials) + [4])
+    writer.add_token_list(tokens + specials + user_defined)
+    writer.add_token_types([1] * len(tokens) + [3] * len(specials) + [4] * len(user_defined))
     writer.add_token_merges(merges)
     writer.add_eos_token_id(len(tokens) + 2)
     writer.add_pad_token_id(len(tokens))
@@ -108,8 +111,8 @@ def _add_byte_level_vocab(writer, arch: str) -> int:
         writer.add_add_bos_token(True)
     else:
         writer.add_add_bos_token(False)
-    writer.add_chat_template(CHAT_TEMPLATE)
-    return len(tokens) + len(specials) + 1
+    writer.add_chat_template(variant.get("chat_template", CHAT_TEMPLATE))
+    return len(tokens) + len(specials) + len(user_defined)
 
 
 # Gemma vocabularies that differ from the usual one where the converter's own Gemma path
@@ -180,8 +183,8 @@ def _layer_tensors(arch: str) -> dict[str, tuple[int, ...]]:
 
 
 def write_tiny_gguf(path: Path, arch: str, vocab: str, variant: dict | None = None) -> Path:
-    """A one-layer `arch` model with a `vocab` ("gpt2" or "llama") vocabulary (a Gemma one
-    as `variant` says); the token embedding is Q8_0, the output F16, the rest F32."""
+    """A one-layer `arch` model with a `vocab` ("gpt2" or "llama") vocabulary (as `variant`
+    says: see _add_byte_level_vocab, GEMMA_VARIANTS); the token embedding is Q8_0, the output F16, the rest F32."""
     import gguf
 
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -201,7 +204,7 @@ def write_tiny_gguf(path: Path, arch: str, vocab: str, variant: dict | None = No
     if arch == "gemma3":
         writer.add_sliding_window(128)
     if vocab == "gpt2":
-        n_vocab = _add_byte_level_vocab(writer, arch)
+        n_vocab = _add_byte_level_vocab(writer, arch, variant)
     else:
         n_vocab = _add_sentencepiece_vocab(writer, arch, variant)
     rng = np.random.default_rng(len(arch))
