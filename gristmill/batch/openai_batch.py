@@ -11,6 +11,7 @@ import time
 import uuid
 
 from gristmill.batch.io import InputError
+from gristmill.batch.rows import REASONING_COLUMN
 from gristmill.errors import GristmillError, RequestError
 from gristmill.structured.grammars import check_constraint
 from gristmill.structured.spec import openai_constraint
@@ -21,14 +22,14 @@ _EMBEDDING_PARAMS = ("dimensions", "normalize", "truncate_prompt_tokens")
 _EMBEDDING_IGNORED = {"model", "input", "user", "encoding_format"}
 _BATCH_KEYS = ("custom_id", "method", "url", "body")
 # Body fields copied into sampling_params, by their SamplingParams name.
-from gristmill.batch.rows import REASONING_COLUMN
-
 _BODY_PARAMS = {"max_completion_tokens": "max_tokens", **{name: name for name in (
     "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "n",
     "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "bad_words",
     "skip_special_tokens")}}
 # Body fields that change nothing here (a model name may be anything).
-_BODY_IGNORED = {"model", "messages", "prompt", "chat_template_kwargs", "user", "stream", "stream_options", "metadata", "store"}
+# (a chat line's messages and chat_template_kwargs are read apart; a completion has no template)
+_BODY_IGNORED = {"model", "messages", "prompt", "chat_template_kwargs", "user", "stream", "stream_options", "metadata",
+                 "store"}
 # Body fields that become sampling_params.structured_output.
 _BODY_CONSTRAINTS = ("response_format", "structured_outputs")
 
