@@ -91,7 +91,7 @@ class LLM(EngineFace):
                 items.append((text, None))
             except RequestError as exc:
                 items.append((None, exc))
-        results = self._run(items, sampling_params, use_tqdm, add_special_tokens=False)
+        results = self._run(items, sampling_params, use_tqdm, add_special_tokens=False, chat=True)
         if self.reasoning_parser is not None:
             for (prompt_text, _), result in zip(items, results):
                 for output in result.outputs:
@@ -233,7 +233,7 @@ class LLM(EngineFace):
 
     # -- the loop --------------------------------------------------------------
 
-    def _run(self, items, sampling_params, use_tqdm: bool, add_special_tokens: bool = True):
+    def _run(self, items, sampling_params, use_tqdm: bool, add_special_tokens: bool = True, chat: bool = False):
         if self.dead_error is not None:
             raise EngineDeadError(self.dead_error.message)
         if self.client.task != "generate":
@@ -247,15 +247,15 @@ class LLM(EngineFace):
             if self.dead_error is not None:  # (another thread's call saw it die)
                 raise EngineDeadError(self.dead_error.message)
             try:
-                return self._run_locked(items, params_list, use_tqdm, add_special_tokens)
+                return self._run_locked(items, params_list, use_tqdm, add_special_tokens, chat)
             except BaseException:
                 # Ctrl-C, or anything else that leaves this call early: nothing of it may
                 # stay in the engine (its KV blocks, or steps run for it by the next call).
                 self.client.abort_all()
                 raise
 
-    def _run_locked(self, items, params_list, use_tqdm: bool, add_special_tokens: bool):
-        results = [self._add(prompt, params, early_error, add_special_tokens)
+    def _run_locked(self, items, params_list, use_tqdm: bool, add_special_tokens: bool, chat: bool):
+        results = [self._add(prompt, params, early_error, add_special_tokens, chat)
                    for (prompt, early_error), params in zip(items, params_list)]
         self._step_until_done(len(results), sum(r.finished for r in results), use_tqdm, "generate")
         return results
@@ -271,9 +271,10 @@ class LLM(EngineFace):
         finally:
             bar.close()
 
-    def _add(self, prompt, params: SamplingParams, early_error, add_special_tokens) -> RequestOutput:
+    def _add(self, prompt, params: SamplingParams, early_error, add_special_tokens, chat: bool) -> RequestOutput:
         """The request's output: the client's, filled in as it runs; one that is refused
-        before it reaches the engine ends at once with its error."""
+        before it reaches the engine ends at once with its error. `chat`: `prompt` is a
+        rendered chat (on a reasoning model, a constraint applies after the reasoning)."""
         request_id = str(next(self._ids))
         num_outputs = 1
         try:
@@ -284,7 +285,8 @@ class LLM(EngineFace):
             # Handed out only once finished: its text is decoded at its end, and the core
             # sends its tokens then, not every step.
             return self.client.add(prompt, params, request_id, output_kind="final",
-                                   add_special_tokens=add_special_tokens, token_times=False).output
+                                   add_special_tokens=add_special_tokens, token_times=False,
+                                   chat_prompt=prompt if chat else None).output
         except (RequestError, GenerationError) as exc:
             result = RequestOutput(request_id, prompt if isinstance(prompt, str) else None, [],
                                    [CompletionOutput(i) for i in range(num_outputs)])

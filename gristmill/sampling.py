@@ -83,6 +83,11 @@ class SamplingParams:
     #: top-k others at that place (`RequestOutput.prompt_logprobs`; None for the first
     #: token), as evaluation harnesses score text by its likelihood. None = off.
     prompt_logprobs: int | None = None
+    #: A chat on a reasoning model: most tokens its reasoning may take; once spent, the
+    #: reasoning's end marker (`</think>`) is forced, so the answer (under
+    #: `structured_output`, if given) always follows. None = no limit. Refused on an engine
+    #: without a reasoning parser and on prompts that are not chats (nothing to limit).
+    max_reasoning_tokens: int | None = None
     #: `validate()` passed and no field was assigned since: the engine's client does not
     #: check it again (a list or dict changed in place is not seen; the core checks
     #: every request it receives anyway).
@@ -166,6 +171,10 @@ class SamplingParams:
               f"{REPETITION_PENALTY_RANGE[1]}] (1 = off), got {self.repetition_penalty!r}")
         check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= (self.max_tokens or self.min_tokens), "min_tokens",
               f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        check(self.max_reasoning_tokens is None or (_is_int(self.max_reasoning_tokens)
+                                                    and self.max_reasoning_tokens >= 0),
+              "max_reasoning_tokens", f"max_reasoning_tokens must be an integer >= 0 (or None: no limit), "
+                                      f"got {self.max_reasoning_tokens!r}")
         check(len(self.bad_words) <= MAX_BAD_WORDS and all(isinstance(w, str) and w.strip() for w in self.bad_words),
               "bad_words", f"bad_words must be a list of at most {MAX_BAD_WORDS} non-blank strings, "
                            f"got {short(self.bad_words)}")

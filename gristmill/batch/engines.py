@@ -204,7 +204,8 @@ class _Replica:
             # A row reads its output once, at its end, and no time of its tokens: the
             # core sends them then, not every step.
             async for out in self.engine.generate(prompt, request.sampling_params, request_id, output_kind="final",
-                                                  token_times=False, add_special_tokens=request.add_special_tokens):
+                                                  token_times=False, add_special_tokens=request.add_special_tokens,
+                                                  chat_prompt=request.prompt if request.chat else None):
                 pass
             generated = Generated(out.text, list(out.token_ids), len(out.prompt_token_ids), len(out.token_ids),
                                   out.finish_reason, prompt_logprobs_of(out))

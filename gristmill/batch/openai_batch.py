@@ -25,7 +25,7 @@ _BATCH_KEYS = ("custom_id", "method", "url", "body")
 _BODY_PARAMS = {"max_completion_tokens": "max_tokens", **{name: name for name in (
     "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "n",
     "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "bad_words",
-    "skip_special_tokens")}}
+    "skip_special_tokens", "max_reasoning_tokens")}}
 # Body fields that change nothing here (a model name may be anything).
 # (a chat line's messages and chat_template_kwargs are read apart; a completion has no template)
 _BODY_IGNORED = {"model", "messages", "prompt", "chat_template_kwargs", "user", "stream", "stream_options", "metadata",

@@ -100,7 +100,8 @@ def _sampling_body(params) -> dict:
               "stop_token_ids": (list(params.stop_token_ids), []), "ignore_eos": (params.ignore_eos, False),
               "presence_penalty": (params.presence_penalty, 0.0), "frequency_penalty": (params.frequency_penalty, 0.0),
               "repetition_penalty": (params.repetition_penalty, 1.0), "min_tokens": (params.min_tokens, 0),
-              "bad_words": (list(params.bad_words), []), "skip_special_tokens": (params.skip_special_tokens, True)}
+              "bad_words": (list(params.bad_words), []), "skip_special_tokens": (params.skip_special_tokens, True),
+              "max_reasoning_tokens": (params.max_reasoning_tokens, None)}
     body.update({name: value for name, (value, default) in extras.items() if value != default})
     return body
 

@@ -99,7 +99,8 @@ class AsyncEngine(EngineFace):
 
     async def generate(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, *, add_special_tokens: bool = True,
-                       output_kind: str = "cumulative", token_times: bool = True) -> AsyncIterator[RequestOutput]:
+                       output_kind: str = "cumulative", token_times: bool = True,
+                       chat_prompt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; the last has `finished` set. Raises RequestError,
         PromptTooLongError, GenerationError, EngineOverloadedError or EngineDeadError.
         Cancelling the consuming task (or leaving the loop early) aborts the request.
@@ -107,9 +108,11 @@ class AsyncEngine(EngineFace):
         so far), "delta" (only what is new) or "final" (one output, at the end; nothing
         copied per step; aborted, it ends with no text). `token_times`: with "final",
         `metrics.token_arrivals` holds each token's time (when the core knew it); False:
-        the caller needs none (the arrivals are then one, at its end)."""
+        the caller needs none (the arrivals are then one, at its end). `chat_prompt`: the
+        rendered chat the prompt is; on a reasoning model its constraint applies after the
+        reasoning, and `max_reasoning_tokens` bounds that."""
         stream = self.add_request(prompt, sampling_params, request_id, add_special_tokens=add_special_tokens,
-                                  output_kind=output_kind, token_times=token_times)
+                                  output_kind=output_kind, token_times=token_times, chat_prompt=chat_prompt)
         try:
             async for output in stream:
                 yield output
@@ -119,13 +122,14 @@ class AsyncEngine(EngineFace):
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
                     request_id: str | None = None, *, add_special_tokens: bool = True,
                     max_buffered: int | None = None, output_kind: str = "cumulative",
-                    prompt_token_ids: list[int] | None = None, token_times: bool = True) -> RequestStream:
+                    prompt_token_ids: list[int] | None = None, token_times: bool = True,
+                    chat_prompt: str | None = None) -> RequestStream:
         """Validate and submit a request now (errors raise here, before any output), and
         return its stream. Call it from a running event loop. The caller must `aclose()`
         the stream (that aborts the request if unfinished; so does dropping the stream).
         `max_buffered`: outputs that may wait unread before the request is aborted (a
         reader too slow for it) and the stream ends with GenerationError. `output_kind`,
-        `token_times`: see `generate`. `prompt_token_ids`: the text prompt's ids from
+        `token_times`, `chat_prompt`: see `generate`. `prompt_token_ids`: the text prompt's ids from
         `tokenize`, so it is not tokenized again here."""
         if output_kind not in OUTPUT_KINDS:
             raise RequestError(f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {output_kind!r}",
@@ -136,7 +140,7 @@ class AsyncEngine(EngineFace):
         params = sampling_params or SamplingParams()
         return self._open_stream(prompt, request_id, max_buffered, lambda prompt, request_id: self.client.add(
             prompt, params, request_id, output_kind=output_kind, add_special_tokens=add_special_tokens,
-            prompt_token_ids=prompt_token_ids, token_times=token_times))
+            prompt_token_ids=prompt_token_ids, token_times=token_times, chat_prompt=chat_prompt))
 
     async def encode(self, prompt: str | list[int], pooling_params: PoolingParams | None = None,
                      request_id: str | None = None, *, kind: str = "encode", text_pair: str | None = None,

@@ -218,7 +218,7 @@ class EngineClient:
         #: The config as the core runs it: step limits left None are its device's defaults.
         self.config = dataclasses.replace(config, max_num_seqs=capacity.max_num_seqs,
                                           max_num_batched_tokens=capacity.max_num_batched_tokens)
-        self.inputs = InputProcessor(self.tokenizer, eos_token_ids, capacity)
+        self.inputs = InputProcessor(self.tokenizer, eos_token_ids, capacity, self.reasoning_parser)
         self.outputs = OutputProcessor(self.tokenizer, eos_token_ids=eos_token_ids)
         self._tracked: dict[str, Tracked] = {}
         self._by_child: dict[str, Tracked] = {}
@@ -256,9 +256,11 @@ class EngineClient:
 
     def add(self, prompt: str | list[int], params: SamplingParams, request_id: str, *,
             output_kind: str = "cumulative", add_special_tokens: bool = True,
-            prompt_token_ids: list[int] | None = None, token_times: bool = True) -> Tracked:
+            prompt_token_ids: list[int] | None = None, token_times: bool = True,
+            chat_prompt: str | None = None) -> Tracked:
         """Validate, tokenize and submit a request (`prompt_token_ids`: a text prompt's
-        ids, tokenized already). Raises RequestError or GenerationError (nothing of it is
+        ids, tokenized already; `chat_prompt`: the rendered chat the prompt is, whose
+        constraint on a reasoning model applies after the reasoning). Raises RequestError or GenerationError (nothing of it is
         kept then), EngineOverloadedError (past `max_waiting_requests`) or
         EngineDeadError. A request the core refuses at once (one in this process) comes
         back ended, with its error. `token_times`: with "final", the core
@@ -272,7 +274,8 @@ class EngineClient:
         if token_ids is None:
             token_ids = self.inputs.tokenize(prompt, add_special_tokens)
         requests = self.inputs.make_requests(request_id, token_ids, params, prompt_text,
-                                             send_at_end=output_kind == "final", token_times=token_times)
+                                             send_at_end=output_kind == "final", token_times=token_times,
+                                             chat_prompt=chat_prompt)
         child_ids = [r.request_id for r in requests]
         if request_id in self._tracked or any(c in self._by_child for c in child_ids):
             raise RequestError(f"request id {request_id!r} is already in use; use a unique id",

@@ -14,6 +14,7 @@ from gristmill.engine.request import Request
 from gristmill.engine.scheduler import Scheduler
 from gristmill.errors import RequestError
 from gristmill.step import SchedulerOutput, StepTokens
+from gristmill.structured.reasoning_gate import GatedMatcher, ReasoningGate
 from gristmill.structured.spec import parse_constraint
 from gristmill.tasks import is_pooling
 
@@ -131,7 +132,7 @@ class EngineCore:
             self.scheduler.add_request(request)
             return None
         try:
-            matcher = self._matcher(message.sampling_params, message.eos_token_ids)
+            matcher = self._matcher(message.sampling_params, message.eos_token_ids, message.reasoning)
         except RequestError as exc:
             return exc
         request = Request(request_id, list(message.prompt_token_ids), message.sampling_params,
@@ -142,18 +143,22 @@ class EngineCore:
         self.scheduler.add_request(request)
         return None
 
-    def _matcher(self, params, eos_token_ids: frozenset[int]):
+    def _matcher(self, params, eos_token_ids: frozenset[int], reasoning: ReasoningGate | None = None):
         """The structured-output matcher of a request, or None; a constraint the grammar
-        engine cannot compile is a RequestError, before the request takes anything."""
+        engine cannot compile is a RequestError, before the request takes anything. With
+        `reasoning`, the constraint (or none) applies after the reasoning."""
         constraint = parse_constraint(params.structured_output)
-        if constraint is None:
-            return None
-        if self._grammars is None:
-            if self._make_grammars is None:
-                raise RequestError("this engine has no grammar engine for structured_output",
-                                   param="structured_output")
-            self._grammars = self._make_grammars(frozenset(eos_token_ids))
-        return self._grammars.matcher(constraint)
+        matcher = None
+        if constraint is not None:
+            if self._grammars is None:
+                if self._make_grammars is None:
+                    raise RequestError("this engine has no grammar engine for structured_output",
+                                       param="structured_output")
+                self._grammars = self._make_grammars(frozenset(eos_token_ids))
+            matcher = self._grammars.matcher(constraint)
+        if reasoning is not None:
+            return GatedMatcher(matcher, reasoning, frozenset(eos_token_ids))
+        return matcher
 
     def abort(self, request_ids, reason: str = "abort") -> None:
         for request_id in request_ids:

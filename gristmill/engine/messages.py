@@ -19,6 +19,7 @@ from gristmill.config import EngineConfig
 from gristmill.outputs import Logprob
 from gristmill.pooling_params import PoolerInfo, PoolingParams
 from gristmill.sampling import SamplingParams
+from gristmill.structured.reasoning_gate import ReasoningGate
 
 
 @dataclass(slots=True)
@@ -79,6 +80,10 @@ class AddRequest:
     #: A text pair's token types (0: the first text, 1: the second), for the models
     #: that read them (BERT); None: all 0.
     token_type_ids: list[int] | None = None
+    #: A chat on a reasoning model whose constraint applies after the reasoning, or
+    #: whose reasoning has a budget (`sampling_params.max_reasoning_tokens`); None: the
+    #: constraint, if any, applies from the first token.
+    reasoning: ReasoningGate | None = None
 
 
 @dataclass(slots=True)

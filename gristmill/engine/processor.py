@@ -10,11 +10,13 @@ from __future__ import annotations
 import numbers
 
 from gristmill import faults
+from gristmill.chat.reasoning import CONTENT, REASONING, ReasoningParser
 from gristmill.engine.kv_blocks import blocks_needed
 from gristmill.engine.messages import AddRequest, Capacity
 from gristmill.errors import GenerationError, PromptTooLongError, RequestError
 from gristmill.pooling_params import PoolingParams
 from gristmill.sampling import SamplingParams
+from gristmill.structured.reasoning_gate import ReasoningGate
 
 
 #: The sampling params a pooling request carries (AddRequest needs some): it samples nothing.
@@ -22,10 +24,14 @@ POOLING_SAMPLING = SamplingParams(max_tokens=1, temperature=0.0)
 
 
 class InputProcessor:
-    def __init__(self, tokenizer, eos_token_ids: frozenset[int], capacity: Capacity):
+    def __init__(self, tokenizer, eos_token_ids: frozenset[int], capacity: Capacity,
+                 reasoning_parser: ReasoningParser | None = None):
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.capacity = capacity
+        #: The engine's reasoning parser: a chat's constraint applies after its reasoning.
+        self.reasoning_parser = reasoning_parser
+        self._marker_ids: dict[str, tuple[int, ...]] = {}
 
     def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         """Token ids of a prompt. Invalid input raises RequestError; a tokenizer failure
@@ -47,8 +53,10 @@ class InputProcessor:
 
     def make_requests(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                       prompt: str | None = None, send_at_end: bool = False,
-                      token_times: bool = False) -> list[AddRequest]:
+                      token_times: bool = False, chat_prompt: str | None = None) -> list[AddRequest]:
         """One AddRequest per completion (`params.n`); raises RequestError when invalid.
+        `chat_prompt`: the rendered chat the prompt is (None: not a chat), whose output
+        on a reasoning model reasons first (`reasoning_gate`).
         `params.max_tokens=None` becomes the room left after this prompt. `send_at_end`:
         the caller reads nothing of the request before its end, so the core sends its
         tokens once, then (`AddRequest.send_at_end`), unless the client needs them as they
@@ -69,15 +77,46 @@ class InputProcessor:
                                f"[0, {self.capacity.vocab_size})", param="logit_bias")
         fault_tag = prompt if faults.ACTIVE else None
         bad_words = self.bad_words_ids(params.bad_words)
+        gate = self.reasoning_gate(params, chat_prompt)
         send_at_end = send_at_end and not params.stop and params.logprobs is None
         token_times = send_at_end and token_times
         if params.n == 1:
             return [AddRequest(request_id, prompt_token_ids, params, self.eos_token_ids, fault_tag, bad_words,
-                               send_at_end, token_times)]
+                               send_at_end, token_times, reasoning=gate)]
         return [AddRequest(child_request_id(request_id, i), prompt_token_ids,
                            params.derived(n=1, seed=_child_seed(params.seed, i)), self.eos_token_ids, fault_tag,
-                           bad_words, send_at_end, token_times)
+                           bad_words, send_at_end, token_times, reasoning=gate)
                 for i in range(params.n)]
+
+    def reasoning_gate(self, params: SamplingParams, chat_prompt: str | None) -> ReasoningGate | None:
+        """What keeps a chat's constraint off its reasoning and bounds the reasoning
+        (`max_reasoning_tokens`), or None: not a chat on a reasoning model, a prompt that
+        closed the reasoning (Qwen3's enable_thinking=False), or neither a constraint nor
+        a budget. A budget with nothing to bound is refused, never ignored."""
+        parser, budget = self.reasoning_parser, params.max_reasoning_tokens
+        if budget is not None and parser is None:
+            raise RequestError("max_reasoning_tokens limits a reasoning model's reasoning, and this engine has no "
+                               "reasoning parser (its model's chat template writes no <think>); leave "
+                               "max_reasoning_tokens out, or start the engine with one (--reasoning-parser NAME, "
+                               "EngineConfig.reasoning_parser)", param="max_reasoning_tokens")
+        if budget is not None and chat_prompt is None:
+            raise RequestError("max_reasoning_tokens limits the reasoning of a chat, and this prompt is not one (a "
+                               "completion's output is not split into reasoning and answer); send the messages as "
+                               "a chat, or leave max_reasoning_tokens out", param="max_reasoning_tokens")
+        if parser is None or chat_prompt is None or (budget is None and not params.structured_output):
+            return None
+        initial = parser.initial_field(chat_prompt)
+        if initial == CONTENT:
+            return None
+        start = self._markers(parser.start_marker)
+        return ReasoningGate(self._markers(parser.end_marker), opened=initial == REASONING,
+                             start_token_id=start[0] if len(start) == 1 else None, max_tokens=budget)
+
+    def _markers(self, marker: str) -> tuple[int, ...]:
+        """A reasoning marker's token ids (read once)."""
+        if marker not in self._marker_ids:
+            self._marker_ids[marker] = tuple(self.tokenizer.encode(marker, add_special_tokens=False))
+        return self._marker_ids[marker]
 
     def tokenize_for_pooling(self, prompt: str | list[int], params: PoolingParams, add_special_tokens: bool = True,
                              pair: str | None = None) -> tuple[list[int], list[int] | None]:
@@ -232,6 +271,13 @@ def check_add_request(message: AddRequest, capacity: Capacity) -> None:
             for word in words):
         raise RequestError("bad_words_ids must be non-empty sequences of token ids in the vocabulary",
                            param="bad_words")
+    if message.reasoning is not None:
+        try:
+            if not isinstance(message.reasoning, ReasoningGate):
+                raise ValueError(f"reasoning must be a ReasoningGate, got {type(message.reasoning).__name__}")
+            message.reasoning.check(capacity.vocab_size)
+        except ValueError as exc:
+            raise RequestError(str(exc), param="max_reasoning_tokens") from None
 
 
 def check_pooling_request(params: PoolingParams | None, capacity: Capacity) -> None:

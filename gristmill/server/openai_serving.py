@@ -181,7 +181,7 @@ class OpenAIServing:
                 min_tokens=body.min_tokens or 0, bad_words=body.bad_words or [],
                 skip_special_tokens=body.skip_special_tokens,
                 include_stop_str_in_output=body.include_stop_str_in_output,
-                prompt_logprobs=body.prompt_logprobs), field
+                prompt_logprobs=body.prompt_logprobs, max_reasoning_tokens=body.max_reasoning_tokens), field
         except RequestError as exc:
             raise named_for(exc, field) from None
 
@@ -217,7 +217,8 @@ class OpenAIServing:
                 handle = self.engine.add_request(prompt, params, f"{job.request_id}-{i}",
                                                  add_special_tokens=special,
                                                  max_buffered=self.limits.max_stream_buffer,
-                                                 output_kind=output_kind, prompt_token_ids=token_ids)
+                                                 output_kind=output_kind, prompt_token_ids=token_ids,
+                                                 chat_prompt=prompt if job.chat else None)
                 job.streams.append(handle)
                 job.prompt_tokens += len(handle.prompt_token_ids)
         except Exception:

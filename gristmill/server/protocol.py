@@ -49,7 +49,7 @@ class _SamplingFields(BaseModel):
 
     _sampling_numbers = field_validator("temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "n",
                                "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
-                               "prompt_logprobs", mode="before")(_no_booleans)
+                               "prompt_logprobs", "max_reasoning_tokens", mode="before")(_no_booleans)
 
     model: str | None = None
     temperature: float | None = Field(default=None, ge=0, le=2)
@@ -84,6 +84,10 @@ class _SamplingFields(BaseModel):
     #: vLLM's extra-body field: each prompt token's logprob and the top-k at its place
     #: (`prompt_logprobs` on each choice of a completion, on a chat response).
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
+    #: gristmill's extra-body field: a chat's reasoning takes at most this many tokens
+    #: before `</think>` is forced (SamplingParams.max_reasoning_tokens; on a completion,
+    #: or a model without a reasoning parser, a 400).
+    max_reasoning_tokens: int | None = Field(default=None, ge=0)
 
     def unsupported_field(self) -> str | None:
         """The first field of the body, not modelled here, that would change the output."""

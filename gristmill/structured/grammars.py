@@ -6,7 +6,8 @@ both end to end on Gemma 3's 262k-token vocabulary: llguidance gave the higher
 throughput under a realistic schema and compiles one in milliseconds where xgrammar took
 over half a second (docs/structured_output.md). Everything the engine needs goes through
 a `Grammars`-like object (`matcher(constraint)`), `Matcher` (accept, finished, error,
-fill_mask, allows) and `fill_masks`; the sampler applies the masks (gristmill.model.masking).
+fill_mask, allows) and `fill_masks`; a constraint that applies after a reasoning wraps its
+matcher in `reasoning_gate.GatedMatcher`, of the same interface; the sampler applies the masks (gristmill.model.masking).
 
 Compiled grammars are cached per constraint for the life of the engine (one tokenizer).
 Checking a constraint (`check`, where SamplingParams are built) imports no torch.
@@ -67,6 +68,15 @@ class Matcher:
         """Whether the grammar surely allows `token_id` next, without advancing; False
         when the engine cannot tell cheaply (xgrammar): the caller then fills the mask."""
         return False
+
+    def grammar_for_mask(self) -> Matcher | None:
+        """The matcher whose grammar mask this one's mask starts from (itself; a matcher
+        that gates a grammar, gristmill.structured.reasoning_gate, may give its inner one
+        or none), so `fill_masks` fills every grammar's mask in one call."""
+        return self
+
+    def adjust_mask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Make `bitmask[row]` this matcher's mask once `grammar_for_mask()`'s is in it."""
 
 
 class _LLGuidanceMatcher(Matcher):
@@ -301,16 +311,20 @@ def fill_masks(matchers: list[Matcher], bitmask: torch.Tensor) -> None:
     """Row k of `bitmask` (int32, on the host) = the mask of `matchers[k]`; llguidance
     matchers fill theirs on the engine's own threads, all at once."""
     global _executor
-    if matchers and all(isinstance(m, _LLGuidanceMatcher) for m in matchers):
+    grammars = [(k, grammar) for k, grammar in enumerate(m.grammar_for_mask() for m in matchers)
+                if grammar is not None]
+    if grammars and all(isinstance(g, _LLGuidanceMatcher) for _, g in grammars):
         import llguidance
         if _executor is None:
             _executor = llguidance.LLExecutor()
         _check_bitmask(bitmask)
-        _executor.unsafe_compute_mask_ptr([(m._matcher, k) for k, m in enumerate(matchers)], bitmask.data_ptr(),
+        _executor.unsafe_compute_mask_ptr([(g._matcher, k) for k, g in grammars], bitmask.data_ptr(),
                                           bitmask.shape[1] * 4, bitmask.shape[0])
-        return
+    else:
+        for k, grammar in grammars:
+            grammar.fill_mask(bitmask, k)
     for k, matcher in enumerate(matchers):
-        matcher.fill_mask(bitmask, k)
+        matcher.adjust_mask(bitmask, k)
 
 
 def _check_bitmask(bitmask: torch.Tensor) -> None:
