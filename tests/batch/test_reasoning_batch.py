@@ -10,7 +10,8 @@ import json
 import pytest
 
 from gristmill import EngineConfig
-from gristmill.batch import EngineProcessorConfig, build_processor
+from gristmill.batch import ERROR_COLUMN, EngineProcessorConfig, build_processor
+from gristmill.batch.openai_batch import batch_request_row
 from gristmill.tokenizer import render_chat
 from tests.batch.inprocess import batch_main
 from tests.chat.reasoning_models import TEMPLATES, cache_dir, tiny_reasoning_model
@@ -81,3 +82,20 @@ def test_bad_chat_template_kwargs_are_refused(engine, tmp_path):
     source.write_text(json.dumps({"messages": MESSAGES}) + "\n")
     ran = batch_main(source, "-o", tmp_path / "out.jsonl", "--chat-template-kwargs", "[1]")
     assert ran.returncode == 1 and "--chat-template-kwargs must be a JSON object" in ran.stderr
+
+
+def test_a_chat_rows_constraint_applies_after_its_reasoning(engine):
+    constrained = {"max_tokens": 24, "temperature": 0, "max_reasoning_tokens": 3,
+                   "structured_output": {"choice": ["yes", "no"]}}
+    processor = build_processor(EngineProcessorConfig(engine=engine, should_continue_on_error=True))
+    chat, plain = processor([{"messages": MESSAGES, "sampling_params": constrained},
+                             {"prompt": "2+2=", "sampling_params": constrained}])
+    assert chat["generated_tokens"][3] == CLOSE  # three reasoning tokens, then the forced </think>
+    assert chat["reasoning"] and chat["generated_text"] in ("yes", "no") and not chat[ERROR_COLUMN]
+    assert plain[ERROR_COLUMN].startswith("RequestError: max_reasoning_tokens limits the reasoning of a chat")
+
+
+def test_an_openai_batch_body_takes_max_reasoning_tokens():
+    line = {"custom_id": "a", "url": "/v1/chat/completions",
+            "body": {"messages": MESSAGES, "max_reasoning_tokens": 4}}
+    assert batch_request_row(line)["sampling_params"]["max_reasoning_tokens"] == 4
