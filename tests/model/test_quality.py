@@ -8,10 +8,11 @@ Prejudice (1813). `benchmarks/quality.py` prints the same figures.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from gristmill import SamplingParams
-from gristmill.model.quality import perplexity, tokens_before_first_difference
+from gristmill.model.quality import tokens_before_first_difference
 
 TEXT = Path(__file__).parent.parent / "data" / "public_domain_english.txt"
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at", "The three primary colors are",
@@ -28,10 +29,19 @@ TIE = 0.1  # logprob: closer than this in the float model, two tokens are a tie
 PERPLEXITY_CHARS = 5300
 
 
-def test_int8_perplexity_within_two_percent_of_float():
+def _perplexity(llm, text: str) -> tuple[float, int]:
+    """(perplexity of `text` under the engine's model, its number of tokens), from the
+    prompt logprobs a user asks for (`SamplingParams.prompt_logprobs`)."""
+    [out] = llm.generate(text, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    ids = out.prompt_token_ids
+    scored = [entry[token].logprob for token, entry in zip(ids[1:], out.prompt_logprobs[1:])]
+    return math.exp(-sum(scored) / len(scored)), len(ids)
+
+
+def test_int8_perplexity_within_two_percent_of_float(default_llm, float_llm):
     text = TEXT.read_text()[:PERPLEXITY_CHARS]
-    float_ppl, num_tokens = perplexity(text, None, max_tokens=2048)
-    int8_ppl, _ = perplexity(text, "int8", max_tokens=2048)
+    float_ppl, num_tokens = _perplexity(float_llm, text)
+    int8_ppl, _ = _perplexity(default_llm, text)
     assert num_tokens > 1000
     assert 1 < float_ppl < 100, f"float perplexity {float_ppl:.2f}: the model or the text is off"
     change = int8_ppl / float_ppl - 1
