@@ -1,4 +1,4 @@
-"""64 rows mixing a nested JSON schema, a regex (a date), a choice list and unconstrained
+"""200 rows mixing a nested JSON schema, a regex (a date), a choice list and unconstrained
 rows on the real bundled model, through every face: LLM.generate, the server with the real
 openai client (`response_format` json_schema, `structured_outputs`), `gristmill batch`
 with `--json-schema`, and an OpenAI Batch file. Every constrained output that finished
@@ -38,7 +38,7 @@ CUSTOMER = {
 DATE = r"20[0-9]{2}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])"
 MOODS = ["positive", "negative", "neutral"]
 KINDS = ("json", "regex", "choice", "free")
-N = 64  # 16 of each kind: every face meets every kind of constraint, the real model writes them
+N = 200
 
 
 def _row(i: int) -> tuple[str, str, dict | None, int]:
@@ -73,7 +73,7 @@ def _check(kind: str, text: str, finish_reason: str) -> bool:
 
 @pytest.fixture(scope="module")
 def generated(default_llm):
-    """The rows through LLM.generate: their RequestOutputs."""
+    """The 200 rows through LLM.generate: their RequestOutputs."""
     params = [SamplingParams(max_tokens=m, temperature=0, structured_output=so) for _, _, so, m in ROWS]
     return default_llm.generate([p for _, p, _, _ in ROWS], params, use_tqdm=False)
 
