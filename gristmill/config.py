@@ -7,6 +7,7 @@ import random
 from dataclasses import Field, dataclass, field, fields, replace
 
 from gristmill.chat.reasoning import REASONING_PARSERS, check_reasoning_parser_name
+from gristmill.chat.tool_calls import NO_PARSER, TOOL_PARSERS, get_tool_parser
 from gristmill.errors import RequestError
 from gristmill.pooling_params import TASKS
 
@@ -82,6 +83,12 @@ class EngineConfig:
               f"answer: {', '.join(map(repr, REASONING_PARSERS))}; None = chosen from the model's chat "
               "template (one that writes <think>: 'qwen3' when it has enable_thinking, else "
               "'deepseek_r1'; no split for other models); 'none' = no split, whatever the template.")
+    tool_call_parser: str | None = _field(
+        None, "How a chat's tool calls are read from its answer: "
+              f"{', '.join(map(repr, TOOL_PARSERS))}; None = chosen from the model's chat template "
+              "('hermes' when it writes <tool_call>, 'pythonic' for Llama 3.2 / 4's pythonic "
+              "instruction, 'llama3_json' for <|python_tag|>; none for other models: a request "
+              "with tools is then refused); 'none' = no tool calls, whatever the template.")
     seed: int | None = _field(
         0, "Seed of the engine's random stream, used by requests without a seed of their own; "
            "None = a random one.")
@@ -152,6 +159,11 @@ class EngineConfig:
             check_reasoning_parser_name(self.reasoning_parser)
         except ValueError as exc:
             check(False, "reasoning_parser", f"{exc} (or None: from the chat template; 'none': no split)")
+        if self.tool_call_parser not in (None, NO_PARSER):
+            try:
+                get_tool_parser(self.tool_call_parser)
+            except (ValueError, TypeError) as exc:
+                check(False, "tool_call_parser", f"{exc} (or None: from the chat template; 'none': no tool calls)")
         check(self.max_waiting_requests is None or _positive_int(self.max_waiting_requests),
               "max_waiting_requests", f"must be a positive integer or None, got {self.max_waiting_requests!r}")
         for name in ("step_timeout_s", "start_timeout_s"):

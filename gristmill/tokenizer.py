@@ -177,11 +177,13 @@ def _write_atomically(path: Path, data: bytes) -> None:
 
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
                 continue_final_message: bool = False, template_kwargs: dict | None = None,
-                chat_template: str | None = None) -> str:
+                chat_template: str | None = None, tools: list[dict] | None = None) -> str:
     """A conversation rendered with the tokenizer's chat template (or `chat_template`, a
     Jinja text); RequestError when the messages are malformed or the template rejects
     them. `continue_final_message`: the last message (the assistant's) is left open for
-    the model to continue; `template_kwargs`: more variables for the template."""
+    the model to continue; `template_kwargs`: more variables for the template; `tools`:
+    OpenAI tool entries, which the template writes as it writes them (an assistant
+    message's `tool_calls` and a `tool` message's `tool_call_id` reach it too)."""
     from gristmill.errors import RequestError
 
     if not isinstance(messages, list) or not messages or not all(
@@ -196,8 +198,8 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
         raise RequestError(f"each message's role must be a non-empty string such as 'system', 'user' or "
                            f"'assistant', got {bad_roles[0]!r}", param="messages")
     # OpenAI's developer messages are its newer name for system messages; templates know only those.
-    flat = [{"role": "system" if m["role"] == "developer" else m["role"], "content": _text_content(m["content"])}
-            for m in messages]
+    flat = [{"role": "system" if m["role"] == "developer" else m["role"], "content": _text_content(m["content"]),
+             **_tool_fields(m)} for m in messages]
     if template_kwargs is not None and not isinstance(template_kwargs, dict):
         raise RequestError(f"chat_template_kwargs must be a dict, got {type(template_kwargs).__name__}",
                            param="chat_template_kwargs")
@@ -213,10 +215,40 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
             raise RequestError("chat_template must be a Jinja template text", param="chat_template")
         kwargs["chat_template"] = chat_template
     try:
+        if tools:
+            kwargs["tools"] = tools
         return tokenizer.apply_chat_template(flat, tokenize=False, add_generation_prompt=add_generation_prompt,
                                              **kwargs)
     except Exception as exc:  # the template raises on e.g. roles out of order
         raise RequestError(f"the chat template rejected these messages: {exc}", param="messages") from exc
+
+
+def _tool_fields(message: dict) -> dict:
+    """A message's tool fields as chat templates read them: `tool_call_id` and `name` (a
+    tool result), `tool_calls` (an assistant's) with each call's arguments as an object,
+    where OpenAI sends them as JSON text (Qwen's and Llama's templates dump them again)."""
+    from gristmill.errors import RequestError
+
+    fields = {key: message[key] for key in ("tool_call_id", "name") if message.get(key) is not None}
+    calls = message.get("tool_calls")
+    if not calls:
+        return fields
+    if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("function"), dict)
+                                              and isinstance(c["function"].get("name"), str) for c in calls):
+        raise RequestError("an assistant message's tool_calls must be a list of {\"id\": ..., \"type\": \"function\", "
+                           "\"function\": {\"name\": ..., \"arguments\": JSON text}}", param="messages")
+    fields["tool_calls"] = []
+    for call in calls:
+        arguments = call["function"].get("arguments") or {}
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                raise RequestError(f"the arguments of tool call {call.get('id')!r} are not valid JSON: "
+                                   f"{arguments[:80]!r}", param="messages") from None
+        fields["tool_calls"].append({**call, "type": "function",
+                                     "function": {"name": call["function"]["name"], "arguments": arguments}})
+    return fields
 
 
 def _text_content(content) -> str:

@@ -33,7 +33,10 @@ from gristmill.chat.call_formats import Hermes, Llama3Json, Pythonic, ToolCall
 from gristmill.errors import RequestError
 
 __all__ = ["ToolCall", "ParsedCalls", "ToolDelta", "ToolCallParser", "ToolCallStream", "TOOL_PARSERS",
-           "get_tool_parser", "tool_parser_for", "call_schema", "new_call_id"]
+           "get_tool_parser", "tool_parser_for", "choose_tool_parser", "tool_function", "call_schema", "new_call_id", "NO_PARSER"]
+
+#: The `tool_call_parser` setting that turns tool-call parsing off, whatever the template.
+NO_PARSER = "none"
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,6 +209,16 @@ def get_tool_parser(name: str) -> ToolCallParser:
                          f"{', '.join(sorted(TOOL_PARSERS))}") from None
 
 
+def choose_tool_parser(setting: str | None, chat_template: str | None) -> ToolCallParser | None:
+    """The parser an engine reads its chats' calls with: `setting` (EngineConfig.tool_call_parser)
+    by name; None: the one the model's chat template calls for (`tool_parser_for`), if any;
+    "none": none."""
+    if setting == NO_PARSER:
+        return None
+    name = setting if setting is not None else tool_parser_for(chat_template)
+    return None if name is None else get_tool_parser(name)
+
+
 def tool_parser_for(chat_template: str | None) -> str | None:
     """The name of the tool-call parser a chat template calls for, or None: `<tool_call>`
     (Hermes, Qwen 2.5, Qwen3) is "hermes"; the `[func_name1(params_name1=...` instruction
@@ -232,7 +245,7 @@ def call_schema(tools: list[dict], tool_choice, parser_name: str) -> dict:
     For syntax "python" the same call is written `name(key=value, ...)`. `tools` are
     OpenAI tool entries; anything else, or a choice that forces no call, is a RequestError."""
     parser = get_tool_parser(parser_name)
-    functions = [_function(tool) for tool in tools or ()]
+    functions = [tool_function(tool) for tool in tools or ()]
     if not functions:
         raise RequestError("tool_choice forces a tool call but the request lists no tools; send tools",
                            param="tools")
@@ -254,7 +267,7 @@ def call_schema(tools: list[dict], tool_choice, parser_name: str) -> dict:
             "end": parser.call_end, "separator": parser.call_separator, "syntax": parser.syntax}
 
 
-def _function(tool) -> dict:
+def tool_function(tool) -> dict:
     """An OpenAI tool entry -> {"name", "parameters"} (parameters default to any object)."""
     function = tool.get("function") if isinstance(tool, dict) and tool.get("type", "function") == "function" else None
     if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:

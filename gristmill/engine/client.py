@@ -27,6 +27,7 @@ from pathlib import Path
 
 from gristmill import faults
 from gristmill.chat.reasoning import ReasoningParser, choose_reasoning_parser
+from gristmill.chat.tool_calls import ToolCallParser, choose_tool_parser
 from gristmill.config import EngineConfig
 from gristmill.engine import builder
 from gristmill.engine.core import EngineCore
@@ -215,6 +216,9 @@ class EngineClient:
         #: or the model's chat template's), or None.
         self.reasoning_parser = choose_reasoning_parser(config.reasoning_parser,
                                                         getattr(self.tokenizer, "chat_template", None))
+        #: What reads a chat's tool calls (EngineConfig.tool_call_parser, or the model's chat
+        #: template's), or None: requests with tools are refused.
+        self.tool_parser = choose_tool_parser(config.tool_call_parser, getattr(self.tokenizer, "chat_template", None))
         #: The config as the core runs it: step limits left None are its device's defaults.
         self.config = dataclasses.replace(config, max_num_seqs=capacity.max_num_seqs,
                                           max_num_batched_tokens=capacity.max_num_batched_tokens)
@@ -445,6 +449,11 @@ class EngineFace:
     def reasoning_parser(self) -> ReasoningParser | None:
         """What splits a chat's reasoning from its answer (None: no split)."""
         return self.client.reasoning_parser
+
+    @property
+    def tool_parser(self) -> ToolCallParser | None:
+        """What reads a chat's tool calls (None: the model has no call format)."""
+        return self.client.tool_parser
 
     @property
     def outputs(self) -> OutputProcessor:

@@ -16,6 +16,7 @@ import uuid
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from gristmill.chat.tool_choice import tool_request
 from gristmill.engine.async_engine import AsyncEngine, RequestStream
 from gristmill.errors import EngineDeadError, RequestError
 from gristmill.structured.spec import named_for, openai_constraint
@@ -135,28 +136,32 @@ class OpenAIServing:
         self._check_generates(CHAT_PATH)
         self._check_limits(body)
         check_chat(body, self.limits)
+        tools = tool_request(body.tools, body.tool_choice, body.parallel_tool_calls, self.engine.tool_parser)
         messages = [m.model_dump() for m in body.messages]
         text = render_chat(self.engine.tokenizer, messages, add_generation_prompt=body.add_generation_prompt,
                            continue_final_message=body.continue_final_message,
-                           template_kwargs=body.chat_template_kwargs)
+                           template_kwargs=body.chat_template_kwargs, tools=tools and tools.tools)
         # None, as vLLM: whatever room the context leaves (counted where the prompt is tokenized).
         max_tokens = body.max_completion_tokens or body.max_tokens
         top = (body.top_logprobs or 0) if body.logprobs else None
-        params, field = self._params(body, max_tokens, top)
+        params, field = self._params(body, max_tokens, top, tools and tools.constraint())
         job = Job(True, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), body.n, body.logprobs,
                    bool(body.stream_options and body.stream_options.include_usage), top or 0,
                    constraint_field=field, continuous_usage=_continuous_usage(body))
         job.return_token_ids = body.return_token_ids
         job.prompt_logprobs = body.prompt_logprobs
         job.reasoning_parser, job.prompt_text = self.engine.reasoning_parser, text
+        job.tool_parser = tools and tools.parser
         return job, [(text, body.add_special_tokens)], params
 
     def _prompt_text(self, prompt: str | list[int]) -> str:
         """The prompt as echo returns it: token ids are decoded as the engine reads them."""
         return prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(prompt)
 
-    def _params(self, body, max_tokens: int | None, logprobs: int | None) -> tuple[SamplingParams, str | None]:
-        """The request's SamplingParams, and the field its constraint came from."""
+    def _params(self, body, max_tokens: int | None, logprobs: int | None,
+                forced_call: dict | None = None) -> tuple[SamplingParams, str | None]:
+        """The request's SamplingParams, and the field its constraint came from;
+        `forced_call`: the constraint of a chat's tool_choice that forces a call."""
         unsupported = body.unsupported_field()
         if unsupported == "extra_body":
             raise RequestError("extra_body is the openai client's keyword argument, not a field: send its fields "
@@ -169,6 +174,11 @@ class OpenAIServing:
                                param="prompt_logprobs")
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         structured, field = openai_constraint(body.response_format, body.structured_outputs)
+        if forced_call is not None:
+            if structured is not None:
+                raise RequestError(f"tool_choice forces a tool call, whose arguments follow the tool's schema, and "
+                                   f"{field} constrains the answer too; send one of them", param="tool_choice")
+            structured, field = forced_call, "tool_choice"
         try:
             return SamplingParams(
                 max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,

@@ -7,7 +7,7 @@ those that would change the output here (`UNSUPPORTED`): a request with one set 
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, field_validator, model_validator
 
@@ -145,16 +145,15 @@ class CompletionRequest(_SamplingFields):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict] | None = None
 
     @model_validator(mode="after")
-    def _no_tool_calls(self):
-        """An assistant turn's tool calls would be part of the prompt; tools are not supported."""
-        extra = self.model_extra or {}
-        for name in ("tool_calls", "function_call"):
-            if extra.get(name):
-                raise ValueError(f"{name} in a message is not supported (no tools here); leave it out")
+    def _no_function_call(self):
+        """OpenAI's deprecated `function_call` turn would be part of the prompt; its
+        successor `tool_calls` is taken (and rendered by the chat template)."""
+        if (self.model_extra or {}).get("function_call"):
+            raise ValueError("function_call in a message is not supported; send the call as tool_calls")
         return self
 
 
@@ -172,6 +171,12 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False
     chat_template_kwargs: dict | None = None
     add_special_tokens: bool = False
+    #: OpenAI's function tools, checked in gristmill.chat.tool_choice (each error names its field).
+    tools: Any = None
+    #: "none", "auto" (the default with tools), "required", or {"type": "function", "function": {"name": ...}}.
+    tool_choice: Any = None
+    #: false: a forced answer is exactly one call (true, the default: one or more).
+    parallel_tool_calls: Any = None
 
     _chat_numbers = field_validator("max_tokens", "max_completion_tokens", "top_logprobs",
                                     mode="before")(_no_booleans)

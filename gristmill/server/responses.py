@@ -6,7 +6,8 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from gristmill.chat.reasoning import REASONING, Delta, ReasoningParser
+from gristmill.chat.reasoning import CONTENT, REASONING, Delta, ReasoningParser
+from gristmill.chat.tool_calls import ToolCallParser, new_call_id
 from gristmill.engine.stream import RequestStream
 from gristmill.outputs import Logprob, RequestOutput
 
@@ -41,6 +42,8 @@ class Job:
     #: the rendered prompt (whether the template opened or closed the reasoning).
     reasoning_parser: ReasoningParser | None = None
     prompt_text: str | None = None
+    #: A chat with tools (not tool_choice "none"): what reads the calls in its answer.
+    tool_parser: ToolCallParser | None = None
 
 
 class ChoiceStates:
@@ -54,18 +57,39 @@ class ChoiceStates:
         self.offsets = {(p, i): 0 for p in range(num_prompts) for i in range(n)}
         #: A reasoning chat's split of each choice's text, as it streams.
         self.reasoning = {}
+        #: A chat with tools: each choice's calls, as they are read.
+        self.calls = {}
 
     def delta(self, job: Job, key: tuple[int, int], c) -> dict:
         """A chat chunk's delta for the new text of choice `key`: its content, or on a
         reasoning model its reasoning and content apart (text that may begin `</think>`
-        waits for the next chunk)."""
+        waits for the next chunk); with tools, the calls in the content as OpenAI's
+        `tool_calls` pieces (text that may begin a call waits until it is decided)."""
+        ending = c.finish_reason is not None
         if job.reasoning_parser is None:
-            return {"content": c.delta_text}
-        if key not in self.reasoning:
-            self.reasoning[key] = job.reasoning_parser.stream(job.prompt_text)
-        stream = self.reasoning[key]
-        pieces = stream.feed(c.delta_text) + (stream.finish() if c.finish_reason is not None else [])
-        return reasoning_fields(pieces) or {"content": ""}
+            pieces = [Delta(CONTENT, c.delta_text)] if c.delta_text else []
+        else:
+            if key not in self.reasoning:
+                self.reasoning[key] = job.reasoning_parser.stream(job.prompt_text)
+            stream = self.reasoning[key]
+            pieces = stream.feed(c.delta_text) + (stream.finish() if ending else [])
+        if job.tool_parser is None:
+            return reasoning_fields(pieces) or {"content": ""}
+        calls = self.calls.setdefault(key, job.tool_parser.stream())
+        text = "".join(p.text for p in pieces if p.field == CONTENT)
+        found = calls.feed(text) + (calls.finish() if ending else [])
+        fields = reasoning_fields([p for p in pieces if p.field == REASONING])
+        content = "".join(d.content for d in found if d.content is not None)
+        if content:
+            fields["content"] = content
+        if any(d.index is not None for d in found):
+            fields["tool_calls"] = [d.openai() for d in found if d.index is not None]
+        return fields or {"content": ""}
+
+    def finish_reason(self, key: tuple[int, int], reason: str | None) -> str | None:
+        """A choice's finish reason: "tool_calls" when the model stopped after calling."""
+        calls = self.calls.get(key)
+        return "tool_calls" if reason == "stop" and calls is not None and calls.calls else reason
 
 
 class ResponseWriter:
@@ -92,13 +116,15 @@ class ResponseWriter:
         if not (c.delta_text or c.finish_reason or (c.token_ids and (job.want_logprobs or job.return_token_ids))):
             return None
         content = choices.delta(job, key, c) if job.chat else c.delta_text
-        if content == {"content": ""} and job.reasoning_parser is not None and not (
+        held_back = job.reasoning_parser is not None or job.tool_parser is not None
+        if content == {"content": ""} and held_back and not (
                 c.finish_reason or (c.token_ids and (job.want_logprobs or job.return_token_ids))):
-            return None  # (its text waits: it may begin `</think>`)
+            return None  # (its text waits: it may begin `</think>` or a call)
         logprobs = self.logprobs(job, c, 0, choices.offsets[key])
         if logprobs and not job.chat:
             choices.offsets[key] += sum(len(text) for text in logprobs["tokens"])
-        chunk = self.chunk(job, prompt_index * job.n + c.index, content, c.finish_reason, logprobs)
+        chunk = self.chunk(job, prompt_index * job.n + c.index, content, choices.finish_reason(key, c.finish_reason),
+                           logprobs)
         if job.return_token_ids:
             chunk["choices"][0]["token_ids"] = list(c.token_ids)  # this chunk's tokens
         return chunk
@@ -132,6 +158,8 @@ class ResponseWriter:
                     if job.reasoning_parser is not None:
                         reasoning, content = job.reasoning_parser.split(c.text, job.prompt_text)
                         choice["message"].update(content=content, reasoning_content=reasoning, reasoning=reasoning)
+                    if job.tool_parser is not None:
+                        self.read_calls(job.tool_parser, choice)
                 else:
                     echo = job.echo_texts[prompt_index] if job.echo_texts is not None else ""
                     choice["text"] = echo + c.text
@@ -149,6 +177,23 @@ class ResponseWriter:
         if job.prompt_logprobs is not None and job.chat:
             body["prompt_logprobs"] = self.prompt_logprobs(finals[0], job.prompt_logprobs)
         return body
+
+    @staticmethod
+    def read_calls(parser: ToolCallParser, choice: dict) -> None:
+        """A chat choice with its answer's calls as OpenAI's `tool_calls` (content the text
+        around them, null when none; finish_reason "tool_calls" when the model stopped
+        after them); a would-be call that does not parse stays in the content."""
+        message = choice["message"]
+        parsed = parser.parse(message["content"])
+        if not parsed.calls:
+            return
+        message["content"] = parsed.content or None
+        message["tool_calls"] = [{"id": new_call_id(), "type": "function",
+                                  "function": {"name": call.name,
+                                               "arguments": json.dumps(call.arguments, ensure_ascii=False)}}
+                                 for call in parsed.calls]
+        if choice["finish_reason"] == "stop":
+            choice["finish_reason"] = "tool_calls"
 
     def echo_logprobs(self, job: Job, out: RequestOutput) -> dict:
         """The prompt's tokens in OpenAI's legacy completions logprobs (echo): the first has

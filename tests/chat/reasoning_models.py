@@ -21,6 +21,17 @@ from tests.model.test_loader import write_tiny_gguf
 _TURNS = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
           "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}")
 _THINKING_OFF = "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}"
+_HERMES_TOOLS = "".join(line.strip() for line in r"""
+{%- if tools %}<|im_start|>system\n# Tools\n<tools>{% for t in tools %}\n{{ t | tojson }}{% endfor %}
+\n</tools><|im_end|>\n{% endif %}
+{%- for m in messages %}
+{%- if m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant\n{{ m.content or '' }}
+{%- for c in m.tool_calls %}<tool_call>\n{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}
+\n</tool_call>{% endfor %}<|im_end|>\n
+{%- elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n
+{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}
+{%- endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}
+""".splitlines()).replace("\\n", "\n")
 TEMPLATES = {
     # Qwen3's hybrid models: the model writes <think> itself; thinking off closes it empty.
     "qwen3": _TURNS + _THINKING_OFF + "{% endif %}{% endif %}",
@@ -28,6 +39,8 @@ TEMPLATES = {
     "qwen3_opened": _TURNS + _THINKING_OFF + "{% else %}{{ '<think>\\n' }}{% endif %}{% endif %}",
     # DeepSeek-R1's: the prompt always opens it.
     "r1": _TURNS + "{{ '<think>\\n' }}{% endif %}",
+    # No reasoning; tools as Qwen's templates write them (`<tool_call>` blocks, `<tool_response>`).
+    "hermes_tools": _HERMES_TOOLS,
 }
 
 
@@ -42,7 +55,7 @@ def _root() -> Path:
 def tiny_reasoning_model(template: str = "qwen3") -> str:
     """The path of a tiny Qwen3 GGUF file with the chat template TEMPLATES[template]."""
     path = _root() / template / "tiny-qwen3.gguf"
-    write_tiny_gguf(path, "qwen3", "gpt2", {"chat_template": TEMPLATES[template],
+    write_tiny_gguf(path, "qwen3", "gpt2", {"chat_template": TEMPLATES[template], "context_length": 1024,
                                             "user_defined": ("<think>", "</think>")})
     return str(path)
 

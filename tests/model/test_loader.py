@@ -184,13 +184,14 @@ def _layer_tensors(arch: str) -> dict[str, tuple[int, ...]]:
 
 def write_tiny_gguf(path: Path, arch: str, vocab: str, variant: dict | None = None) -> Path:
     """A one-layer `arch` model with a `vocab` ("gpt2" or "llama") vocabulary (as `variant`
-    says: see _add_byte_level_vocab, GEMMA_VARIANTS); the token embedding is Q8_0, the output F16, the rest F32."""
+    says: see _add_byte_level_vocab, GEMMA_VARIANTS; its "context_length", 256 unless it
+    says); the token embedding is Q8_0, the output F16, the rest F32."""
     import gguf
 
     path.parent.mkdir(parents=True, exist_ok=True)
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name(f"tiny-{arch}")
-    writer.add_context_length(256)
+    writer.add_context_length((variant or {}).get("context_length", 256))
     writer.add_embedding_length(HIDDEN)
     writer.add_block_count(1)
     writer.add_feed_forward_length(FFN)

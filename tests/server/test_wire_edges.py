@@ -132,10 +132,13 @@ def test_a_literal_extra_body_field_is_refused(server, auth):
 
 
 def test_fields_that_would_be_ignored_are_refused(server, auth):
-    """An assistant turn's `tool_calls` (tools are not supported) and chat's
-    `max_completion_tokens` sent to /v1/completions would change the output: 400s."""
+    """An assistant turn's `tool_calls` without a function (which the template could not
+    write), OpenAI's deprecated `function_call` turn, and chat's `max_completion_tokens`
+    sent to /v1/completions would change the output: 400s."""
     tool_turn = [*HI, {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function"}]}, *HI]
-    refused(post(server, auth, "chat/completions", {"messages": tool_turn, "max_tokens": 2}), "messages.1")
+    refused(post(server, auth, "chat/completions", {"messages": tool_turn, "max_tokens": 2}), "messages")
+    function_turn = [*HI, {"role": "assistant", "content": None, "function_call": {"name": "f"}}, *HI]
+    refused(post(server, auth, "chat/completions", {"messages": function_turn, "max_tokens": 2}), "messages.1")
     refused(post(server, auth, "completions", {"prompt": "Hi", "max_completion_tokens": 2}), "max_completion_tokens")
 
 

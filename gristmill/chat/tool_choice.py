@@ -1,0 +1,85 @@
+"""A chat request's tools, checked once for every face (server, `LLM.chat`, batch rows):
+`tools`, `tool_choice` and `parallel_tool_calls` as OpenAI takes them, and what they ask of
+the engine: the tools for the chat template, the parser that reads the answer's calls,
+and for a forced call (`"required"`, a named function) the grammar that writes it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gristmill.chat.tool_calls import ToolCallParser, call_schema, tool_function
+from gristmill.errors import RequestError
+
+CHOICES = ("none", "auto", "required")
+_NAMED = '{"type": "function", "function": {"name": ...}}'
+
+
+@dataclass(frozen=True, slots=True)
+class ToolRequest:
+    """What a chat asks of tools. `tools`: OpenAI tool entries, for the template (None:
+    none); `choice`: "none", "auto", "required" or a named function's entry; `parallel`:
+    a forced answer may hold several calls; `parser`: what reads the answer's calls (None
+    with choice "none": the answer is plain content)."""
+
+    tools: list[dict] | None
+    choice: str | dict
+    parallel: bool
+    parser: ToolCallParser | None
+
+    @property
+    def forces_call(self) -> bool:
+        return self.choice not in ("none", "auto")
+
+    def constraint(self) -> dict | None:
+        """The `structured_output` value that forces the call, or None when none is forced."""
+        if not self.forces_call:
+            return None
+        from gristmill.structured.tool_grammar import forced_calls
+
+        return forced_calls(call_schema(self.tools, self.choice, self.parser.name), self.parallel)
+
+
+def tool_request(tools, tool_choice, parallel_tool_calls, parser: ToolCallParser | None) -> ToolRequest | None:
+    """The checked ToolRequest of a chat's fields, or None when it has no tools and no
+    choice. A malformed field is a RequestError naming it and what to send; tools on an
+    engine that has no tool-call parser are refused, never ignored."""
+    if tools is None and tool_choice in (None, "none") and parallel_tool_calls is None:
+        return None
+    if tools is not None and not isinstance(tools, list):
+        raise RequestError(f"tools must be a list of {{\"type\": \"function\", \"function\": {{\"name\": ..., "
+                           f"\"parameters\": {{...}}}}}} entries, got {type(tools).__name__}", param="tools")
+    for tool in tools or ():
+        tool_function(tool)  # (a RequestError naming the tool that is not a function tool)
+    if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
+        raise RequestError(f"parallel_tool_calls must be true or false, got {parallel_tool_calls!r}",
+                           param="parallel_tool_calls")
+    choice = _choice(tool_choice, tools)
+    if choice != "none" and parser is None:
+        raise RequestError("this model's chat template has no tool-call format the server knows, so its calls "
+                           "cannot be read; send tool_choice \"none\", or start the engine with "
+                           "--tool-call-parser NAME (EngineConfig.tool_call_parser)", param="tools")
+    return ToolRequest(tools or None, choice, parallel_tool_calls is not False,
+                       None if choice == "none" else parser)
+
+
+def _choice(tool_choice, tools) -> str | dict:
+    if tool_choice is None:
+        return "auto" if tools else "none"
+    if isinstance(tool_choice, dict):
+        function = tool_choice.get("function")
+        if tool_choice.get("type") != "function" or not isinstance(function, dict) \
+                or not isinstance(function.get("name"), str):
+            raise RequestError(f"tool_choice as an object must be {_NAMED}, got {str(tool_choice)[:120]}",
+                               param="tool_choice")
+    elif tool_choice not in CHOICES:
+        raise RequestError(f"tool_choice must be \"none\", \"auto\", \"required\" or {_NAMED}, "
+                           f"got {str(tool_choice)[:80]!r}", param="tool_choice")
+    if tool_choice not in ("none", "auto") and not tools:
+        raise RequestError("tool_choice forces a tool call but the request lists no tools; send tools, or "
+                           "leave tool_choice out", param="tool_choice")
+    if isinstance(tool_choice, dict):
+        names = [tool_function(tool)["name"] for tool in tools]
+        if tool_choice["function"]["name"] not in names:
+            raise RequestError(f"tool_choice names function {tool_choice['function']['name']!r}, which is not "
+                               f"among the tools ({', '.join(names)})", param="tool_choice")
+    return tool_choice
