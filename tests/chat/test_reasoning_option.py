@@ -45,3 +45,17 @@ def test_every_command_takes_the_reasoning_parser_flag(command):
 def test_the_parser_is_the_one_named_else_the_chat_templates(setting, template, chosen):
     parser = choose_reasoning_parser(setting, template)
     assert (parser.name if parser is not None else None) == chosen
+
+
+def test_an_unknown_tool_call_parser_is_refused_with_the_known_ones_on_every_command():
+    with pytest.raises(RequestError, match=r"unknown tool-call parser 'hermez'; the known ones are hermes, "
+                                           r"llama3_json, pythonic") as caught:
+        EngineConfig(tool_call_parser="hermez")
+    assert caught.value.param == "tool_call_parser"
+    assert EngineConfig(tool_call_parser="none").tool_call_parser == "none"
+    for command in COMMANDS.values():
+        assert engine_config(build_parser().parse_args([*command, "--tool-call-parser", "pythonic"])) \
+            .tool_call_parser == "pythonic"
+        bad = build_parser().parse_args([*command, "--tool-call-parser", "bogus"])
+        with pytest.raises(SystemExit, match=r"unknown tool-call parser 'bogus'.*\(flag: --tool-call-parser\)"):
+            engine_config(bad)
