@@ -15,6 +15,7 @@ the point (signals and the drain, exit codes, engine-core death and restarts).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -194,6 +195,36 @@ def server(server_loop, engine):
     srv = AppServer(server_loop, engine, "--api-key", API_KEY)
     yield srv
     srv.stop()
+
+
+TINY_MODEL = "tiny-qwen3"
+
+
+def start_tiny_engine(variant: str):
+    """An engine over a tiny random-weight Qwen3 with chat template `variant`
+    (tests/chat/reasoning_models.py), on the exact float path."""
+    from tests.chat.reasoning_models import cache_dir, tiny_reasoning_model
+    return start_engine("--model", tiny_reasoning_model(variant), "--cache-dir", cache_dir(), "--quantization", "none")
+
+
+@contextlib.contextmanager
+def openai_client(loop: ServerLoop, engine):
+    """The real `openai` client of an in-process server over `engine` (model TINY_MODEL)."""
+    import openai
+    srv = AppServer(loop, engine, model=TINY_MODEL)
+    try:
+        yield openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0)
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="package")
+def reasoning_engine():
+    """A tiny Qwen3 whose chat template opens `<think>` in the prompt; shared by the
+    package's reasoning tests."""
+    engine = start_tiny_engine("qwen3_opened")
+    yield engine
+    engine.shutdown()
 
 
 @pytest.fixture(scope="package")

@@ -8,8 +8,8 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests.chat.reasoning_models import cache_dir, tiny_reasoning_model, token_id
-from tests.server.conftest import API_KEY, AppServer, start_engine
+from tests.chat.reasoning_models import token_id
+from tests.server.conftest import API_KEY, openai_client
 
 MESSAGES = [{"role": "user", "content": "What is 2+2?"}]
 #: Makes greedy decoding write </think> eleven tokens in (then again and again).
@@ -17,18 +17,9 @@ CLOSE_BIAS = 14
 
 
 @pytest.fixture(scope="module")
-def reasoning_engine():
-    engine = start_engine("--model", tiny_reasoning_model("qwen3_opened"), "--cache-dir", cache_dir(),
-                          "--quantization", "none")
-    yield engine
-    engine.shutdown()
-
-
-@pytest.fixture(scope="module")
 def client(server_loop, reasoning_engine):
-    srv = AppServer(server_loop, reasoning_engine, model="tiny-qwen3")
-    yield openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0)
-    srv.stop()
+    with openai_client(server_loop, reasoning_engine) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")

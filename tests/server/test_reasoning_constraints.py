@@ -11,8 +11,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.chat.reasoning_models import cache_dir, tiny_reasoning_model
-from tests.server.conftest import AppServer, start_engine
+from tests.server.conftest import openai_client
 
 MESSAGES = [{"role": "user", "content": "What is 2+2?"}]
 SCHEMA = {"type": "object", "properties": {"answer": {"enum": ["four", "five"]}}, "required": ["answer"]}
@@ -20,18 +19,9 @@ RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "answer", "sch
 
 
 @pytest.fixture(scope="module")
-def reasoning_engine():
-    engine = start_engine("--model", tiny_reasoning_model("qwen3_opened"), "--cache-dir", cache_dir(),
-                          "--quantization", "none")
-    yield engine
-    engine.shutdown()
-
-
-@pytest.fixture(scope="module")
 def client(server_loop, reasoning_engine):
-    srv = AppServer(server_loop, reasoning_engine, model="tiny-qwen3")
-    yield openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0)
-    srv.stop()
+    with openai_client(server_loop, reasoning_engine) as served:
+        yield served
 
 
 def ask(client, stream=False, **fields):

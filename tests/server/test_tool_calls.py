@@ -12,8 +12,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.chat.reasoning_models import cache_dir, tiny_reasoning_model
-from tests.server.conftest import AppServer, start_engine
+from tests.server.conftest import openai_client, start_tiny_engine
 
 MESSAGES = [{"role": "user", "content": "Hi"}]
 #: Small, as the tiny model's context is 256 tokens (its vocabulary spells JSON nearly a byte a token).
@@ -27,17 +26,15 @@ SCHEMAS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in 
 
 @pytest.fixture(scope="module")
 def tools_engine():
-    engine = start_engine("--model", tiny_reasoning_model("hermes_tools"), "--cache-dir", cache_dir(),
-                          "--quantization", "none")
+    engine = start_tiny_engine("hermes_tools")
     yield engine
     engine.shutdown()
 
 
 @pytest.fixture(scope="module")
 def client(server_loop, tools_engine):
-    srv = AppServer(server_loop, tools_engine, model="tiny-qwen3")
-    yield openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0)
-    srv.stop()
+    with openai_client(server_loop, tools_engine) as served:
+        yield served
 
 
 def chat(client, **fields):
