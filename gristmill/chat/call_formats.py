@@ -195,7 +195,7 @@ class Pythonic:
             try:
                 if not isinstance(tree.body, ast.List):
                     raise Malformed("the calls are not one [...] list")
-                calls = tuple(_pythonic_call(node, renamed) for node in tree.body.elts)
+                calls = tuple(_pythonic_call(node, renamed, source) for node in tree.body.elts)
             except Malformed as exc:
                 return Step("malformed", len(text), error=str(exc), rest_is_content=True)
             return Step("calls", offset + close + 1, calls=calls)
@@ -228,15 +228,19 @@ def _rename_keyword_arguments(source: str) -> tuple[str, dict[str, str]]:
     return "".join(pieces) + source[last:], renamed
 
 
-def _pythonic_call(node: ast.expr, renamed: dict[str, str]) -> ToolCall:
+def _pythonic_call(node: ast.expr, renamed: dict[str, str], source: str) -> ToolCall:
     if not isinstance(node, ast.Call):
         raise Malformed(f"the list holds {ast.unparse(node)!r}, which is not a call")
     if node.args or any(k.arg is None for k in node.keywords):
         raise Malformed(f"call {ast.unparse(node.func)} must name each argument (key=value)")
-    name = _dotted_name(node.func)
+    _dotted_name(node.func)  # refuses what is not a (dotted) name
+    # Names as written: `ast` NFKC-normalizes identifiers (`ª` reads as `a`), which would
+    # rename a function or an argument the model wrote.
+    name = "".join(ast.get_source_segment(source, node.func).split())
     arguments = {}
     for argument in node.keywords:
-        key = renamed.get(argument.arg, argument.arg)
+        written = ast.get_source_segment(source, argument).partition("=")[0].strip()
+        key = renamed.get(written, written)
         try:
             value = ast.literal_eval(_JsonNames().visit(argument.value))
         except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):

@@ -60,6 +60,8 @@ CASES = [
     ("pythonic", '[send(from="a, to=1", to="b")]', "", [ToolCall("send", {"from": "a, to=1", "to": "b"})], None),
     ("pythonic", '<|python_start|>[web.search(q="東京 ]")]<|python_end|> Here.', "Here.",
      [ToolCall("web.search", {"q": "東京 ]"})], None),
+    # names as the model wrote them, not as Python normalizes identifiers (NFKC: ª -> a)
+    ("pythonic", "[ﬁnd.ª(ª=None, µ=1)]", "", [ToolCall("ﬁnd.ª", {"ª": None, "µ": 1})], None),
     ("pythonic", "[1] is a citation, not a call.", "[1] is a citation, not a call.", [], None),
     ("pythonic", '[f(x=__import__("os").system("ls"))]', '[f(x=__import__("os").system("ls"))]', [], "not a literal"),
     ("pythonic", '[f("Paris")]', '[f("Paris")]', [], "must name each argument"),

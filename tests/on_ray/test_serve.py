@@ -189,7 +189,10 @@ def test_a_replica_that_cannot_fit_fails_at_once():
 
 def test_a_replica_killed_mid_job_fails_the_job_fast_and_serve_replaces_it(shared):
     pids = shared.pids.remote().result()
-    rows = [{**row, "sampling_params": {**GREEDY, "max_tokens": 40}} for row in story_rows(48)]
+    # Rows far longer than the kill takes to land: whenever the killer sees a row running,
+    # rows are still in flight on the replica when it dies (with short rows, a kill that
+    # came just as the last ones finished let the job end cleanly, once, under load).
+    rows = [{**row, "sampling_params": {**GREEDY, "max_tokens": 400}} for row in story_rows(16)]
     dataset = build_processor(_config(should_continue_on_error=True, batch_size=8))(ray.data.from_items(rows))
     fired, stop = {}, threading.Event()
 
