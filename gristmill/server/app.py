@@ -26,6 +26,8 @@ from gristmill.server.pooling import PoolingServing
 from gristmill.server.pooling_protocol import (CLASSIFY_PATH, EMBEDDINGS_PATH, RERANK_PATHS, SCORE_PATH,
                                                ClassificationRequest, EmbeddingRequest, RerankRequest, ScoreRequest)
 from gristmill.server.protocol import CHAT_PATH, COMPLETIONS_PATH, ChatCompletionRequest, CompletionRequest
+from gristmill.server.responses_api import ResponsesServing
+from gristmill.server.responses_protocol import RESPONSES_PATH, ResponsesRequest
 from gristmill.server.supervisor import EngineSupervisor
 
 logger = logging.getLogger("gristmill.serve")
@@ -51,6 +53,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
     limits = limits or ServerLimits()
     serving = OpenAIServing(engine, model_name, metrics, supervisor=supervisor, limits=limits)
     pooling = PoolingServing(engine, model_name, metrics, limits, serving)
+    responses = ResponsesServing(serving)
     created = int(time.time())
     traffic = Traffic()
     app.state.engine, app.state.metrics, app.state.supervisor, app.state.traffic = engine, metrics, supervisor, traffic
@@ -90,6 +93,10 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
     @app.post(CHAT_PATH)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await serving.chat(body, request)
+
+    @app.post(RESPONSES_PATH)
+    async def create_response(body: ResponsesRequest, request: Request):
+        return await responses.create(body, request)
 
     def model_card() -> dict:
         return {"id": model_name, "object": "model", "created": created, "owned_by": "gristmill",

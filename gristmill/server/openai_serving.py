@@ -54,18 +54,18 @@ class OpenAIServing:
         return await self._serve(self._completion_job, body, request)
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
-        return await self._serve(self._chat_job, body, request)
+        return await self._serve(self.chat_job, body, request)
 
     async def _serve(self, make_job, body, request: Request):
         try:
             job, prompts, params = make_job(body)
-        except Exception as exc:  # noqa: BLE001 - answered like a failure inside _run
-            return self._rejected(exc)
-        return await self._run(job, prompts, params, body.stream, request)
+        except Exception as exc:  # noqa: BLE001 - answered like a failure inside run
+            return self.rejected(exc)
+        return await self.run(job, prompts, params, body.stream, request)
 
-    def _rejected(self, exc: Exception):
+    def rejected(self, exc: Exception):
         """A request that failed before reaching the engine: counted in /metrics as the
-        failures inside `_run` are, so every failed request shows there once."""
+        failures inside `run` are, so every failed request shows there once."""
         RequestTimer(self.metrics).failed(exc)
         return self.error_response(exc)
 
@@ -131,7 +131,7 @@ class OpenAIServing:
             job.echo_texts = [self._prompt_text(p) for p in prompts]
         return job, [(p, body.add_special_tokens) for p in prompts], params
 
-    def _chat_job(self, body: ChatCompletionRequest):
+    def chat_job(self, body: ChatCompletionRequest):
         self.check_model(body.model)
         self._check_generates(CHAT_PATH)
         self._check_limits(body)
@@ -205,13 +205,13 @@ class OpenAIServing:
             if body.stream:
                 raise RequestError("stream=True needs the HTTP server (gristmill serve); this entry point "
                                    "returns whole responses: leave stream out", param="stream")
-            job, prompts, params = (self._chat_job if chat else self._completion_job)(body)
+            job, prompts, params = (self.chat_job if chat else self._completion_job)(body)
             await self._submit(job, prompts, params, "final")
             timer.num_prompt_tokens = job.prompt_tokens
             try:
                 finals = await self._collect(job, timer)
             finally:
-                await _close_all(job)
+                await close_all(job)
         except Exception as exc:
             timer.failed(exc)
             raise
@@ -232,10 +232,15 @@ class OpenAIServing:
                 job.streams.append(handle)
                 job.prompt_tokens += len(handle.prompt_token_ids)
         except Exception:
-            await _close_all(job)
+            await close_all(job)
             raise
 
-    async def _run(self, job: Job, prompts, params: SamplingParams, stream: bool, request: Request):
+    async def run(self, job: Job, prompts, params: SamplingParams, stream: bool, request: Request, *,
+                  respond=None, events=None):
+        """Answer the job: `respond(job, finals)` gives the body of a whole response
+        (default: a chat or completion), `events(job, timer)` the SSE text of a stream."""
+        respond = respond or self.writer.response
+        events = events or self._stream
         timer = RequestTimer(self.metrics)
         try:
             await self._submit(job, prompts, params, "delta" if stream else "final")
@@ -244,7 +249,7 @@ class OpenAIServing:
             return self.error_response(exc)
         timer.num_prompt_tokens = job.prompt_tokens
         if stream:
-            return JobStreamingResponse(job, timer, self._stream(job, timer), media_type="text/event-stream")
+            return JobStreamingResponse(job, timer, events(job, timer), media_type="text/event-stream")
         try:
             finals = await until_disconnect(request, self._collect(job, timer))
         except ClientDisconnected:
@@ -254,9 +259,9 @@ class OpenAIServing:
             timer.failed(exc)
             return self.error_response(exc)
         finally:
-            await _close_all(job)
+            await close_all(job)
         timer.finished(overall_reason(finals))
-        return JSONResponse(self.writer.response(job, finals))
+        return JSONResponse(respond(job, finals))
 
     async def _collect(self, job: Job, timer: RequestTimer) -> list[RequestOutput]:
         """The final outputs of a job's streams (asked for with output_kind "final"); the
@@ -294,7 +299,7 @@ class OpenAIServing:
             choices = ChoiceStates(len(job.streams), job.n)
             # "delta" outputs (only what is new) of all the prompts, as they come: every
             # prompt generates at once, so none may wait for another's end.
-            async with contextlib.aclosing(_merged(job.streams)) as merged:
+            async with contextlib.aclosing(merged_outputs(job.streams)) as merged:
                 async for prompt_index, out in merged:
                     for c in out.outputs:
                         completion_tokens += len(c.token_ids)
@@ -312,7 +317,7 @@ class OpenAIServing:
             timer.failed(exc)
             yield error_event(named_for(exc, job.constraint_field) if isinstance(exc, RequestError) else exc)
         finally:
-            await _close_all(job)
+            await close_all(job)
         yield "data: [DONE]\n\n"
 
 
@@ -337,10 +342,10 @@ class JobStreamingResponse(StreamingResponse):
         finally:
             if not self.sent_all:
                 self.timer.disconnected()
-            await _close_all(self.job)
+            await close_all(self.job)
 
 
-async def _merged(streams: list[RequestStream]):
+async def merged_outputs(streams: list[RequestStream]):
     """(stream index, output) of every stream as they arrive. One task per stream moves
     its outputs into a queue of one place each: a stream the consumer has not read yet
     keeps its outputs, so a slow client still overflows `max_buffered` as with one."""
@@ -371,7 +376,7 @@ async def _merged(streams: list[RequestStream]):
             task.cancel()
 
 
-async def _close_all(job: Job) -> None:
+async def close_all(job: Job) -> None:
     for handle in job.streams:
         await handle.aclose()
 
