@@ -47,7 +47,7 @@ class ResponsesRequest(BaseModel):
     instructions: str | None = None
     tools: Any = None
     tool_choice: Any = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: Any = None
     #: {"format": {"type": "text" | "json_object" | "json_schema", "name", "schema", "strict"}}.
     text: dict | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)

@@ -168,6 +168,7 @@ def test_streamed_text_joins_to_the_whole_text(client):
     ({"input": [{"type": "function_call_output", "call_id": "call_9", "output": "1"}]}, "input[0].call_id",
      "before its output"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type", "function tools only"),
+    ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls", "true or false"),
     ({"reasoning": {"effort": "high"}}, "reasoning.effort", "leave it out"),
     ({"extra_body": {"top_logprobs": 3}}, "top_logprobs", "leave top_logprobs out"),
     ({"extra_body": {"conversation": "conv_1"}}, "conversation", "leave it out"),
