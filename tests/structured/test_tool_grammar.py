@@ -12,7 +12,6 @@ from functools import cache
 
 import jsonschema
 import pytest
-import torch
 
 from gristmill.chat.tool_calls import call_schema, get_tool_parser
 from gristmill.model.masking import allowed_tokens
