@@ -94,6 +94,13 @@ class ToolCallParser:
     call_separator: str
     arguments_key: str = "arguments"
     syntax: str = "json"  # how a call is written: "json", or "python" (name(key=value, ...))
+    #: The marker texts of the format that a vocabulary may hold as single (special)
+    #: tokens: a grammar writes them as those tokens, and the text must keep them.
+    markers: tuple[str, ...] = ()
+    #: Where a call starts under tool_choice "auto", where a lazy grammar switches on:
+    #: texts anywhere in the answer, and texts only at its start (or right after a call).
+    triggers: tuple[str, ...] = ()
+    start_triggers: tuple[str, ...] = ()
 
     def stream(self) -> ToolCallStream:
         return ToolCallStream(self)
@@ -192,11 +199,18 @@ class ToolCallStream:
 
 TOOL_PARSERS: dict[str, ToolCallParser] = {
     "hermes": ToolCallParser("hermes", Hermes(), call_start="<tool_call>", call_begin="<tool_call>\n",
-                             call_end="\n</tool_call>", call_separator="\n"),
+                             call_end="\n</tool_call>", call_separator="\n",
+                             markers=("<tool_call>", "</tool_call>"), triggers=("<tool_call>",)),
+    # (a bare JSON object at the start is a call only when it starts with its "name")
     "llama3_json": ToolCallParser("llama3_json", Llama3Json(), call_start="<|python_tag|>", call_begin="",
-                                  call_end="", call_separator="; ", arguments_key="parameters"),
+                                  call_end="", call_separator="; ", arguments_key="parameters",
+                                  markers=("<|python_tag|>",), triggers=("<|python_tag|>",),
+                                  start_triggers=('{"name"',)),
+    # (a list at the start is a call once it reads `[name(` for one of the tools: see
+    # structured.tool_grammar, which adds those)
     "pythonic": ToolCallParser("pythonic", Pythonic(), call_start="<|python_start|>", call_begin="[",
-                               call_end="]", call_separator=", ", syntax="python"),
+                               call_end="]", call_separator=", ", syntax="python",
+                               markers=("<|python_start|>", "<|python_end|>"), triggers=("<|python_start|>",)),
 }
 
 
@@ -264,7 +278,8 @@ def call_schema(tools: list[dict], tool_choice, parser_name: str) -> dict:
                 "properties": {"name": {"const": f["name"]}, parser.arguments_key: f["parameters"]},
                 "required": ["name", parser.arguments_key], "additionalProperties": False} for f in chosen]
     return {"schema": schemas[0] if len(schemas) == 1 else {"anyOf": schemas}, "begin": parser.call_begin,
-            "end": parser.call_end, "separator": parser.call_separator, "syntax": parser.syntax}
+            "end": parser.call_end, "separator": parser.call_separator, "syntax": parser.syntax,
+            "parser": parser.name, "functions": chosen}
 
 
 def tool_function(tool) -> dict:

@@ -31,12 +31,31 @@ class ToolRequest:
         return self.choice not in ("none", "auto")
 
     def constraint(self) -> dict | None:
-        """The `structured_output` value that forces the call, or None when none is forced."""
-        if not self.forces_call:
-            return None
-        from gristmill.structured.tool_grammar import forced_calls
+        """The `structured_output` value of the calls: with a forced call, the grammar that
+        writes it; with "auto" and tools, the lazy grammar that holds each call the model
+        starts to its schema (the answer is free until then); else None. Under "auto" a
+        constraint the request gives its answer (`response_format`) takes the place of
+        this one (`answer_constraint`)."""
+        from gristmill.structured.tool_grammar import forced_calls, lazy_calls
 
-        return forced_calls(call_schema(self.tools, self.choice, self.parser.name), self.parallel)
+        if self.forces_call:
+            return forced_calls(call_schema(self.tools, self.choice, self.parser.name), self.parallel)
+        if self.choice == "auto" and self.tools:
+            return lazy_calls(call_schema(self.tools, "auto", self.parser.name))
+        return None
+
+    def answer_constraint(self, answer: dict | None, field: str | None) -> tuple[dict | None, str | None]:
+        """(the request's `structured_output`, the field it came from) given the answer's own
+        constraint `answer` from request field `field` (None: none): a forced call and
+        an answer constraint are refused together; under "auto" the answer's wins (its
+        calls are then parsed, not held to their schema)."""
+        if answer is not None:
+            if self.forces_call:
+                raise RequestError(f"tool_choice forces a tool call, whose arguments follow the tool's schema, and "
+                                   f"{field} constrains the answer too; send one of them", param="tool_choice")
+            return answer, field
+        calls = self.constraint()
+        return calls, None if calls is None else "tool_choice"
 
 
 def tool_request(tools, tool_choice, parallel_tool_calls, parser: ToolCallParser | None) -> ToolRequest | None:

@@ -304,7 +304,8 @@ class ModelRunner:
                 for item in items]
         if self.controls.apply(logits, items, self.token_buffer, self._rows):
             self._greedy = None  # the forward's argmax saw the logits before them
-        constrained = [(j, item) for j, item in enumerate(items) if item.matcher is not None]
+        constrained = [(j, item) for j, item in enumerate(items)
+                       if item.matcher is not None and item.matcher.constrains_next]
         deferred = []
         if constrained:
             deferred, self._greedy = self.masks.mask(logits, constrained, rows, self._greedy)

@@ -144,7 +144,7 @@ class OpenAIServing:
         # None, as vLLM: whatever room the context leaves (counted where the prompt is tokenized).
         max_tokens = body.max_completion_tokens or body.max_tokens
         top = (body.top_logprobs or 0) if body.logprobs else None
-        params, field = self._params(body, max_tokens, top, tools and tools.constraint())
+        params, field = self._params(body, max_tokens, top, tools)
         job = Job(True, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), body.n, body.logprobs,
                    bool(body.stream_options and body.stream_options.include_usage), top or 0,
                    constraint_field=field, continuous_usage=_continuous_usage(body))
@@ -159,9 +159,9 @@ class OpenAIServing:
         return prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(prompt)
 
     def _params(self, body, max_tokens: int | None, logprobs: int | None,
-                forced_call: dict | None = None) -> tuple[SamplingParams, str | None]:
-        """The request's SamplingParams, and the field its constraint came from;
-        `forced_call`: the constraint of a chat's tool_choice that forces a call."""
+                tools=None) -> tuple[SamplingParams, str | None]:
+        """The request's SamplingParams, and the field its constraint came from; `tools`:
+        a chat's ToolRequest, whose calls' grammar is the constraint."""
         unsupported = body.unsupported_field()
         if unsupported == "extra_body":
             raise RequestError("extra_body is the openai client's keyword argument, not a field: send its fields "
@@ -174,11 +174,8 @@ class OpenAIServing:
                                param="prompt_logprobs")
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         structured, field = openai_constraint(body.response_format, body.structured_outputs)
-        if forced_call is not None:
-            if structured is not None:
-                raise RequestError(f"tool_choice forces a tool call, whose arguments follow the tool's schema, and "
-                                   f"{field} constrains the answer too; send one of them", param="tool_choice")
-            structured, field = forced_call, "tool_choice"
+        if tools is not None:
+            structured, field = tools.answer_constraint(structured, field)
         try:
             return SamplingParams(
                 max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,

@@ -69,6 +69,12 @@ class Matcher:
         when the engine cannot tell cheaply (xgrammar): the caller then fills the mask."""
         return False
 
+    @property
+    def constrains_next(self) -> bool:
+        """Whether the next token is constrained at all (False: any token may come, and
+        the sampler skips this row's mask: a lazy grammar before its trigger)."""
+        return True
+
     def grammar_for_mask(self) -> Matcher | None:
         """The matcher whose grammar mask this one's mask starts from (itself; a matcher
         that gates a grammar, gristmill.structured.reasoning_gate, may give its inner one
@@ -102,6 +108,20 @@ class _LLGuidanceMatcher(Matcher):
 
     def allows(self, token_id: int) -> bool:
         return self._matcher.validate_tokens([token_id]) == 1
+
+    def restart(self, token_ids: list[int]) -> bool:
+        """Back to the grammar's start, then take `token_ids`; False (and back at the start)
+        when the grammar does not allow them."""
+        self._matcher.reset()
+        if self._matcher.consume_tokens(token_ids):
+            return True
+        self._matcher.reset()
+        return False
+
+    @property
+    def accepting(self) -> bool:
+        """The grammar is complete here (it may allow more)."""
+        return self._matcher.is_accepting()
 
 
 class LLGuidanceGrammars:
@@ -147,7 +167,11 @@ class LLGuidanceGrammars:
         matcher = self._llguidance.LLMatcher(self.tokenizer, self.compile(constraint))
         if matcher.is_error():
             raise RequestError(f"{PARAM}.{constraint.kind} is not valid: {matcher.get_error()}", param=PARAM)
-        return _LLGuidanceMatcher(matcher, constraint)
+        matcher = _LLGuidanceMatcher(matcher, constraint)
+        if constraint.kind == "tool_calls":
+            from gristmill.structured.lazy_grammar import lazy_matcher
+            return lazy_matcher(matcher, json.loads(constraint.source), self.tokenizer)
+        return matcher
 
     def _compile(self, constraint: Constraint) -> str:
         return _llguidance_grammar(constraint, self.tokenizer)
@@ -177,6 +201,9 @@ class Grammars:
     def _compile(self, constraint: Constraint):
         compiler = self.compiler
         with _engine_errors(constraint):
+            if constraint.kind == "tool_calls":
+                raise RequestError("tool-call grammars need the llguidance grammar engine; start the engine with "
+                                   "structured_output_backend='llguidance' (the default)", param=PARAM)
             if constraint.kind == "json_object":
                 return compiler.compile_builtin_json_grammar()
             return compiler.compile_grammar(_grammar(constraint))
@@ -217,7 +244,9 @@ def _llguidance_grammar(constraint: Constraint, tokenizer) -> str:
 
     kind, source = constraint.kind, constraint.source
     with _engine_errors(constraint):
-        if kind in ("json", "json_object"):
+        if kind == "tool_calls":
+            grammar = llguidance.grammar_from("lark", tool_calls_lark(json.loads(source), tokenizer))
+        elif kind in ("json", "json_object"):
             schema = closed_objects(source) if kind == "json" else '{"type": "object"}'
             # One space after ',' and ':', none elsewhere (as xgrammar writes JSON): a model
             # cannot pad a document forever.
@@ -229,6 +258,18 @@ def _llguidance_grammar(constraint: Constraint, tokenizer) -> str:
     if error:
         raise RequestError(f"{PARAM}.{kind} is not valid: {_reason(error)}", param=PARAM)
     return grammar
+
+
+def tool_calls_lark(spec: dict, tokenizer) -> str:
+    """A tool-call grammar's Lark text (`spec.Constraint` "tool_calls") with its `marker_K`
+    rules: the marker's special token where `tokenizer` (an LLTokenizer) has it as one
+    token, so the model writes the token it was trained on; else the marker's text."""
+    rules = [spec["grammar"]]
+    for k, marker in enumerate(spec["markers"]):
+        ids = tokenizer.tokenize_str(marker) if tokenizer is not None else []
+        special = len(ids) == 1 and tokenizer.is_special_token(ids[0])
+        rules.append(f"marker_{k}: " + (f"<[{ids[0]}]>" if special else json.dumps(marker)))
+    return "\n".join(rules) + "\n"
 
 
 _JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}

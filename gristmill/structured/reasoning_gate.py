@@ -120,10 +120,18 @@ class GatedMatcher:
             return True
         return self.inner.allows(token_id) if self.inner is not None else True
 
+    @property
+    def constrains_next(self) -> bool:
+        if self._state == ANSWER:
+            return self.inner is not None and self.inner.constrains_next
+        return True
+
     def grammar_for_mask(self):
         """The grammar matcher whose mask this one's starts from (filled by the grammar
         engine, with the other rows'), or None: `adjust_mask` writes all of it."""
-        return self.inner if self._state != REASONING else None
+        if self._state == REASONING or self.inner is None:
+            return None
+        return self.inner.grammar_for_mask()
 
     def adjust_mask(self, bitmask: torch.Tensor, row: int) -> None:
         """Make `bitmask[row]` this matcher's mask, once `grammar_for_mask()`'s is in it."""
@@ -139,8 +147,10 @@ class GatedMatcher:
                 _set_bit(words, token_id, False)
         elif self.inner is None:
             words.fill_(-1)
-        elif self._state == OPENING:
-            _set_bit(words, self.gate.start_token_id, True)
+        else:
+            self.inner.adjust_mask(bitmask, row)
+            if self._state == OPENING:
+                _set_bit(words, self.gate.start_token_id, True)
 
     def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
         grammar = self.grammar_for_mask()

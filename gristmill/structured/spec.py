@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from gristmill.errors import RequestError
 
-KINDS = ("json", "json_object", "regex", "choice", "grammar")
+KINDS = ("json", "json_object", "regex", "choice", "grammar", "tool_calls")
 PARAM = "structured_output"
 
 
@@ -24,7 +24,8 @@ class Constraint:
 def parse_constraint(value) -> Constraint | None:
     """A `structured_output` value -> Constraint (None for None). Exactly one of
     `{"json": schema dict or JSON text}`, `{"json_object": True}`, `{"regex": str}`,
-    `{"choice": [str, ...]}`, `{"grammar": EBNF / GBNF text}`; anything else is a
+    `{"choice": [str, ...]}`, `{"grammar": EBNF / GBNF text}`, or a chat's tool calls as
+    `structured.tool_grammar` writes them (`{"tool_calls": {...}}`); anything else is a
     RequestError saying what to send."""
     if value is None:
         return None
@@ -58,9 +59,23 @@ def parse_constraint(value) -> Constraint | None:
             raise RequestError(f"{PARAM}.choice must be a non-empty list of non-empty strings, "
                                f"got {short(spec)}", param=PARAM)
         return Constraint("choice", json.dumps(spec))
+    if kind == "tool_calls":
+        return Constraint("tool_calls", _tool_calls_source(spec))
     if not isinstance(spec, str) or not spec.strip():
         raise RequestError(f"{PARAM}.{kind} must be a non-empty string, got {short(spec)}", param=PARAM)
     return Constraint(kind, spec)
+
+
+def _tool_calls_source(spec) -> str:
+    """A tool-call grammar's spec as canonical JSON: {"grammar": Lark text whose rules
+    `marker_K` are the K-th marker, "markers", "triggers", "start_triggers": lists of
+    texts}."""
+    keys = ("grammar", "markers", "triggers", "start_triggers")
+    if not isinstance(spec, dict) or set(spec) != set(keys) or not isinstance(spec["grammar"], str) or not all(
+            isinstance(spec[key], list) and all(isinstance(t, str) and t for t in spec[key]) for key in keys[1:]):
+        raise RequestError(f"{PARAM}.tool_calls must be an object with exactly {', '.join(keys)} (as "
+                           f"tool_choice builds it), got {short(spec)}", param=PARAM)
+    return json.dumps({key: spec[key] for key in keys}, separators=(",", ":"))
 
 
 def given_kinds(value):

@@ -94,10 +94,11 @@ def _trained_bpe(byte_level: bool) -> tuple[list[str], list[str]]:
 
 def _add_byte_level_vocab(writer, arch: str, variant: dict | None = None) -> int:
     """A gpt2-style vocabulary (Qwen, Llama 3): byte-level tokens, merges, control tokens;
-    `variant` may give its "chat_template" and its "user_defined" tokens (not special)."""
+    `variant` may give its "chat_template", its "user_defined" tokens (not special) and
+    more "control" tokens (special, after the usual three)."""
     variant = variant or {}
     tokens, merges = _trained_bpe(byte_level=True)
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *variant.get("control", ())]
     user_defined = list(variant.get("user_defined", ("<think>",)))
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("llama-bpe" if arch == "llama" else "qwen2")
