@@ -134,10 +134,15 @@ def deploy(engine: EngineConfig | None = None, *, name: str = "gristmill", app_n
                                   max_queued_requests=max_queued_requests,
                                   health_check_period_s=1.0, health_check_timeout_s=10.0,
                                   graceful_shutdown_timeout_s=5.0)
+    # Processors reach the app through handles (it has no route): Serve started here runs
+    # no HTTP proxy, an actor that only costs a small cluster CPU time, and that Serve
+    # itself kills when a loaded machine makes it miss its health checks. A Serve the
+    # user started (with HTTP) is joined as it is.
+    serve.start(proxy_location="Disabled")
     # serve.run would wait for the replicas for ever when they cannot be placed: wait here.
     [handle] = serve.run_many([serve.RunTarget(deployment.bind(engine, model_name, threads), name=app_name,
                                                route_prefix=None)], wait_for_applications_running=False)
-    _wait_running(app_name, name, num_replicas)
+    _wait_running(app_name, name, num_replicas, options)
     return handle
 
 
@@ -167,6 +172,8 @@ _ROOM_WAIT_S = 5.0
 #: Serve's words, in a deployment's status message, for replicas that could not be placed
 #: for RAY_SERVE_SLOW_STARTUP_WARNING_S (30 s by default).
 _UNSCHEDULED = "to be scheduled"
+#: How long replicas Serve has not placed though the cluster has room for them are waited for.
+_SLOW_START_S = 180.0
 
 
 def _apps() -> dict:
@@ -214,13 +221,19 @@ def _wait_for_room(options: dict, num_replicas: int, app_name: str) -> None:
         param="ray_actor_options")
 
 
-def _wait_running(app_name: str, name: str, num_replicas: int) -> None:
+def _wait_running(app_name: str, name: str, num_replicas: int, options: dict) -> None:
     """Until the application runs. A replica that fails to start fails the deploy with its
     error; replicas that Serve cannot place (what they need is held by others) fail it once
-    Serve says so, instead of waiting for ever."""
+    Serve says so, instead of waiting for ever. Replicas Serve is slow to place though the
+    cluster has what they need (a loaded machine starting their processes) are waited
+    for, up to _SLOW_START_S."""
     import time
 
+    import ray
+
+    need = {resource: amount for resource, amount in _need(options, num_replicas).items() if amount > 0}
     gone_since = None
+    started = time.monotonic()
     while True:
         app = serve.status().applications.get(app_name)
         if app is None:  # not yet listed, or deleted meanwhile by another caller
@@ -239,6 +252,15 @@ def _wait_running(app_name: str, name: str, num_replicas: int) -> None:
             raise EngineDeadError(f"deploy: the replicas of {name!r} (Serve app {app_name!r}) failed to start: "
                                   f"{_last_error(message)}")
         if deployment is not None and _UNSCHEDULED in message:
+            free = ray.available_resources()
+            if all(free.get(resource, 0.0) >= amount for resource, amount in need.items()):
+                if time.monotonic() - started < _SLOW_START_S:
+                    time.sleep(0.2)
+                    continue  # not held by others: slow, not stuck
+                serve.delete(app_name)
+                raise EngineDeadError(f"deploy: the replicas of {name!r} (Serve app {app_name!r}) were not placed "
+                                      f"within {_SLOW_START_S:.0f} s though the cluster has what they need "
+                                      f"({message.strip()}); is the machine overloaded? The app was deleted")
             serve.delete(app_name)
             raise RequestError(
                 f"deploy: Serve could not place the {num_replicas} replica(s) of {name!r} (Serve app "

@@ -189,17 +189,19 @@ def test_a_replica_that_cannot_fit_fails_at_once():
 
 def test_a_replica_killed_mid_job_fails_the_job_fast_and_serve_replaces_it(shared):
     pids = shared.pids.remote().result()
-    # Rows far longer than the kill takes to land: whenever the killer sees a row running,
-    # rows are still in flight on the replica when it dies (with short rows, a kill that
-    # came just as the last ones finished let the job end cleanly, once, under load).
-    rows = [{**row, "sampling_params": {**GREEDY, "max_tokens": 400}} for row in story_rows(16)]
+    # The kill comes once every row is in the replica's engine (16 rows: two batches of 8,
+    # all sent at once), and rows last seconds longer than a kill takes to land. Killed
+    # any earlier, rows still waiting on the caller's side went to the new replica; killed
+    # as short rows finished, the job could end cleanly under load.
+    rows = [{**row, "sampling_params": {**GREEDY, "max_tokens": 160}} for row in story_rows(16)]
     dataset = build_processor(_config(should_continue_on_error=True, batch_size=8))(ray.data.from_items(rows))
     fired, stop = {}, threading.Event()
 
     def kill_once_it_runs_rows():
         # Not on a timer: on a slow machine the job may not have reached the replica yet.
         while not stop.wait(0.2):
-            if shared.stats.remote().result(timeout_s=10)["num_running"] > 0:
+            stats = shared.stats.remote().result(timeout_s=10)
+            if stats["num_running"] + stats["num_waiting"] == len(rows) and stats["num_running"] > 0:
                 fired["at"] = time.monotonic()
                 os.kill(pids["replica"], signal.SIGKILL)
                 return
