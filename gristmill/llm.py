@@ -9,6 +9,7 @@ import time
 from collections.abc import Sequence
 
 from gristmill import startup
+from gristmill.chat.tool_choice import ToolRequest, tool_request
 from gristmill.config import EngineConfig
 from gristmill.engine.client import EngineClient, EngineFace
 from gristmill.engine.core import EngineCore
@@ -72,39 +73,80 @@ class LLM(EngineFace):
     def chat(self, conversations: list[dict] | Sequence[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True, continue_final_message: bool = False,
-             chat_template: str | None = None, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template: str | None = None, chat_template_kwargs: dict | None = None,
+             tools: list[dict] | None = None, tool_choice: str | dict | None = None,
+             parallel_tool_calls: bool | None = None) -> list[RequestOutput]:
         """Generate a reply to each conversation (a list of {"role", "content"} messages),
         rendered with the model's chat template (or `chat_template`, a Jinja text), as vLLM's
         LLM.chat: `continue_final_message` continues the last (assistant) message, left
         open (with add_generation_prompt=False); `chat_template_kwargs` are more variables
         for the template (Qwen3's `enable_thinking`). On a reasoning model
         (`reasoning_parser`) each completion's `reasoning` holds its reasoning and `text`
-        only its answer."""
+        only its answer.
+
+        `tools` (OpenAI tool entries), `tool_choice` ("none", "auto", "required" or
+        {"type": "function", "function": {"name": ...}}) and `parallel_tool_calls`, as the
+        chat completions API takes them, apply to every conversation: the template writes
+        the tools, a forced call ("required", a named function) is written by the grammar
+        engine, so its arguments always match the function's schema, and each completion's
+        `tool_calls` holds the calls read from its answer (ToolCall: `name`, `arguments` a
+        dict; an empty list when it made none), `text` the text around them and
+        finish_reason "tool_calls" when it stopped after calling. Malformed tool fields
+        are each conversation's error, as other invalid input is."""
         if isinstance(conversations, (str, bytes, dict)) or (
                 conversations and isinstance(conversations[0], dict)):
             conversations = [conversations]  # one conversation (a str is one, malformed)
+        try:
+            tool_req, tools_error = tool_request(tools, tool_choice, parallel_tool_calls, self.tool_parser), None
+        except RequestError as exc:
+            tool_req, tools_error = None, exc
         items = []
         for messages in conversations:
             try:
+                if tools_error is not None:
+                    raise tools_error
                 text = self.apply_chat_template(messages, add_generation_prompt, continue_final_message,
-                                                chat_template, chat_template_kwargs)
+                                                chat_template, chat_template_kwargs,
+                                                tools=tool_req.tools if tool_req is not None else None)
                 items.append((text, None))
             except RequestError as exc:
                 items.append((None, exc))
+        if tool_req is not None and tool_req.forces_call:
+            sampling_params, items = self._forcing_calls(tool_req, sampling_params, items)
         results = self._run(items, sampling_params, use_tqdm, add_special_tokens=False, chat=True)
-        if self.reasoning_parser is not None:
-            for (prompt_text, _), result in zip(items, results):
-                for output in result.outputs:
-                    if output.finish_reason != "error":
-                        output.reasoning, output.text = self.reasoning_parser.split(output.text, prompt_text)
+        for (prompt_text, _), result in zip(items, results):
+            for output in result.outputs:
+                if output.finish_reason == "error":
+                    continue
+                if self.reasoning_parser is not None:
+                    output.reasoning, output.text = self.reasoning_parser.split(output.text, prompt_text)
+                if tool_req is not None:
+                    _read_calls(output, tool_req)
         return results
+
+    def _forcing_calls(self, tool_req: ToolRequest, sampling_params, items: list) -> tuple[list, list]:
+        """One SamplingParams per conversation whose constraint writes the forced call; a
+        conversation whose params constrain the answer already is an error (one of the two)."""
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        params_list = _params_per_prompt(sampling_params, len(items))
+        constraint = tool_req.constraint()
+        forced, checked = [], []
+        for params, (text, error) in zip(params_list, items):
+            if error is None and params.structured_output is not None:
+                error = RequestError("tool_choice forces a tool call, whose arguments follow the tool's schema, and "
+                                     "sampling_params.structured_output constrains the answer too; send one of "
+                                     "them", param="tool_choice")
+            forced.append(params if error is not None else params.clone(structured_output=constraint))
+            checked.append((text if error is None else None, error))
+        return forced, checked
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             continue_final_message: bool = False, chat_template: str | None = None,
-                            chat_template_kwargs: dict | None = None) -> str:
+                            chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> str:
         from gristmill.tokenizer import render_chat
         return render_chat(self.tokenizer, messages, add_generation_prompt, continue_final_message,
-                           chat_template_kwargs, chat_template)
+                           chat_template_kwargs, chat_template, tools)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prompt prefix (as vLLM's `LLM.reset_prefix_cache`), so the
@@ -312,6 +354,19 @@ def _params_per_prompt(given, count: int, kind: type = SamplingParams) -> list:
         raise RequestError(f"{name} must be {kind.__name__}, got a {type(bad).__name__} in the list; "
                            f"e.g. {kind.__name__}(**your_dict)", param=name)
     return params
+
+
+def _read_calls(output: CompletionOutput, tool_req: ToolRequest) -> None:
+    """A completion's calls out of its text into `tool_calls` (a would-be call that does not
+    parse stays text); finish_reason "tool_calls" when it stopped after calling."""
+    output.tool_calls = []
+    if tool_req.parser is None:  # tool_choice "none": plain content
+        return
+    parsed = tool_req.parser.parse(output.text)
+    if parsed.calls:
+        output.text, output.tool_calls = parsed.content, list(parsed.calls)
+        if output.finish_reason == "stop":
+            output.finish_reason = "tool_calls"
 
 
 class _NoBar:

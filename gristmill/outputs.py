@@ -26,7 +26,8 @@ class CompletionOutput:
     index: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    #: "stop", "length", "abort" or "error"; None while still generating.
+    #: "stop", "length", "abort" or "error" ("tool_calls" from `LLM.chat` with tools when it
+    #: stopped after calling); None while still generating.
     finish_reason: str | None = None
     #: Per generated token, {token_id: Logprob} for the sampled token and the top-k.
     logprobs: list[dict[int, Logprob]] | None = None
@@ -42,6 +43,10 @@ class CompletionOutput:
     #: `LLM.chat` on a reasoning model: the reasoning (the text between `<think>` and
     #: `</think>`, stripped), while `text` holds only the answer; None when it had none.
     reasoning: str | None = None
+    #: `LLM.chat` with tools: the calls read from the answer (ToolCall: `name`, `arguments`
+    #: a dict; empty when it made none), while `text` holds the text around them; None
+    #: without tools.
+    tool_calls: list | None = None
 
     @property
     def finished(self) -> bool:

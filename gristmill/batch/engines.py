@@ -20,6 +20,7 @@ import uuid
 
 from gristmill import gpus
 from gristmill.batch import runtime
+from gristmill.batch.row_tools import read_calls
 from gristmill.batch.rows import Generated, Pooled, RowRequest
 from gristmill.batch.stages import LocalStages
 from gristmill.config import EngineConfig
@@ -105,8 +106,14 @@ class EnginePool:
     def tokenizer(self):
         return self.replicas[0].engine.tokenizer
 
-    def render_chat(self, messages: list[dict], template_kwargs: dict | None = None) -> str:
-        return render_chat(self.tokenizer, messages, add_generation_prompt=True, template_kwargs=template_kwargs)
+    def render_chat(self, messages: list[dict], template_kwargs: dict | None = None,
+                    tools: list[dict] | None = None) -> str:
+        return render_chat(self.tokenizer, messages, add_generation_prompt=True, template_kwargs=template_kwargs,
+                           tools=tools)
+
+    @property
+    def tool_parser(self):
+        return self.replicas[0].engine.tool_parser
 
     def tokenize(self, prompt: str, add_special_tokens: bool) -> list[int]:
         return self.replicas[0].engine.inputs.tokenize(prompt, add_special_tokens)
@@ -213,6 +220,8 @@ class _Replica:
             if request.chat and parser is not None:
                 generated.reasoning, generated.text = parser.split(out.text, request.prompt)
                 generated.reasoned = True
+            if request.tools is not None:
+                read_calls(generated, request.tools)
             return generated
         finally:
             self._leave(request_id)

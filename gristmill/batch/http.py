@@ -67,15 +67,16 @@ class HttpEngine:
         await self._connect()
         method, body = openai_request(request, self.model)
         path = "/chat/completions" if method == "chat" else "/completions"
+        tools = request.tool_fields is not None
         if self._ask_token_ids:
             try:
                 return generated_of(await self._post(path, {**body, "return_token_ids": True}),
-                                    f"{self.config.url}{path}")
+                                    f"{self.config.url}{path}", tools)
             except RequestError as exc:
                 if "return_token_ids" not in str(exc):
                     raise
                 self._ask_token_ids = False  # a server that refuses it: rows get text only
-        return generated_of(await self._post(path, body), f"{self.config.url}{path}")
+        return generated_of(await self._post(path, body), f"{self.config.url}{path}", tools)
 
     async def pool(self, request: RowRequest) -> Pooled:
         await self._connect()

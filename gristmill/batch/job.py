@@ -27,7 +27,8 @@ from gristmill.batch.io import (CsvWriter, InputError, InputFile, JsonlWriter, P
 from gristmill.batch.openai_batch import batch_output_line, batch_task, check_batch_line, is_batch_file
 from gristmill.batch.job_rows import INPUT_COLUMN, input_slots, merged
 from gristmill.batch.resume import ROW_ID, RowIds, skip_written, written_rows
-from gristmill.batch.rows import ERROR_COLUMN, PROMPT_LOGPROBS_COLUMN, REASONING_COLUMN, output_columns
+from gristmill.batch.rows import (ERROR_COLUMN, PROMPT_LOGPROBS_COLUMN, REASONING_COLUMN, TOOL_CALLS_COLUMN,
+                                  output_columns)
 from gristmill.batch.tables import arrow_types
 from gristmill.engine_flags import engine_config, engine_flag, engine_options, model_load_error, run_figures
 from gristmill.errors import GristmillError, RequestError, error_string
@@ -81,6 +82,8 @@ class Job:
         self.total = survey.count
         if survey.count and not self.batch_file:
             self._check_prompt_columns(survey.columns)
+        if "tools" in survey.columns and self.task == "generate" and not self.batch_file:
+            self.output_columns += (TOOL_CALLS_COLUMN,)  # (a batch file's calls go in its response bodies)
         self.columns, self.schema = self._output_columns(survey)
         self.ok = self.failed = self.tokens = self.skipped = self.written = 0
         self.started: float | None = None  # when rows started to run (the engine was up)
@@ -230,7 +233,8 @@ class Job:
             return columns, None
         import pyarrow as pa
 
-        types = {ROW_ID: pa.int64(), **{c: survey.schema.field(c).type for c in inputs}, **arrow_types()}
+        types = {ROW_ID: pa.int64(), **{c: survey.schema.field(c).type for c in inputs}, **arrow_types(),
+                 TOOL_CALLS_COLUMN: pa.string()}  # (JSON text: each call's arguments are of its own shape)
         return columns, pa.schema([pa.field(c, types[c]) for c in columns])
 
     @functools.cached_property
@@ -365,10 +369,13 @@ class Job:
         record.update(out[INPUT_COLUMN])
         # (an error row has no prompt logprobs: an empty list, the column's type)
         record.update({column: out.get(column, []) if column == PROMPT_LOGPROBS_COLUMN
-                       else out.get(column) if column == REASONING_COLUMN else out[column]
+                       else out.get(column) if column in (REASONING_COLUMN, TOOL_CALLS_COLUMN) else out[column]
                        for column in self.output_columns})
         if REASONING_COLUMN in out and self.out_format == "jsonl":
             record[REASONING_COLUMN] = out[REASONING_COLUMN]
+        calls = record.get(TOOL_CALLS_COLUMN)
+        if calls is not None and self.out_format != "jsonl":  # CSV and Parquet cells hold them as JSON text
+            record[TOOL_CALLS_COLUMN] = json.dumps(calls, ensure_ascii=False)
         return record
 
     def _close(self) -> None:

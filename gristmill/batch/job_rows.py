@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from gristmill.batch.openai_batch import batch_request_row
 from gristmill.batch.resume import RowIds
+from gristmill.batch.row_tools import TOOL_FIELDS
 from gristmill.batch.rows import error_columns
 from gristmill.errors import RequestError
 
@@ -52,6 +53,12 @@ def request_columns(original: dict, prompt_column: str | None, messages_column: 
         return {**row, "text_1": original.get("text_1"), "text_2": original.get("text_2")}
     if decoded(original.get("chat_template_kwargs")) is not None:
         row["chat_template_kwargs"] = decoded(original["chat_template_kwargs"])
+    for name in TOOL_FIELDS:
+        value = decoded(original.get(name))
+        if name == "parallel_tool_calls" and isinstance(value, str) and value.lower() in ("true", "false"):
+            value = value.lower() == "true"  # (a CSV cell)
+        if value is not None:
+            row[name] = value
     column = messages_column or prompt_column
     if column is not None:
         value = decoded(original.get(column)) if messages_column else original.get(column)

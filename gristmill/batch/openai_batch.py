@@ -7,11 +7,13 @@ input per line), whose output lines hold /v1/embeddings responses."""
 from __future__ import annotations
 
 import base64
+import json
 import time
 import uuid
 
 from gristmill.batch.io import InputError
-from gristmill.batch.rows import REASONING_COLUMN
+from gristmill.batch.rows import REASONING_COLUMN, TOOL_CALLS_COLUMN
+from gristmill.chat.tool_calls import new_call_id
 from gristmill.errors import GristmillError, RequestError
 from gristmill.structured.grammars import check_constraint
 from gristmill.structured.spec import openai_constraint
@@ -32,6 +34,8 @@ _BODY_IGNORED = {"model", "messages", "prompt", "chat_template_kwargs", "user", 
                  "store"}
 # Body fields that become sampling_params.structured_output.
 _BODY_CONSTRAINTS = ("response_format", "structured_outputs")
+# A chat line's fields that its row carries as they are (row_tools.TOOL_FIELDS).
+_CHAT_TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
 
 
 def is_batch_file(first_row: dict | None) -> bool:
@@ -65,8 +69,9 @@ def batch_request_row(line: dict, task: str = "generate") -> dict:
                            param="url")
     if wanted == "embed":
         return _embedding_row(line["custom_id"], body)
-    unsupported = sorted(k for k, v in body.items()
-                         if k not in _BODY_PARAMS and k not in _BODY_IGNORED and k not in _BODY_CONSTRAINTS and v)
+    known = {*_BODY_PARAMS, *_BODY_IGNORED, *_BODY_CONSTRAINTS,
+             *(_CHAT_TOOL_FIELDS if BATCH_URLS[url] == "chat" else ())}
+    unsupported = sorted(k for k, v in body.items() if k not in known and v)
     if unsupported:
         raise RequestError(f"body fields {unsupported} are not supported by gristmill batch; leave them out",
                            param=unsupported[0])
@@ -84,6 +89,7 @@ def batch_request_row(line: dict, task: str = "generate") -> dict:
     if BATCH_URLS[url] == "chat":
         row["messages"] = body.get("messages")
         row["chat_template_kwargs"] = body.get("chat_template_kwargs")
+        row.update({name: body[name] for name in _CHAT_TOOL_FIELDS if body.get(name) is not None})
         return row
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -150,6 +156,11 @@ def _completion_body(kind: str, out: dict, model: str) -> dict:
               else {"index": 0, "text": text, "finish_reason": reason, "logprobs": None})
     if kind == "chat" and REASONING_COLUMN in out:  # a reasoning model: as the server answers
         choice["message"].update(reasoning_content=out[REASONING_COLUMN], reasoning=out[REASONING_COLUMN])
+    if kind == "chat" and out.get(TOOL_CALLS_COLUMN):  # as the server answers: content null when all is calls
+        choice["message"].update(content=text or None, tool_calls=[
+            {"id": new_call_id(), "type": "function",
+             "function": {"name": call["name"], "arguments": json.dumps(call["arguments"], ensure_ascii=False)}}
+            for call in out[TOOL_CALLS_COLUMN]])
     prompt_tokens, completion_tokens = out["num_input_tokens"], out["num_generated_tokens"]
     return {"id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}",
             "object": "chat.completion" if kind == "chat" else "text_completion", "created": int(time.time()),

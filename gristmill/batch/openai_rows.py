@@ -16,6 +16,7 @@ def openai_request(request: RowRequest, model: str | None) -> tuple[str, dict]:
         method, body = "chat", {"messages": request.messages}
         if request.chat_template_kwargs:
             body["chat_template_kwargs"] = request.chat_template_kwargs
+        body.update(request.tool_fields or {})  # (the server checks them and reads the calls)
     else:
         prompt = request.prompt_token_ids if request.prompt_token_ids is not None else request.prompt
         method, body = "completions", {"prompt": prompt}
@@ -66,8 +67,9 @@ def pooled_of(task: str, data: dict, where: str) -> Pooled:
                               f"{str(data)[:200]}") from exc
 
 
-def generated_of(data: dict, where: str) -> Generated:
-    """A row's result from an OpenAI completions or chat response body."""
+def generated_of(data: dict, where: str, tools: bool = False) -> Generated:
+    """A row's result from an OpenAI completions or chat response body; `tools`: the row
+    sent tools, and gets its message's `tool_calls` (an empty list when none)."""
     try:
         choice = data["choices"][0]
         text = choice["message"]["content"] if "message" in choice else choice["text"]
@@ -78,10 +80,23 @@ def generated_of(data: dict, where: str) -> Generated:
         reasoned = "reasoning_content" in message or "reasoning" in message
         return Generated(text or "", token_ids, int(usage.get("prompt_tokens", 0)),
                          int(usage.get("completion_tokens", 0)), choice.get("finish_reason") or "stop",
-                         reasoning=message.get("reasoning_content", message.get("reasoning")), reasoned=reasoned)
+                         reasoning=message.get("reasoning_content", message.get("reasoning")), reasoned=reasoned,
+                         tool_calls=[_call_of(call) for call in message.get("tool_calls") or ()] if tools else None)
     except (KeyError, IndexError, TypeError, ValueError) as exc:
         raise GenerationError(f"the response of {where} is not an OpenAI completion ({exc!r}): "
                               f"{str(data)[:200]}") from exc
+
+
+def _call_of(call: dict) -> dict:
+    """An OpenAI `tool_calls` entry as a row's call: its arguments parsed (text a server
+    sent that is not JSON stays text)."""
+    function = call["function"]
+    arguments = function.get("arguments")
+    try:
+        arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+    except ValueError:
+        pass
+    return {"name": function["name"], "arguments": arguments}
 
 
 def _sampling_body(params) -> dict:

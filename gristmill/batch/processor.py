@@ -28,9 +28,10 @@ from gristmill.batch.config import (DeploymentProcessorConfig, EngineProcessorCo
                                     ProcessorConfig)
 from gristmill.batch.deployment import get_deployment
 from gristmill.batch.engines import RowFailed, start_pool
-from gristmill.batch.rows import (ERROR_COLUMN, TEMPLATE_ERROR_COLUMN, TEMPLATED_COLUMN, RowRequest, chat_template_kwargs_of, error_columns,
-                                  has_values, is_error_row, pooled_columns, pooling_params_of, result_columns,
-                                  sampling_params_of)
+from gristmill.batch.row_tools import tool_fields_of
+from gristmill.batch.rows import (ERROR_COLUMN, TEMPLATE_ERROR_COLUMN, TEMPLATED_COLUMN, RowRequest,
+                                  chat_template_kwargs_of, error_columns, has_values, is_error_row, pooled_columns,
+                                  pooling_params_of, result_columns, sampling_params_of)
 from gristmill.batch.stages import RowEngine
 from gristmill.batch.tables import from_rows, to_rows
 from gristmill.errors import GristmillError, RequestError, is_fatal
@@ -233,15 +234,19 @@ class Processor:
                                f"JSON, such as [1, 2, 3]",
                                param="tokenized_prompt")
         templated = bool(row.get(TEMPLATED_COLUMN))  # rendered by a stage before this one
+        tool_fields = tool_fields_of(row)
         if messages is not None and not templated and needs_template(row, config):
             kwargs = chat_template_kwargs_of(row, config.chat_template_kwargs)
             return engine.stages.chat(RowRequest(row_id, None, messages, token_ids, params,
-                                                 chat_template_kwargs=kwargs), config)
+                                                 chat_template_kwargs=kwargs, tool_fields=tool_fields), config)
+        if tool_fields is not None and not templated:
+            raise RequestError(f"the row has {', '.join(tool_fields)}, which apply to a chat: send its 'messages' "
+                               f"(with the chat template on), or leave them out", param=next(iter(tool_fields)))
         if prompt is not None and not isinstance(prompt, str):
             raise RequestError(f"'prompt' must be a string, got {type(prompt).__name__}", param="prompt")
         # A rendered chat holds its own special tokens.
         request = RowRequest(row_id, prompt, None, token_ids, params, add_special_tokens=not templated,
-                             chat=templated)
+                             chat=templated, tool_fields=tool_fields)
         return engine.stages.tokenize(request, config)
 
 

@@ -14,11 +14,15 @@ SamplingParams fields). A row of a pooling processor brings `prompt` or `tokeniz
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 from gristmill.errors import RequestError, error_string
 from gristmill.pooling_params import PoolingParams
 from gristmill.sampling import SamplingParams
 from gristmill.structured.spec import given_kinds
+
+if TYPE_CHECKING:
+    from gristmill.chat.tool_choice import ToolRequest
 
 ERROR_COLUMN = "__inference_error__"
 #: Set by a chat-template stage that ran before the engine stage (on Ray: a task):
@@ -35,6 +39,10 @@ PROMPT_LOGPROBS_COLUMN = "prompt_logprobs"
 #: A chat row on a reasoning model also gets this column: its reasoning (None when it had
 #: none), while `generated_text` holds only the answer.
 REASONING_COLUMN = "reasoning"
+#: A chat row with `tools` also gets this column: its answer's calls, a list of
+#: {"name": ..., "arguments": {...}} (empty when it made none), while `generated_text`
+#: holds the text around them.
+TOOL_CALLS_COLUMN = "tool_calls"
 #: The column a pooling task's result goes in: `embeddings` and `probs` a list of float32,
 #: `score` a float.
 POOLED_COLUMNS = {"embed": "embeddings", "classify": "probs", "score": "score"}
@@ -75,6 +83,11 @@ class RowRequest:
     chat_template_kwargs: dict | None = None
     #: `prompt` is a rendered chat: on a reasoning model its output's reasoning is split off.
     chat: bool = False
+    #: A chat row's `tools`, `tool_choice` and `parallel_tool_calls` as it gives them, for
+    #: an engine that reads them itself (a server); None once resolved (`tools`), or none.
+    tool_fields: dict | None = None
+    #: The row's tools, checked against the engine's tool-call parser (row_tools.with_tools).
+    tools: ToolRequest | None = None
 
 
 @dataclass
@@ -93,6 +106,9 @@ class Generated:
     #: only the answer; `reasoned` says the split was made (the row gets the column).
     reasoning: str | None = None
     reasoned: bool = False
+    #: A row with tools: its answer's calls ({"name", "arguments"}; empty when none), `text`
+    #: being the text around them; None: the row has no tools (and no column).
+    tool_calls: list[dict] | None = None
 
 
 @dataclass
@@ -187,14 +203,15 @@ def _own_schema(structured_output):
     kinds = given_kinds(structured_output)
     if not isinstance(kinds, dict) or not isinstance(kinds.get("json"), dict):
         return kinds
-    return {**kinds, "json": _without_nulls(kinds["json"])}
+    return {**kinds, "json": without_nulls(kinds["json"])}
 
 
-def _without_nulls(value):
+def without_nulls(value):
+    """`value` without the nulls of its objects (keys Arrow gives a struct from other rows')."""
     if isinstance(value, dict):
-        return {key: _without_nulls(item) for key, item in value.items() if item is not None}
+        return {key: without_nulls(item) for key, item in value.items() if item is not None}
     if isinstance(value, list):
-        return [_without_nulls(item) for item in value]
+        return [without_nulls(item) for item in value]
     return value
 
 
@@ -208,6 +225,7 @@ def result_columns(generated: Generated, time_taken: float, detokenize: bool = T
             "time_taken_llm": time_taken,
             ERROR_COLUMN: "",
             **({REASONING_COLUMN: generated.reasoning} if generated.reasoned else {}),
+            **({TOOL_CALLS_COLUMN: generated.tool_calls} if generated.tool_calls is not None else {}),
             **({PROMPT_LOGPROBS_COLUMN: generated.prompt_logprobs} if generated.prompt_logprobs is not None else {})}
 
 

@@ -20,6 +20,7 @@ from dataclasses import replace
 from typing import Protocol
 
 from gristmill.batch.config import ProcessorConfig
+from gristmill.batch.row_tools import with_tools
 from gristmill.batch.rows import Generated, Pooled, RowRequest
 from gristmill.errors import RequestError
 
@@ -55,19 +56,25 @@ def _refuse_template_off(config: ProcessorConfig) -> None:
 
 class LocalStages:
     """The chat template and the tokenizer run here, before the engine, with its tokenizer.
-    `engine` has `render_chat(messages, template_kwargs) -> str` and `tokenize(prompt, add_special_tokens)`."""
+    `engine` has `render_chat(messages, template_kwargs, tools) -> str`, `tokenize(prompt,
+    add_special_tokens)` and `tool_parser` (what reads a chat's calls; None: no format)."""
 
     def __init__(self, engine):
         self.engine = engine
 
     def chat(self, request: RowRequest, config: ProcessorConfig) -> RowRequest:
         _refuse_template_off(config)
+        request = with_tools(request, self.engine.tool_parser)
+        tools = request.tools.tools if request.tools is not None else None
         # A rendered chat holds its own special tokens.
-        rendered = replace(request, prompt=self.engine.render_chat(request.messages, request.chat_template_kwargs),
+        rendered = replace(request, prompt=self.engine.render_chat(request.messages, request.chat_template_kwargs,
+                                                                   tools),
                            messages=None, add_special_tokens=False, chat=True)
         return self.tokenize(rendered, config)
 
     def tokenize(self, request: RowRequest, config: ProcessorConfig) -> RowRequest:
+        if request.tool_fields is not None:  # a chat a stage before this one rendered (Ray Data's)
+            request = with_tools(request, self.engine.tool_parser)
         # Generating, the engine tokenizes the text itself (and its faults see the text).
         if request.prompt_token_ids is None and request.prompt is not None and config.tokenize \
                 and not config.generate:

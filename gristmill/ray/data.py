@@ -36,6 +36,7 @@ import warnings
 from gristmill.batch import runtime
 from gristmill.batch.config import DeploymentProcessorConfig, EngineProcessorConfig, ProcessorConfig
 from gristmill.batch.processor import Processor, call_user, naming_row, needs_template, row_id_of
+from gristmill.batch.row_tools import resolved, tool_fields_of
 from gristmill.batch.rows import ERROR_COLUMN, TEMPLATE_ERROR_COLUMN, TEMPLATED_COLUMN, chat_template_kwargs_of
 from gristmill.batch.tables import arrow_table, arrow_types
 from gristmill.config import EngineConfig
@@ -247,6 +248,7 @@ class _ChatTemplate:
         self.config, self.encoded = config, encoded
 
     def __call__(self, batch):
+        from gristmill.chat.tool_calls import choose_tool_parser
         from gristmill.tokenizer import render_chat
 
         rows = _rows_of(batch, self.encoded)
@@ -256,9 +258,13 @@ class _ChatTemplate:
                 continue
             changed = True
             try:
-                row["prompt"] = render_chat(_tokenizer(self.config), row["messages"], add_generation_prompt=True,
+                tokenizer = _tokenizer(self.config)
+                tools = resolved(tool_fields_of(row), choose_tool_parser(self.config.engine.tool_call_parser,
+                                                                         getattr(tokenizer, "chat_template", None)))
+                row["prompt"] = render_chat(tokenizer, row["messages"], add_generation_prompt=True,
                                             template_kwargs=chat_template_kwargs_of(row,
-                                                                                   self.config.chat_template_kwargs))
+                                                                                   self.config.chat_template_kwargs),
+                                            tools=tools.tools if tools is not None else None)
                 row[TEMPLATED_COLUMN] = True
             except GristmillError as exc:
                 if not self.config.should_continue_on_error:

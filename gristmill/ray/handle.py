@@ -49,7 +49,7 @@ class ServeEngine:
         for attempt in range(_BACKPRESSURE_RETRIES + 1):
             try:
                 response = getattr(self.handle, method).remote(body)
-                return generated_of(await response.__anext__(), self.where)
+                return generated_of(await response.__anext__(), self.where, request.tool_fields is not None)
             except Exception as exc:  # noqa: BLE001 - sorted: the row's error, or fatal
                 if type(exc).__name__ == "BackPressureError" and attempt < _BACKPRESSURE_RETRIES:
                     delay = random.uniform(0, _BACKOFF_BASE_S * 2 ** attempt)

@@ -7,6 +7,7 @@ import time
 import pytest
 import ray
 
+from gristmill import EngineConfig
 from gristmill.batch import ERROR_COLUMN, EngineProcessorConfig, build_processor
 from gristmill.errors import EngineDeadError, PromptTooLongError, RequestError, is_fatal, root_cause
 from tests.on_ray.conftest import ENGINE, GREEDY, TINY_MAX_MODEL_LEN, by_key, story_rows, tiny_engine
@@ -117,3 +118,26 @@ def test_actors_that_can_never_fit_fail_at_once_saying_what_to_change():
     smaller = EngineProcessorConfig(engine=ENGINE, concurrency=2, ray_actor_options={"num_cpus": 0.5})
     assert isinstance(build_processor(smaller)(ray.data.from_items(story_rows(2))), ray.data.Dataset)
     assert time.monotonic() - started < 5
+
+
+def test_chat_rows_with_tools_get_their_calls_on_ray_data():
+    # The chat-template stage (tasks) writes the tools into the prompt; the engine stage
+    # (actors) forces the call and reads it into the tool_calls column.
+    import jsonschema
+
+    from tests.chat.reasoning_models import cache_dir, tiny_reasoning_model
+
+    schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": schema}}]
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "tools": tools,
+            "sampling_params": {"max_tokens": 80, "temperature": 1.0, "seed": 3}}
+    rows = [{"key": 0, **chat, "tool_choice": "required"},
+            {"key": 1, **chat, "tool_choice": {"type": "function", "function": {"name": "get_time"}}}]
+    engine = EngineConfig(model=tiny_reasoning_model("hermes_tools"), device="cpu", cache_dir=cache_dir(),
+                          quantization=None)
+    processor = build_processor(EngineProcessorConfig(engine=engine, should_continue_on_error=True, id_column="key"))
+    out = by_key(processor(ray.data.from_items(rows)).take_all())
+    [call] = out[0]["tool_calls"]
+    assert out[0][ERROR_COLUMN] == "" and call["name"] == "get_weather"
+    jsonschema.validate(call["arguments"], schema)
+    assert out[1][ERROR_COLUMN].startswith("RequestError: tool_choice names function 'get_time'")

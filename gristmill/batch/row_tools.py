@@ -1,0 +1,62 @@
+"""A chat row's tools: the row's `tools`, `tool_choice` and `parallel_tool_calls` (as
+OpenAI takes them), checked against the engine's tool-call parser where the engine runs
+beside the processor, and the calls of its answer as the `tool_calls` column: a list of
+`{"name": ..., "arguments": {...}}` (arguments parsed), `generated_text` the text around
+them. An engine that reads tools itself (a server) gets the fields as they are."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from gristmill.batch.rows import Generated, RowRequest, without_nulls
+from gristmill.chat.tool_calls import ToolCallParser
+from gristmill.chat.tool_choice import ToolRequest, tool_request
+from gristmill.errors import RequestError
+
+TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
+
+
+def tool_fields_of(row: dict) -> dict | None:
+    """The tool fields a row sets (a null is a missing value, and nulls inside a tool's
+    schema are keys Arrow gave it from other rows' schemas), or None when it sets none."""
+    fields = {name: without_nulls(row[name]) for name in TOOL_FIELDS if row.get(name) is not None}
+    return fields or None
+
+
+def resolved(fields: dict | None, parser: ToolCallParser | None) -> ToolRequest | None:
+    """The checked ToolRequest of a row's tool fields (RequestError naming a bad one)."""
+    if fields is None:
+        return None
+    return tool_request(fields.get("tools"), fields.get("tool_choice"), fields.get("parallel_tool_calls"), parser)
+
+
+def with_tools(request: RowRequest, parser: ToolCallParser | None) -> RowRequest:
+    """`request` with its tool fields resolved for an engine beside the processor: its
+    `tools` (for the template and the parser), and a forced call's grammar as its
+    constraint."""
+    tools = resolved(request.tool_fields, parser)
+    params = request.sampling_params
+    constraint = tools.constraint() if tools is not None else None
+    if constraint is not None:
+        if params.structured_output is not None:
+            raise RequestError("tool_choice forces a tool call, whose arguments follow the tool's schema, and "
+                               "sampling_params.structured_output constrains the answer too (the row's own, or "
+                               "the processor's default); send one of them", param="tool_choice")
+        params = params.clone(structured_output=constraint)
+    return replace(request, tools=tools, tool_fields=None, sampling_params=params)
+
+
+def read_calls(generated: Generated, tools: ToolRequest) -> None:
+    """Take the calls out of `generated.text` into `generated.tool_calls` (a would-be call
+    that does not parse stays text); finish_reason "tool_calls" when the model stopped
+    after calling, as the server answers."""
+    generated.tool_calls = []
+    if tools.parser is None:  # tool_choice "none": the answer is plain content
+        return
+    parsed = tools.parser.parse(generated.text)
+    if not parsed.calls:
+        return
+    generated.tool_calls = [{"name": call.name, "arguments": call.arguments} for call in parsed.calls]
+    generated.text = parsed.content
+    if generated.finish_reason == "stop":
+        generated.finish_reason = "tool_calls"

@@ -1,0 +1,81 @@
+"""LLM.chat with tools, on a tiny random-weight Qwen3 whose chat template writes tools and
+calls as Qwen's do (`<tool_call>` blocks): the tools reach the template, a forced call
+("required", a named function) always parses and matches its function's schema, each
+completion carries its calls apart from its text, and malformed tool fields are each
+conversation's error."""
+
+from __future__ import annotations
+
+import jsonschema
+import pytest
+
+from gristmill import LLM, SamplingParams
+from tests.chat.reasoning_models import cache_dir, tiny_reasoning_model
+
+MESSAGES = [{"role": "user", "content": "Hi"}]
+WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "hot": {"type": "boolean"}},
+           "required": ["city", "hot"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {
+             "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}}]
+SCHEMAS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(model=tiny_reasoning_model("hermes_tools"), device="cpu", cache_dir=cache_dir(), quantization=None)
+
+
+def sampled(seed: int = 0, **fields) -> SamplingParams:
+    return SamplingParams(max_tokens=120, temperature=1.0, seed=seed, n=4, **fields)
+
+
+def test_the_tools_reach_the_template(llm):
+    prompt = llm.apply_chat_template(MESSAGES, tools=TOOLS)
+    assert "<tools>" in prompt and '"get_weather"' in prompt
+    assert "<tools>" not in llm.apply_chat_template(MESSAGES)
+
+
+def test_required_and_named_calls_parse_and_match_their_schemas(llm):
+    named = {"type": "function", "function": {"name": "get_time"}}
+    required = llm.chat([MESSAGES, MESSAGES], [sampled(1), sampled(2)], use_tqdm=False, tools=TOOLS,
+                        tool_choice="required")
+    [one] = llm.chat(MESSAGES, sampled(3), use_tqdm=False, tools=TOOLS, tool_choice=named, parallel_tool_calls=False)
+    for out, names in [(required[0], SCHEMAS), (required[1], SCHEMAS), (one, ("get_time",))]:
+        for completion in out.outputs:
+            assert completion.error is None and completion.finish_reason == "tool_calls"
+            assert completion.text == "" and completion.tool_calls
+            for call in completion.tool_calls:
+                assert call.name in names
+                jsonschema.validate(call.arguments, SCHEMAS[call.name])
+    assert all(len(c.tool_calls) == 1 for c in one.outputs)
+
+
+def test_tool_choice_none_and_no_tools(llm):
+    [none] = llm.chat(MESSAGES, SamplingParams(max_tokens=8, temperature=0), use_tqdm=False, tools=TOOLS,
+                      tool_choice="none")
+    [plain] = llm.chat(MESSAGES, SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
+    assert none.outputs[0].tool_calls == [] and none.outputs[0].text
+    assert plain.outputs[0].tool_calls is None
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"tools": {"name": "f"}}, "tools must be a list of"),
+    ({"tools": TOOLS, "tool_choice": "always"}, "tool_choice must be"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice names function 'nope'"),
+    ({"tool_choice": "required"}, "the request lists no tools"),
+    ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls must be true or false"),
+])
+def test_malformed_tool_fields_are_each_conversations_error(llm, fields, message):
+    outs = llm.chat([MESSAGES, MESSAGES], SamplingParams(max_tokens=4), use_tqdm=False, **fields)
+    for out in outs:
+        [completion] = out.outputs
+        assert completion.finish_reason == "error" and completion.error.startswith("RequestError: ")
+        assert message in completion.error
+
+
+def test_a_forced_call_and_a_constraint_of_the_answer_are_refused_together(llm):
+    constrained = SamplingParams(max_tokens=4, structured_output={"choice": ["a"]})
+    [out] = llm.chat(MESSAGES, constrained, use_tqdm=False, tools=TOOLS, tool_choice="required")
+    assert out.outputs[0].error.startswith("RequestError: tool_choice forces a tool call")
