@@ -111,8 +111,8 @@ class LLM(EngineFace):
                 items.append((text, None))
             except RequestError as exc:
                 items.append((None, exc))
-        if tool_req is not None and tool_req.forces_call:
-            sampling_params, items = self._forcing_calls(tool_req, sampling_params, items)
+        if tool_req is not None and tool_req.parser is not None:
+            sampling_params, items = self._tool_constraints(tool_req, sampling_params, items)
         results = self._run(items, sampling_params, use_tqdm, add_special_tokens=False, chat=True)
         for (prompt_text, _), result in zip(items, results):
             for output in result.outputs:
@@ -124,20 +124,24 @@ class LLM(EngineFace):
                     _read_calls(output, tool_req)
         return results
 
-    def _forcing_calls(self, tool_req: ToolRequest, sampling_params, items: list) -> tuple[list, list]:
-        """One SamplingParams per conversation whose constraint writes the forced call; a
-        conversation whose params constrain the answer already is an error (one of the two)."""
+    def _tool_constraints(self, tool_req: ToolRequest, sampling_params, items: list) -> tuple[list, list]:
+        """One SamplingParams per conversation whose constraint writes its calls (a forced
+        call's grammar, or under "auto" the grammar that holds once a call starts); a
+        forced call in a conversation whose params constrain the answer already is an
+        error (one of the two)."""
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params_list = _params_per_prompt(sampling_params, len(items))
-        constraint = tool_req.constraint()
         forced, checked = [], []
         for params, (text, error) in zip(params_list, items):
-            if error is None and params.structured_output is not None:
-                error = RequestError("tool_choice forces a tool call, whose arguments follow the tool's schema, and "
-                                     "sampling_params.structured_output constrains the answer too; send one of "
-                                     "them", param="tool_choice")
-            forced.append(params if error is not None else params.clone(structured_output=constraint))
+            if error is None:
+                try:
+                    constraint, _ = tool_req.answer_constraint(params.structured_output,
+                                                               "sampling_params.structured_output")
+                    params = params.clone(structured_output=constraint)
+                except RequestError as exc:
+                    error = exc
+            forced.append(params)
             checked.append((text if error is None else None, error))
         return forced, checked
 

@@ -79,3 +79,12 @@ def test_a_forced_call_and_a_constraint_of_the_answer_are_refused_together(llm):
     constrained = SamplingParams(max_tokens=4, structured_output={"choice": ["a"]})
     [out] = llm.chat(MESSAGES, constrained, use_tqdm=False, tools=TOOLS, tool_choice="required")
     assert out.outputs[0].error.startswith("RequestError: tool_choice forces a tool call")
+
+
+def test_auto_with_a_constraint_of_the_answer_follows_the_constraint(llm):
+    # Under "auto" the answer's own constraint wins (its calls would be read, not forced);
+    # only a forced call and a constraint are refused together.
+    constrained = SamplingParams(max_tokens=4, temperature=1.0, seed=5, n=4, structured_output={"choice": ["yes", "no"]})
+    [out] = llm.chat(MESSAGES, constrained, use_tqdm=False, tools=TOOLS, tool_choice="auto")
+    for completion in out.outputs:
+        assert completion.error is None and completion.text in ("yes", "no") and completion.tool_calls == []

@@ -36,12 +36,10 @@ def with_tools(request: RowRequest, parser: ToolCallParser | None) -> RowRequest
     constraint."""
     tools = resolved(request.tool_fields, parser)
     params = request.sampling_params
-    constraint = tools.constraint() if tools is not None else None
-    if constraint is not None:
-        if params.structured_output is not None:
-            raise RequestError("tool_choice forces a tool call, whose arguments follow the tool's schema, and "
-                               "sampling_params.structured_output constrains the answer too (the row's own, or "
-                               "the processor's default); send one of them", param="tool_choice")
+    if tools is not None:
+        # (a forced call and the row's own constraint, or the processor's default, are
+        # refused together; under "auto" the row's constraint wins)
+        constraint, _ = tools.answer_constraint(params.structured_output, "sampling_params.structured_output")
         params = params.clone(structured_output=constraint)
     return replace(request, tools=tools, tool_fields=None, sampling_params=params)
 

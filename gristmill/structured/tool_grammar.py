@@ -37,8 +37,7 @@ _LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator"
 def forced_calls(spec: dict, parallel: bool) -> dict:
     """The `structured_output` value that forces a call of `spec` (what
     `chat.tool_calls.call_schema` gives), or with `parallel` one or more calls."""
-    parser = spec["parser"]
-    markers = _markers(parser)
+    parser, markers = spec["parser"], spec["markers"]
     if parser == "hermes":
         call = f'marker_0 "\\n" body "\\n" marker_1\n{_json_rule("body", spec["schema"])}'
         rules = (f"start: call (\"\\n\" call)*" if parallel else "start: call") + f"\ncall: {call}"
@@ -53,8 +52,7 @@ def forced_calls(spec: dict, parallel: bool) -> dict:
 def lazy_calls(spec: dict) -> dict:
     """The `structured_output` value that lets an answer run free and holds each call it
     starts (at one of the format's triggers) to a call of `spec` (an "auto" `call_schema`)."""
-    parser = spec["parser"]
-    markers = _markers(parser)
+    parser, markers = spec["parser"], spec["markers"]
     start_triggers: tuple[str, ...] = ()
     if parser == "hermes":
         rules = f'start: marker_0 "\\n" body "\\n" marker_1\n{_json_rule("body", spec["schema"])}'
@@ -67,11 +65,6 @@ def lazy_calls(spec: dict) -> dict:
         triggers = ("<|python_start|>",)
         start_triggers = tuple(f"[{f['name']}(" for f in spec["functions"])
     return _value(rules, markers, triggers, start_triggers)
-
-
-def _markers(parser: str) -> tuple[str, ...]:
-    from gristmill.chat.tool_calls import get_tool_parser
-    return get_tool_parser(parser).markers
 
 
 def _value(rules: str, markers, triggers=(), start_triggers=()) -> dict:
