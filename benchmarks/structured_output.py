@@ -4,7 +4,16 @@ for all three penalties (repetition, presence, frequency), and with neither, sid
 in one run on the bundled model; plus the grammar compile time of that schema, cold (a
 new engine) and cached.
 
+Then tool calls: the same number of chats with two tools, under tool_choice "required"
+(the grammar writes every call) and under "auto" (the lazy grammar waits for a call to
+start; EOS ignored, so it waits all the way), one call a chat at most, each against the same chats' plain
+generation (tools rendered, tool_choice "none") of the same number of tokens per row. A
+forced call ends on its own, so its plain twin gets each row's own count. A model with no
+call syntax of its own in its chat template (the bundled Gemma 3) is read with
+`--tool-call-parser` (hermes unless told).
+
     python benchmarks/structured_output.py [--device cpu|cuda] [--batch 64] [--tokens 64] [--temperature 0]
+        [--model PATH] [--only schema|tools] [--tool-call-parser hermes|pythonic|llama3_json]
 """
 
 from __future__ import annotations
@@ -13,6 +22,7 @@ import argparse
 import time
 
 from gristmill import LLM, SamplingParams
+from gristmill.chat.tool_calls import get_tool_parser
 from gristmill.structured.spec import parse_constraint
 
 SCHEMA = {
@@ -29,6 +39,18 @@ SCHEMA = {
     "required": ["name", "status", "age", "tags", "address"],
     "additionalProperties": False,
 }
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                         "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"]}}},
+    {"type": "function", "function": {"name": "find_customer", "description": "Look a customer up", "parameters": {
+        "type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
+                                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                         "tags": {"type": "array", "items": {"type": "string", "maxLength": 12},
+                                                  "maxItems": 3}},
+        "required": ["name", "age"]}}},
+]
 
 
 def run(llm: LLM, prompts, params) -> tuple[float, int]:
@@ -46,10 +68,21 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--backend", default="llguidance", help="llguidance (the default) or xgrammar")
+    parser.add_argument("--only", choices=("schema", "tools"), default=None, help="run one half (default: both)")
+    parser.add_argument("--tool-call-parser", default=None,
+                        help="the call syntax (default: the model's own, else hermes)")
+    parser.add_argument("--call-tokens", type=int, default=128, help="max_tokens of a forced call (it ends sooner)")
     args = parser.parse_args()
     llm = LLM(args.model, device=args.device, max_num_seqs=max(64, args.batch),
-              structured_output_backend=args.backend)
+              structured_output_backend=args.backend, tool_call_parser=args.tool_call_parser)
     print(f"grammar engine: {args.backend}; device: {args.device}; temperature {args.temperature}")
+    if args.only != "tools":
+        schema_workload(llm, args)
+    if args.only != "schema":
+        tool_workload(llm, args)
+
+
+def schema_workload(llm: LLM, args) -> None:
     prompts = [f"Record {i}: describe customer number {i} as JSON:" for i in range(args.batch)]
     free = SamplingParams(max_tokens=args.tokens, temperature=args.temperature, seed=0, ignore_eos=True)
     constrained = SamplingParams(max_tokens=args.tokens, temperature=args.temperature, seed=0,
@@ -87,6 +120,54 @@ def main() -> None:
           f"(penalties cost {100 * (1 - figures['penalties'] / free_speed):.1f}% of throughput)")
     print(f"grammar engine set-up for the tokenizer: {setup:.2f} s; schema compile: cold {cold * 1e3:.1f} ms, "
           f"cached {cached * 1e3:.3f} ms")
+
+
+def run_chats(llm: LLM, chats, params, **tool_fields) -> tuple[float, list]:
+    """(seconds, each chat's completion) of `chats` with TOOLS, one call at most each."""
+    start = time.perf_counter()
+    outs = llm.chat(chats, params, use_tqdm=False, tools=TOOLS, parallel_tool_calls=False, **tool_fields)
+    return time.perf_counter() - start, [o.outputs[0] for o in outs]
+
+
+def tool_workload(llm: LLM, args) -> None:
+    if llm.tool_parser is None:  # (no call syntax in the model's template: read one it does not know)
+        llm.client.tool_parser = get_tool_parser("hermes")
+    chats = [[{"role": "user", "content": f"Customer {i} asks about the weather where they live. Help them."}]
+             for i in range(args.batch)]
+    same = llm.apply_chat_template(chats[0], tools=TOOLS) == llm.apply_chat_template(chats[0])
+    print(f"tool calls: parser {llm.tool_parser.name}; "
+          + ("the chat template ignores tools (the prompts are the same without them)" if same
+             else "the tools are in the prompt, for the plain runs too"), flush=True)
+    sampling = {"temperature": args.temperature, "seed": 0}
+    forced = SamplingParams(max_tokens=args.call_tokens, **sampling)
+    free = SamplingParams(max_tokens=args.tokens, ignore_eos=True, **sampling)
+    for choice, params in (("required", forced), ("auto", free), ("none", free)):  # (warm: compile each grammar)
+        run_chats(llm, chats[:2], params, tool_choice=choice)
+
+    def report(name: str, elapsed: float, outs: list, note: str = "") -> float:
+        tokens = sum(len(o.token_ids) for o in outs)
+        print(f"{name:>24}: {tokens:5d} tokens in {elapsed:6.2f} s = {tokens / elapsed:8.1f} tok/s{note}", flush=True)
+        return tokens / elapsed
+
+    elapsed, calls = run_chats(llm, chats, forced, tool_choice="required")
+    valid = sum(bool(o.tool_calls) for o in calls)
+    required = report("required", elapsed, calls, f"; {valid} of {len(calls)} rows parsed into one call "
+                                                   f"({sum(len(o.token_ids) for o in calls) / len(calls):.0f} "
+                                                   f"tokens a call)")
+    # The plain twin: each row as many tokens as its forced call took.
+    twins = [free.clone(max_tokens=max(1, len(o.token_ids))) for o in calls]
+    plain_required = report("plain, same counts", *run_chats(llm, chats, twins, tool_choice="none"))
+    plain = report("plain", *run_chats(llm, chats, free, tool_choice="none"))
+    elapsed, outs = run_chats(llm, chats, free, tool_choice="auto")
+    started = sum(bool(o.tool_calls) or o.finish_reason == "tool_calls" for o in outs)
+    auto = report("auto (no call starts)" if not started else "auto", elapsed, outs,
+                  f"; {started} of {len(outs)} rows made a call")
+    plain_again = report("plain again", *run_chats(llm, chats, free, tool_choice="none"))
+    print(f"required / plain (same counts): {required / plain_required:.3f}x "
+          f"(forced calls cost {100 * (1 - required / plain_required):.1f}% of throughput)")
+    plain_speed = (plain + plain_again) / 2
+    print(f"auto / plain: {auto / plain_speed:.3f}x (the idle lazy grammar costs "
+          f"{100 * (1 - auto / plain_speed):.1f}% of throughput)")
 
 
 if __name__ == "__main__":

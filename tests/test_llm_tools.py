@@ -2,7 +2,8 @@
 calls as Qwen's do (`<tool_call>` blocks): the tools reach the template, a forced call
 ("required", a named function) always parses and matches its function's schema, each
 completion carries its calls apart from its text, and malformed tool fields are each
-conversation's error."""
+conversation's error. On a vocabulary whose call markers are special tokens, a call is
+written with them and read whole, and its text keeps no marker."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import jsonschema
 import pytest
 
 from gristmill import LLM, SamplingParams
-from tests.chat.reasoning_models import cache_dir, tiny_reasoning_model
+from tests.chat.reasoning_models import cache_dir, tiny_reasoning_model, token_id
 
 MESSAGES = [{"role": "user", "content": "Hi"}]
 WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "hot": {"type": "boolean"}},
@@ -24,6 +25,13 @@ SCHEMAS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in 
 @pytest.fixture(scope="module")
 def llm():
     return LLM(model=tiny_reasoning_model("hermes_tools"), device="cpu", cache_dir=cache_dir(), quantization=None)
+
+
+@pytest.fixture(scope="module")
+def special_markers_llm():
+    """The same model with `<tool_call>` and `</tool_call>` special tokens of its vocabulary."""
+    model = tiny_reasoning_model("hermes_tools", control=("<tool_call>", "</tool_call>"))
+    return LLM(model=model, device="cpu", cache_dir=cache_dir(), quantization=None)
 
 
 def sampled(seed: int = 0, **fields) -> SamplingParams:
@@ -88,3 +96,22 @@ def test_auto_with_a_constraint_of_the_answer_follows_the_constraint(llm):
     [out] = llm.chat(MESSAGES, constrained, use_tqdm=False, tools=TOOLS, tool_choice="auto")
     for completion in out.outputs:
         assert completion.error is None and completion.text in ("yes", "no") and completion.tool_calls == []
+
+
+def test_calls_between_special_token_markers_are_written_with_them_and_parsed(special_markers_llm):
+    tokenizer = special_markers_llm.get_tokenizer()
+    opening, closing = token_id(tokenizer, "<tool_call>"), token_id(tokenizer, "</tool_call>")
+    # (special to the decoder, which skips them by default, though not in all_special_tokens)
+    assert tokenizer.decode([opening, closing], skip_special_tokens=True) == ""
+    # (one call each: this random model, once it may, writes calls until max_tokens)
+    outs = special_markers_llm.chat([MESSAGES, MESSAGES], [sampled(11), sampled(12)], use_tqdm=False, tools=TOOLS,
+                                    tool_choice="required", parallel_tool_calls=False)
+    for completion in (c for out in outs for c in out.outputs):
+        assert completion.error is None and completion.finish_reason == "tool_calls"
+        for call in completion.tool_calls:
+            jsonschema.validate(call.arguments, SCHEMAS[call.name])
+        # Each call opens and closes with the one special token (not its text spelled out
+        # in pieces), and the parser saw them although special tokens are skipped by default.
+        ids = list(completion.token_ids)
+        assert ids.count(opening) == ids.count(closing) == len(completion.tool_calls) == 1
+        assert completion.text == ""  # (the markers and calls are all it wrote)

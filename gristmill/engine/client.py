@@ -277,6 +277,7 @@ class EngineClient:
         token_ids = prompt_token_ids
         if token_ids is None:
             token_ids = self.inputs.tokenize(prompt, add_special_tokens)
+        params = self.inputs.keeping_call_markers(params)
         requests = self.inputs.make_requests(request_id, token_ids, params, prompt_text,
                                              send_at_end=output_kind == "final", token_times=token_times,
                                              chat_prompt=chat_prompt)

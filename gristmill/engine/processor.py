@@ -32,7 +32,8 @@ class InputProcessor:
         #: The engine's reasoning parser: a chat's constraint applies after its reasoning.
         self.reasoning_parser = reasoning_parser
         self._marker_ids: dict[str, tuple[int, ...]] = {}
-        self._special_texts: frozenset[str] | None = None  # (read once)
+        #: Whether decoding with skip_special_tokens drops a call marker, by marker (read once each).
+        self._skipped_markers: dict[str, bool] = {}
 
     def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         """Token ids of a prompt. Invalid input raises RequestError; a tokenizer failure
@@ -64,7 +65,6 @@ class InputProcessor:
         come: to look for stop strings, or for their logprobs. `token_times`: with them,
         the core sends when each token became known (`AddRequest.token_times`)."""
         params.ensure_valid()
-        params = self._keeping_call_markers(params)
         if params.max_tokens is None:
             room = max(1, self.max_new_tokens(len(prompt_token_ids)))
             if params.min_tokens > room:
@@ -90,20 +90,30 @@ class InputProcessor:
                            bad_words, send_at_end, token_times, reasoning=gate)
                 for i in range(params.n)]
 
-    def _keeping_call_markers(self, params: SamplingParams) -> SamplingParams:
+    def keeping_call_markers(self, params: SamplingParams) -> SamplingParams:
         """`params` of a chat with tools whose call markers are special tokens of this
         vocabulary (`<tool_call>` in some Qwen ones): with skip_special_tokens off, so the
         text the tool-call parser reads keeps them (the end-of-sequence token is never
-        text). Other params as they are."""
+        text). Other params as they are. The detokenizer, not the core, needs this: the
+        client gives these params to both."""
         value = params.structured_output
         if not params.skip_special_tokens or not isinstance(value, dict) or "tool_calls" not in value:
             return params
-        if self._special_texts is None:
-            self._special_texts = frozenset(getattr(self.tokenizer, "all_special_tokens", ()))
         markers = (value["tool_calls"] or {}).get("markers") if isinstance(value["tool_calls"], dict) else None
-        if not self._special_texts.intersection(markers or ()):
+        if not any(self._dropped_when_skipping(marker) for marker in markers or ()):
             return params
         return params.derived(skip_special_tokens=False)
+
+    def _dropped_when_skipping(self, marker: str) -> bool:
+        """Whether decoding skips `marker` with skip_special_tokens on. Asked of the decoder
+        itself: an added token marked special is skipped although `all_special_tokens`
+        (the named ones) leaves it out."""
+        dropped = self._skipped_markers.get(marker)
+        if dropped is None:
+            ids = self.tokenizer.encode(marker, add_special_tokens=False)
+            dropped = marker not in self.tokenizer.decode(ids, skip_special_tokens=True)
+            self._skipped_markers[marker] = dropped
+        return dropped
 
     def reasoning_gate(self, params: SamplingParams, chat_prompt: str | None) -> ReasoningGate | None:
         """What keeps a chat's constraint off its reasoning and bounds the reasoning

@@ -2,8 +2,8 @@
 calls as Qwen's do (`<tool_call>` blocks): a forced call ("required", a named function)
 comes back in the `tool_calls` column with arguments that match the function's schema,
 `generated_text` holding the text around the calls; `tool_choice` "none" makes none; a
-row's bad tool fields are that row's error. The same through `gristmill batch` (JSONL and
-CSV), OpenAI batch files, and an OpenAI-compatible server (HttpProcessorConfig)."""
+row's bad tool fields are that row's error. The same through `gristmill batch` (JSONL,
+CSV and Parquet), OpenAI batch files, and an OpenAI-compatible server (HttpProcessorConfig)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import csv
 import json
 
 import jsonschema
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from gristmill import EngineConfig
@@ -133,6 +135,30 @@ def test_the_cli_writes_tool_calls_to_jsonl_and_csv(engine, tmp_path):
     check_calls(calls)
     assert len(calls) == 1 and a["generated_text"] == ""
     assert b["tool_calls"] == "" and b[ERROR_COLUMN] == ""
+
+
+def test_the_cli_reads_tools_from_parquet_and_writes_the_calls_as_json_text(engine, tmp_path):
+    # The tools are nested structs here, so Arrow gives each tool's schema the other's keys
+    # as nulls: the calls must still follow each function's own schema.
+    rows = [{"id": "a", "messages": MESSAGES, "tools": TOOLS, "tool_choice": "required",
+             "sampling_params": {**PARAMS, "seed": 6}},
+            {"id": "b", "messages": MESSAGES, "tools": TOOLS, "tool_choice": "always",
+             "sampling_params": {**PARAMS, "seed": 7}},
+            {"id": "c", "messages": MESSAGES, "tools": None, "tool_choice": None,
+             "sampling_params": {**PARAMS, "max_tokens": 4}}]
+    source, out = tmp_path / "rows.parquet", tmp_path / "out.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), source)
+    ran = batch_main(source, "-o", out, "--model", engine.model, "--device", "cpu", "--cache-dir", engine.cache_dir,
+                     "--quantization", "none", "--id-column", "id")
+    assert ran.returncode == 0, ran.stderr
+    table = pq.read_table(out)
+    assert table.schema.field("tool_calls").type == pa.string()
+    a, b, c = table.to_pylist()
+    calls = json.loads(a["tool_calls"])
+    check_calls(calls)
+    assert a["finish_reason"] == "tool_calls" and a["generated_text"] == "" and a[ERROR_COLUMN] == ""
+    assert b["tool_calls"] is None and b[ERROR_COLUMN].startswith("RequestError: tool_choice must be")
+    assert c["tool_calls"] is None and c[ERROR_COLUMN] == "" and c["generated_text"]
 
 
 def test_an_openai_batch_file_with_tools_answers_as_the_server(engine, tmp_path):

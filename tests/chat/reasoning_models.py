@@ -52,11 +52,12 @@ def _root() -> Path:
 
 
 @cache
-def tiny_reasoning_model(template: str = "qwen3") -> str:
-    """The path of a tiny Qwen3 GGUF file with the chat template TEMPLATES[template]."""
-    path = _root() / template / "tiny-qwen3.gguf"
+def tiny_reasoning_model(template: str = "qwen3", control: tuple[str, ...] = ()) -> str:
+    """The path of a tiny Qwen3 GGUF file with the chat template TEMPLATES[template];
+    `control`: more special tokens of its vocabulary (`<tool_call>`, as some Qwen ones have)."""
+    path = _root() / "-".join((template, *control)) / "tiny-qwen3.gguf"
     write_tiny_gguf(path, "qwen3", "gpt2", {"chat_template": TEMPLATES[template], "context_length": 1024,
-                                            "user_defined": ("<think>", "</think>")})
+                                            "user_defined": ("<think>", "</think>"), "control": control})
     return str(path)
 
 
