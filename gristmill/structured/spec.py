@@ -8,7 +8,10 @@ from dataclasses import dataclass
 
 from gristmill.errors import RequestError
 
-KINDS = ("json", "json_object", "regex", "choice", "grammar", "tool_calls")
+#: What a request may constrain its answer with (what error messages name).
+ANSWER_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+#: Those, and a chat's tool calls (`structured.tool_grammar` writes them from `tools`).
+KINDS = (*ANSWER_KINDS, "tool_calls")
 PARAM = "structured_output"
 
 
@@ -34,10 +37,10 @@ def parse_constraint(value) -> Constraint | None:
     value = given_kinds(value)
     others = sorted(str(key) for key in value if key not in KINDS) if isinstance(value, dict) else []
     if others:  # e.g. vLLM's options (disable_any_whitespace, ...): never taken and dropped
-        raise RequestError(f"{PARAM} takes exactly one of {', '.join(KINDS)} and no other keys; "
+        raise RequestError(f"{PARAM} takes exactly one of {', '.join(ANSWER_KINDS)} and no other keys; "
                            f"leave out {', '.join(others)}", param=PARAM)
     if not isinstance(value, dict) or len(value) != 1 or next(iter(value)) not in KINDS:
-        raise RequestError(f"{PARAM} must be an object with exactly one of {', '.join(KINDS)}, "
+        raise RequestError(f"{PARAM} must be an object with exactly one of {', '.join(ANSWER_KINDS)}, "
                            f"got {short(value)}", param=PARAM)
     kind, spec = next(iter(value.items()))
     if kind == "json":
