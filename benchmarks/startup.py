@@ -3,9 +3,11 @@ imports torch), a warm `gristmill generate` of one short prompt on the bundled m
 (kernels, converted model and int8 weights cached), and, with --cold, a first start on an
 empty cache (GGUF conversion, int8 quantization and the kernels' compile). Each is a
 fresh process, timed from its launch to its exit; `engine ready` is what the engine
-itself reports. Prints the median of --runs and warm - import torch.
+itself reports. Prints the median of --runs and warm - import torch. With --before DIR,
+also a warm `gristmill generate` of the checkout in DIR (another worktree: its code is
+imported there), alternating with this one's, so drift on a shared machine hits both.
 
-    python benchmarks/startup.py [--runs 3] [--cold]
+    python benchmarks/startup.py [--runs 3] [--cold] [--before ../main]
 """
 
 from __future__ import annotations
@@ -22,9 +24,9 @@ import time
 GENERATE = [sys.executable, "-m", "gristmill.cli", "generate", "Hello", "--max-tokens", "4"]
 
 
-def timed(command: list[str], env: dict | None = None) -> tuple[float, str]:
+def timed(command: list[str], env: dict | None = None, cwd: str | None = None) -> tuple[float, str]:
     start = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
+    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=cwd, timeout=900)
     elapsed = time.perf_counter() - start
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}): {done.stderr[-2000:]}")
@@ -44,17 +46,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--cold", action="store_true", help="also a first start on an empty cache (~25-60 s)")
+    parser.add_argument("--before", metavar="DIR", help="also a warm start of the checkout in DIR, alternating")
     args = parser.parse_args()
-    timed(GENERATE)  # warm the cache (and the OS's file cache) once
-    torch_s, warm_s, ready_s = [], [], []
-    for _ in range(args.runs):  # alternating, so drift on a shared machine hits both alike
+    checkouts = {"": None} if args.before is None else {"": None, " (before)": args.before}
+    for cwd in checkouts.values():
+        timed(GENERATE, cwd=cwd)  # warm the cache (and the OS's file cache) once
+    torch_s = []
+    warm_s, ready_s = ({name: [] for name in checkouts} for _ in range(2))
+    for _ in range(args.runs):  # alternating, so drift on a shared machine hits all alike
         torch_s.append(timed([sys.executable, "-c", "import torch"])[0])
-        elapsed, stderr = timed(GENERATE)
-        warm_s.append(elapsed)
-        ready_s.append(phases(stderr).get("engine ready", float("nan")))
-    rows = [("python -c 'import torch'", statistics.median(torch_s)),
-            ("gristmill generate, warm", statistics.median(warm_s)),
-            ("  of which: engine ready", statistics.median(ready_s))]
+        for name, cwd in checkouts.items():
+            elapsed, stderr = timed(GENERATE, cwd=cwd)
+            warm_s[name].append(elapsed)
+            ready_s[name].append(phases(stderr).get("engine ready", float("nan")))
+    rows = [("python -c 'import torch'", statistics.median(torch_s))]
+    for name in checkouts:
+        rows += [(f"gristmill generate, warm{name}", statistics.median(warm_s[name])),
+                 ("  of which: engine ready", statistics.median(ready_s[name]))]
     if args.cold:
         with tempfile.TemporaryDirectory() as cache:
             elapsed, stderr = timed(GENERATE, env={**os.environ, "GRISTMILL_CACHE": cache})
@@ -66,7 +74,9 @@ def main() -> None:
     print(f"{cpu}, {os.cpu_count()} CPUs, {' '.join(flags)}; median of {args.runs} runs")
     for name, seconds in rows:
         print(f"{name:<40} {seconds:6.1f} s")
-    print(f"{'warm - import torch':<40} {rows[1][1] - rows[0][1]:6.1f} s (target: <= 2 s)")
+    for name in checkouts:
+        print(f"{'warm - import torch' + name:<40} {statistics.median(warm_s[name]) - rows[0][1]:6.1f} s"
+              f" (target: <= 2 s)")
 
 
 if __name__ == "__main__":

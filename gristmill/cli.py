@@ -150,7 +150,9 @@ def cmd_generate(args) -> int:
     _check_output(args.output)
     startup.show_messages()
     try:
-        llm = LLM(**dataclasses.asdict(config))
+        # The core in a child process: it imports torch and loads the model while this
+        # process loads the tokenizer, on a warm start the two longest steps of the start.
+        llm = LLM(core_process=True, **dataclasses.asdict(config))
     except RequestError as exc:
         raise SystemExit(f"error: {exc}") from None
     except Exception as exc:  # noqa: BLE001 - a model that cannot load: say why, not a traceback

@@ -83,5 +83,7 @@ def model_load_error(model: str | None, exc: BaseException) -> str:
     """What `generate`, `serve` and `batch` say when the engine could not load `model`."""
     if model is not None and not Path(model).expanduser().exists():
         return str(exc)  # the loader's own "model ... not found: pass ..."
-    return (f"the model could not be loaded from {model or 'the bundled default'}: {error_string(exc)}; "
+    # A core process that failed to start: its own error, not "restart the engine".
+    why = getattr(exc, "fields", {}).get("core_error") or error_string(exc)
+    return (f"the model could not be loaded from {model or 'the bundled default'}: {why}; "
             f"check that the model directory or file is complete (re-download or re-convert it)")

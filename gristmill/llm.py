@@ -1,5 +1,6 @@
 """LLM: the offline API, a synchronous face over an EngineClient whose core runs in this
-process; `generate` steps it until every prompt ends."""
+process (or, with core_process=True, in a child process); `generate` steps it until
+every prompt ends."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from collections.abc import Sequence
 from gristmill import startup
 from gristmill.chat.tool_choice import ToolRequest, tool_request
 from gristmill.config import EngineConfig
-from gristmill.engine.client import EngineClient, EngineFace
+from gristmill.engine.client import EngineClient, EngineFace, InprocCore, stepped_in_child_process
 from gristmill.engine.core import EngineCore
 from gristmill.errors import EngineDeadError, GenerationError, RequestError, error_string
 from gristmill.outputs import (POOLING_OUTPUT_CLASSES, ClassificationRequestOutput, CompletionOutput,
@@ -33,14 +34,24 @@ class LLM(EngineFace):
     Keyword arguments are `EngineConfig` fields (max_model_len, block_size, ...).
     A prompt that fails validation or fails inside the engine comes back as an output
     with finish_reason "error" and `error` set; only EngineDeadError is raised.
+
+    `core_process=True` runs the engine core in a child process (as `AsyncEngine` does),
+    which imports torch and loads the model while this process loads the tokenizer: a
+    warm start takes about the longer of the two, not their sum, and this process never
+    imports torch (what `gristmill generate` runs). A core that fails to start raises
+    EngineDeadError, within about a second of its death; `core` and `reset_prefix_cache`
+    need the core in this process.
     """
 
-    def __init__(self, model: str | None = None, **engine_options):
+    def __init__(self, model: str | None = None, *, core_process: bool = False, **engine_options):
         started = time.monotonic()
         config = EngineConfig.from_kwargs(model=model, **engine_options)
         #: The engine: tokenizer, input and output processing, and its core, which runs in
-        #: this process (`generate` steps it until every prompt ends).
-        self.client = EngineClient(config)
+        #: this process or a child's (`generate` steps it until every prompt ends).
+        self.client = EngineClient(config, stepped_in_child_process() if core_process else None,
+                                   tokenizer_beside_core=core_process)
+        if core_process:
+            self.client.core.start()
         self._ids = itertools.count()
         # One generate/chat at a time: two threads stepping one core would corrupt it.
         self._lock = threading.Lock()
@@ -50,7 +61,10 @@ class LLM(EngineFace):
 
     @property
     def core(self) -> EngineCore:
-        """The engine core (it runs in this process)."""
+        """The engine core (it runs in this process, unless core_process=True)."""
+        if not isinstance(self.client.core, InprocCore):
+            raise RequestError("this LLM's engine core runs in a child process (core_process=True); create the "
+                               "LLM without core_process to reach its core", param="core_process")
         return self.client.core.engine_core
 
     def generate(self, prompts: Prompt | Sequence[Prompt],

@@ -8,12 +8,28 @@
     rows = processor([{"question": "The capital of France is"}])
 """
 
-from gristmill.batch.config import (DeploymentProcessorConfig, EngineProcessorConfig, HttpProcessorConfig,
-                                    ProcessorConfig)
-from gristmill.batch.deployment import Deployment, deploy
-from gristmill.batch.processor import Processor, UserFunctionError, build_processor
-from gristmill.batch.rows import ERROR_COLUMN, OUTPUT_COLUMNS
+import importlib
 
-__all__ = ["build_processor", "Processor", "ProcessorConfig", "EngineProcessorConfig",
-           "DeploymentProcessorConfig", "HttpProcessorConfig", "deploy", "Deployment", "UserFunctionError",
-           "OUTPUT_COLUMNS", "ERROR_COLUMN"]
+# Each name is imported from its module when first used (PEP 562): importing a module of
+# the package (the command line's `batch` flags, its row readers) runs this file, and
+# should not import every processor, deployment and engine module with it.
+_EXPORTS = {
+    "build_processor": "processor", "Processor": "processor", "UserFunctionError": "processor",
+    "ProcessorConfig": "config", "EngineProcessorConfig": "config", "DeploymentProcessorConfig": "config",
+    "HttpProcessorConfig": "config", "deploy": "deployment", "Deployment": "deployment",
+    "OUTPUT_COLUMNS": "rows", "ERROR_COLUMN": "rows",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

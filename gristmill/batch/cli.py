@@ -11,8 +11,6 @@ import argparse
 import os
 
 from gristmill import extras
-from gristmill.batch.io import InputError
-from gristmill.batch.job import Job, sigterm_interrupts
 from gristmill.batch.resume import ROW_ID
 from gristmill.engine_flags import add_engine_args
 
@@ -92,7 +90,11 @@ def add_batch_command(commands) -> None:
 
 
 def cmd_batch(args: argparse.Namespace) -> int:
+    # Here, not at the top: every command's parser is built from this module, and a job's
+    # modules are no part of `gristmill generate`'s start.
     from gristmill import startup
+    from gristmill.batch.io import InputError
+    from gristmill.batch.job import Job, sigterm_interrupts
 
     startup.show_messages()
     try:

@@ -8,6 +8,9 @@ It owns the tokenizer, input processing (`InputProcessor`), output processing
 - `CoreClient` (core_client.py): the core in a child process, watched by a monitor
   (`AsyncEngine`, and through it the server, batch jobs and Ray). Its messages reach the
   face's own thread or event loop, which hands them to `handle`.
+- `SteppedChildCore` (core_client.py): a `CoreClient` stepped by its client's caller as
+  `InprocCore` is (`LLM(core_process=True)`, what `gristmill generate` runs): each step
+  waits for the core's next message.
 
 Both take `add(requests) -> [Rejected]` (a request's completions; a child-process core
 answers later), `abort(child_ids)` and `shutdown()`, and have `dead_error`. A face (`LLM`, `AsyncEngine`) adds only its signature, its threading
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping
@@ -31,7 +35,7 @@ from gristmill.chat.tool_calls import ToolCallParser, choose_tool_parser
 from gristmill.config import EngineConfig
 from gristmill.engine import builder
 from gristmill.engine.core import EngineCore
-from gristmill.engine.core_client import CoreClient
+from gristmill.engine.core_client import CoreClient, SteppedChildCore
 from gristmill.engine.messages import AddRequest, Rejected, StepOutputs
 from gristmill.engine.output_processor import OutputProcessor
 from gristmill.engine.processor import InputProcessor, check_pooling_kind, check_pooling_request
@@ -179,9 +183,11 @@ class EngineClient:
 
     def __init__(self, config: EngineConfig,
                  core_factory: Callable[[EngineConfig], CoreClient] | None = None,
-                 max_waiting_requests: int | None = None):
+                 max_waiting_requests: int | None = None, tokenizer_beside_core: bool = False):
         """`max_waiting_requests`: completions that may wait beyond the `max_num_seqs`
-        running before `add` refuses more (EngineOverloadedError); None: no limit."""
+        running before `add` refuses more (EngineOverloadedError); None: no limit.
+        `tokenizer_beside_core` (a child-process core): load the tokenizer on a thread
+        while the core starts, not before it; see `_start_beside_tokenizer`."""
         faults.load()  # a malformed GRISTMILL_FAULTS fails here, before anything starts
         builder.start_kernels(config)  # a first start on a CPU compiles them meanwhile
         #: The HF directory the model is loaded from (a GGUF file's converted copy: a
@@ -204,6 +210,9 @@ class EngineClient:
             self.core = InprocCore(core)
             self.tokenizer, eos_token_ids = loading.result()
             capacity = core.capacity
+        elif tokenizer_beside_core:
+            self.tokenizer, eos_token_ids = self._start_beside_tokenizer(config.cache_dir)
+            capacity = self.core.capacity
         else:
             # Before the core starts, not beside it: loading a tokenizer holds the GIL for
             # a second at a time (the Rust tokenizer's parse of a 262k vocabulary), which
@@ -234,20 +243,47 @@ class EngineClient:
     def dead_error(self) -> EngineDeadError | None:
         return self.core.dead_error
 
-    def start_core(self) -> CoreClient:
+    def start_core(self, meanwhile: Callable[[], None] | None = None) -> CoreClient:
         """A new child-process core of the same config, ready (its `capacity` set); the
-        caller puts it in place of `core` (a restart). Blocks until it is ready; raises
-        EngineDeadError when it fails to start. It is killed when this client is
-        collected: an engine nobody holds any more (a script that forgot shutdown(), a
-        notebook cell run again) leaves no process behind."""
+        caller puts it in place of `core` (a restart). Blocks until it is ready, running
+        `meanwhile()` once the process is started; raises EngineDeadError when it fails to
+        start. It is killed when this client is collected: an engine nobody holds any
+        more (a script that forgot shutdown(), a notebook cell run again) leaves no
+        process behind."""
         core = self._core_factory(self.core_config)
         weakref.finalize(self, core.abandon)
         try:
+            if meanwhile is not None:
+                meanwhile()
             core.capacity = core.wait_ready().capacity
         except BaseException:
             core.shutdown()
             raise
         return core
+
+    def _start_beside_tokenizer(self, cache_dir: str | None) -> tuple[object, frozenset[int]]:
+        """Start the core and, while it imports torch and loads the model (in its process,
+        on the other core of a 2-core machine), load the tokenizer here on a thread; each
+        takes seconds on a warm start. A core that dies meanwhile is reported once the
+        tokenizer's thread lets go of the GIL (it holds it for up to about a second,
+        building the Rust tokenizer), not at once as with the tokenizer loaded first: a
+        trade a face that must see a death at once (a server, which restarts it) does not
+        make. The thread is a daemon: a start that fails does not wait for it."""
+        loading: concurrent.futures.Future = concurrent.futures.Future()
+
+        def load() -> None:
+            try:
+                loading.set_result(builder.load_tokenizer(self.model_dir, cache_dir))
+            except BaseException as exc:  # noqa: BLE001 - handed to the starting thread
+                loading.set_exception(exc)
+
+        self.core = self.start_core(
+            lambda: threading.Thread(target=load, name="gristmill-tokenizer", daemon=True).start())
+        try:
+            return loading.result()
+        except BaseException:
+            self.core.shutdown()
+            raise
 
     def shutdown(self) -> None:
         self.core.shutdown()
@@ -480,4 +516,12 @@ def in_child_process(core_env: Mapping[str, str] | None, on_message: Callable,
     `core_env` over this process's environment, reporting to these callbacks."""
     def start(config: EngineConfig):
         return CoreClient(config, on_message, on_death, core_env)
+    return start
+
+
+def stepped_in_child_process(core_env: Mapping[str, str] | None = None) -> Callable[[EngineConfig], SteppedChildCore]:
+    """A core factory for `EngineClient`: each core a child process its client's caller
+    steps (`SteppedChildCore`), with `core_env` over this process's environment."""
+    def start(config: EngineConfig):
+        return SteppedChildCore(config, core_env)
     return start

@@ -11,6 +11,9 @@ through the user's script. Three threads, one job each:
   killer) or hangs in a step past `step_timeout_s` is reported to `on_death` at once.
 
 Every wait is a blocking wait with a timeout; nothing polls in a busy loop.
+
+`SteppedChildCore` wraps one for a synchronous caller (`LLM(core_process=True)`): the
+core's messages, and its death, wait in a queue for the caller's next step.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from gristmill.config import EngineConfig
 from gristmill.engine.heartbeat import Heartbeat
 from gristmill.engine import wire
 from gristmill.engine.messages import (Abort, AddRequest, AddRequests, CoreFailed, Ready, Rejected, Shutdown,
-                                       Start, request_ids_of)
+                                       Start, StepOutputs, request_ids_of)
 from gristmill.errors import EngineDeadError, error_string
 
 logger = logging.getLogger(__name__)
@@ -103,7 +106,8 @@ class CoreClient:
             elif not ready and self.process.poll() is None:
                 continue
             self._reap()  # the pipe closed or the process exited
-            raise EngineDeadError(self._death_reason())
+            # `core_error`: the core's own report of why it failed (None: it said nothing).
+            raise EngineDeadError(self._death_reason(), core_error=self._failure_message)
         self.kill()
         raise EngineDeadError(f"the engine core did not become ready within start_timeout_s="
                               f"{self.config.start_timeout_s}s; raise start_timeout_s for large models")
@@ -271,6 +275,54 @@ class CoreClient:
                 os.close(self._exit_fd)
                 self._exit_fd = None
             self.heartbeat.close()
+
+
+class SteppedChildCore:
+    """A core in a child process (`CoreClient`) stepped by its client's caller: `step`
+    waits for the core's next message (a step's outputs, a refusal, or its death), so a
+    synchronous face runs it as it runs an `InprocCore`."""
+
+    def __init__(self, config: EngineConfig, env: Mapping[str, str] | None = None):
+        self._messages: queue.SimpleQueue = queue.SimpleQueue()
+        self.process = CoreClient(config, self._messages.put, self._messages.put, env)
+
+    @property
+    def dead_error(self) -> EngineDeadError | None:
+        return self.process.dead_error
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def has_unfinished(self) -> bool:
+        return True  # the core has whatever its client still tracks; `step` says when it died
+
+    def wait_ready(self):
+        return self.process.wait_ready()
+
+    def start(self) -> None:
+        self.process.start()
+
+    def add(self, requests: list[AddRequest]) -> list[Rejected]:
+        return self.process.add(requests)
+
+    def abort(self, child_ids: list[str]) -> None:
+        self.process.abort(child_ids)
+
+    def step(self) -> StepOutputs | Rejected:
+        """The core's next message; raises EngineDeadError once it died."""
+        message = self._messages.get()
+        if isinstance(message, EngineDeadError):
+            self._messages.put(message)  # (every later step raises it too)
+            raise EngineDeadError(message.message)
+        return message
+
+    def abandon(self) -> None:
+        self.process.abandon()
+
+    def shutdown(self) -> None:
+        self.process.shutdown()
 
 
 def _pidfd(pid: int) -> int | None:

@@ -1,8 +1,10 @@
 """Starting the engine core as a user would: from scripts with no main guard, and
-failing at once when the core dies before it is ready (a corrupt model, SIGKILL)."""
+failing at once when the core dies before it is ready (a corrupt model, SIGKILL), for
+`AsyncEngine` and for `LLM(core_process=True)` (what `gristmill generate` runs)."""
 
 from __future__ import annotations
 
+import gc
 import os
 import select
 import signal
@@ -11,7 +13,7 @@ import time
 
 import pytest
 
-from gristmill import AsyncEngine, EngineConfig, EngineDeadError
+from gristmill import LLM, AsyncEngine, EngineConfig, EngineDeadError, RequestError, SamplingParams
 from gristmill.engine.core_process import EXIT_ENGINE_ERROR
 from tests.batch.inprocess import tiny_model
 from tests.harness import process_gone, run_script, wait_for_core_child
@@ -85,18 +87,24 @@ def test_a_script_without_a_main_guard_generates(tmp_path, kind):
     assert "bootstrapping" not in result.stderr
 
 
-class _Start:
-    """AsyncEngine(...) on a thread, so the test can watch (and kill) the core it starts."""
+def _start_llm(config: EngineConfig) -> None:
+    """An LLM with its core in a child process, then dropped (its core killed)."""
+    LLM(core_process=True, **{f: getattr(config, f) for f in ("model", "device", "cache_dir")})
 
-    def __init__(self, config: EngineConfig):
+
+class _Start:
+    """AsyncEngine(...) (or `start(config)`) on a thread, so the test can watch (and kill)
+    the core it starts."""
+
+    def __init__(self, config: EngineConfig, start=lambda config: AsyncEngine(config).shutdown()):
         self.error: BaseException | None = None
         self.ended_at: float | None = None
-        self.thread = threading.Thread(target=self._run, args=(config,))
+        self.thread = threading.Thread(target=self._run, args=(config, start))
         self.thread.start()
 
-    def _run(self, config):
+    def _run(self, config, start):
         try:
-            AsyncEngine(config).shutdown()
+            start(config)
         except BaseException as exc:  # noqa: BLE001 - the test inspects it
             self.error = exc
         self.ended_at = time.monotonic()
@@ -136,10 +144,12 @@ def corrupt_model(tmp_path_factory):
     return target
 
 
-def test_a_corrupt_model_fails_at_once_every_time(corrupt_model):
-    for attempt in range(4):  # every start fails at once, not only the first
+@pytest.mark.parametrize("face", ["async_engine", "llm_core_process"])
+def test_a_corrupt_model_fails_at_once_every_time(corrupt_model, face):
+    for attempt in range(4 if face == "async_engine" else 2):  # every start fails at once, not only the first
         start = _Start(EngineConfig(model=str(corrupt_model), device="cpu",
-                                    cache_dir=str(corrupt_model.parent / "cache")))
+                                    cache_dir=str(corrupt_model.parent / "cache")),
+                       *([_start_llm] if face == "llm_core_process" else []))
         pid = wait_for_core_child()
         exited_at = wait_exit(pid)
         error = start.join()
@@ -162,3 +172,24 @@ def test_sigkill_during_start_up_fails_at_once():
     assert isinstance(error, EngineDeadError), error
     assert "killed by signal SIGKILL" in str(error)
     assert start.ended_at - killed_at < 1.0
+
+
+def test_an_llm_with_its_core_in_a_child_process_generates_what_one_in_process_does():
+    """`LLM(core_process=True)`: the same greedy text as the core in this process, from a
+    core that runs in another process (which a dropped LLM leaves behind none of)."""
+    prompts = ["The capital of France is", "1, 2, 3,"]
+    params = SamplingParams(max_tokens=8, temperature=0)
+    expected = [out.outputs[0].text for out in LLM(str(tiny_model()), device="cpu").generate(prompts, params)]
+    llm = LLM(str(tiny_model()), device="cpu", core_process=True)
+    pid = llm.client.core.pid
+    assert pid != os.getpid() and not process_gone(pid)
+    assert [out.outputs[0].text for out in llm.generate(prompts, params)] == expected
+    assert [out.outputs[0].text for out in llm.generate(prompts, params)] == expected  # a second call too
+    with pytest.raises(RequestError, match="child process"):
+        llm.core
+    del llm
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while not process_gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert process_gone(pid)
