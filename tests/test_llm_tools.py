@@ -12,14 +12,7 @@ import pytest
 
 from gristmill import LLM, SamplingParams
 from tests.chat.reasoning_models import cache_dir, tiny_reasoning_model, token_id
-
-MESSAGES = [{"role": "user", "content": "Hi"}]
-WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "hot": {"type": "boolean"}},
-           "required": ["city", "hot"]}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
-         {"type": "function", "function": {"name": "get_time", "parameters": {
-             "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}}]
-SCHEMAS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
+from tests.chat.tools import MESSAGES, SCHEMAS, TOOLS
 
 
 @pytest.fixture(scope="module")

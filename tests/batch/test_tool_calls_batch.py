@@ -21,15 +21,8 @@ from gristmill.batch.openai_batch import batch_request_row
 from gristmill.errors import RequestError
 from tests.batch.inprocess import batch_main
 from tests.chat.reasoning_models import cache_dir, tiny_reasoning_model
+from tests.chat.tools import MESSAGES, SCHEMAS, TOOLS
 
-MESSAGES = [{"role": "user", "content": "Hi"}]
-#: Small, as the tiny model spells JSON nearly a byte a token.
-WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "hot": {"type": "boolean"}},
-           "required": ["city", "hot"]}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
-         {"type": "function", "function": {"name": "get_time", "parameters": {
-             "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}}]
-SCHEMAS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
 NAMED = {"type": "function", "function": {"name": "get_time"}}
 PARAMS = {"max_tokens": 120, "temperature": 1.0}
 

@@ -13,13 +13,8 @@ import pytest
 from gristmill.chat.tool_calls import choose_tool_parser
 from gristmill.chat.tool_choice import tool_request
 from gristmill.sampling import SamplingParams
+from tests.chat.tools import SCHEMAS, TOOLS
 
-WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "hot": {"type": "boolean"}},
-           "required": ["city", "hot"]}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
-         {"type": "function", "function": {"name": "get_time", "parameters": {
-             "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}}]
-SCHEMAS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
 MESSAGES = [{"role": "user", "content": "Weather in Rome?"}]
 
 # Llama 3.1's JSON tool calling, as its template words it (headers as text: the tiny

@@ -219,6 +219,22 @@ def openai_client(loop: ServerLoop, engine):
 
 
 @pytest.fixture(scope="package")
+def tools_engine():
+    """A tiny Qwen3 whose chat template writes tools and calls as Qwen's do; shared by the
+    package's tool-call tests."""
+    engine = start_tiny_engine("hermes_tools")
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="package")
+def tools_client(server_loop, tools_engine):
+    """The openai client of an in-process server over `tools_engine`."""
+    with openai_client(server_loop, tools_engine) as served:
+        yield served
+
+
+@pytest.fixture(scope="package")
 def reasoning_engine():
     """A tiny Qwen3 whose chat template opens `<think>` in the prompt; shared by the
     package's reasoning tests."""

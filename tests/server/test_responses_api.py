@@ -13,11 +13,10 @@ import jsonschema
 import openai
 import pytest
 
-from tests.server.conftest import openai_client, start_tiny_engine
+from tests.chat.tools import WEATHER
+from tests.server.conftest import openai_client
 
 MODEL = "tiny-qwen3"
-WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "hot": {"type": "boolean"}},
-           "required": ["city", "hot"]}
 TOOLS = [{"type": "function", "name": "get_weather", "description": "The weather", "parameters": WEATHER,
           "strict": True}]
 ANSWER = {"type": "object", "properties": {"answer": {"enum": ["four", "five"]}}, "required": ["answer"]}
@@ -26,16 +25,8 @@ FIXED = dict(temperature=0, extra_body={"ignore_eos": True})
 
 
 @pytest.fixture(scope="module")
-def tools_engine():
-    engine = start_tiny_engine("hermes_tools")
-    yield engine
-    engine.shutdown()
-
-
-@pytest.fixture(scope="module")
-def client(server_loop, tools_engine):
-    with openai_client(server_loop, tools_engine) as served:
-        yield served
+def client(tools_client):
+    return tools_client
 
 
 @pytest.fixture(scope="module")

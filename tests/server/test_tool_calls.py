@@ -12,29 +12,12 @@ import jsonschema
 import openai
 import pytest
 
-from tests.server.conftest import openai_client, start_tiny_engine
-
-MESSAGES = [{"role": "user", "content": "Hi"}]
-#: Small, as the tiny model's context is 256 tokens (its vocabulary spells JSON nearly a byte a token).
-WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "hot": {"type": "boolean"}},
-           "required": ["city", "hot"]}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
-         {"type": "function", "function": {"name": "get_time", "parameters": {
-             "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}}]
-SCHEMAS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
+from tests.chat.tools import MESSAGES, SCHEMAS, TOOLS
 
 
 @pytest.fixture(scope="module")
-def tools_engine():
-    engine = start_tiny_engine("hermes_tools")
-    yield engine
-    engine.shutdown()
-
-
-@pytest.fixture(scope="module")
-def client(server_loop, tools_engine):
-    with openai_client(server_loop, tools_engine) as served:
-        yield served
+def client(tools_client):
+    return tools_client
 
 
 def chat(client, **fields):
