@@ -44,6 +44,10 @@ def test_sigkill_of_the_core_on_the_wire():
         assert later.status_code == 503 and time.monotonic() - start < 1.0
         assert "SIGKILL" in later.json()["error"]["message"]
         assert "retry-after" not in later.headers  # dead for good: retrying here is no use
+        for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+                           ("/v1/responses", {"input": "hi", "max_output_tokens": 2})):
+            dead = httpx.post(f"{srv.url}{path}", json=body)
+            assert dead.status_code == 503 and "SIGKILL" in dead.json()["error"]["message"], (path, dead.text)
         assert httpx.get(f"{srv.url}/v1/models").status_code == 200  # the server stays up
         assert srv.process.poll() is None
     finally:
