@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from gristmill.engine.core_client import CORE_MODULE
+from gristmill.engine.core_launcher import LAUNCHER_MODULE
 
 
 def process_gone(pid: int) -> bool:
@@ -26,22 +27,32 @@ def process_gone(pid: int) -> bool:
 
 def core_children(parent_pid: int | None = None) -> list[int]:
     """Engine-core processes started by `parent_pid` (default: this process), from any
-    of its threads."""
-    parent_pid = parent_pid or os.getpid()
+    of its threads: its children running the core, and those its core launcher forked."""
     found = []
-    for task in Path(f"/proc/{parent_pid}/task").iterdir():
+    for child in _children(parent_pid or os.getpid()):
         try:
-            children = (task / "children").read_text().split()
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
         except FileNotFoundError:
             continue
-        for child in map(int, children):
-            try:
-                cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
-            except FileNotFoundError:
-                continue
-            if CORE_MODULE.encode() in cmdline:
-                found.append(child)
+        if CORE_MODULE.encode() in cmdline:
+            found.append(child)
+        elif LAUNCHER_MODULE.encode() in cmdline:
+            found.extend(_children(child))
     return found
+
+
+def _children(pid: int) -> list[int]:
+    children = []
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except FileNotFoundError:
+        return []
+    for task in tasks:
+        try:
+            children.extend(map(int, (task / "children").read_text().split()))
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return children
 
 
 def wait_for_core_child(timeout: float = 60.0) -> int:

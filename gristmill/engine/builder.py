@@ -67,6 +67,13 @@ def build_core(config: EngineConfig, model_dir: Path | None = None) -> EngineCor
     return EngineCore(config, runner, grammars)
 
 
+def preload() -> None:
+    """Import what `build_core` will (torch and the model code), for a process that forks
+    cores from here (core_launcher.py)."""
+    from gristmill.model import runner  # noqa: F401
+    from gristmill.structured import grammars  # noqa: F401
+
+
 def load_tokenizer(model_dir: Path, cache_dir: str | None = None) -> tuple[object, frozenset[int]]:
     """(tokenizer, end-of-sequence token ids) of the model in `model_dir`; a copy of the
     tokenizer is cached under `cache_dir` (or GRISTMILL_CACHE) for faster starts. Reads

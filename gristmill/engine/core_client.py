@@ -31,8 +31,8 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
 from gristmill.config import EngineConfig
+from gristmill.engine import core_launcher, wire
 from gristmill.engine.heartbeat import Heartbeat
-from gristmill.engine import wire
 from gristmill.engine.messages import (Abort, AddRequest, AddRequests, CoreFailed, Ready, Rejected, Shutdown,
                                        Start, StepOutputs, request_ids_of)
 from gristmill.errors import EngineDeadError, error_string
@@ -56,6 +56,7 @@ class CoreClient:
                  env: Mapping[str, str] | None = None):
         """`env`: environment variables for the core process, over this process's."""
         self.config = config
+        self._env = env
         self._on_message = on_message
         self._on_death = on_death
         self._stopping = False
@@ -64,12 +65,9 @@ class CoreClient:
         self.heartbeat = Heartbeat.create()
         inbox_read, inbox_write = os.pipe()
         outbox_read, outbox_write = os.pipe()
+        fds = (inbox_read, outbox_write, self.heartbeat.fd)
         try:
-            self.process = subprocess.Popen(
-                [sys.executable, "-c", _CORE_PROGRAM.format(root=str(_PACKAGE_ROOT)),
-                 str(inbox_read), str(outbox_write), str(self.heartbeat.fd), str(os.getpid())],
-                pass_fds=(inbox_read, outbox_write, self.heartbeat.fd), stdin=subprocess.DEVNULL,
-                stdout=_stderr_fd(), env={**os.environ, **env} if env else None)
+            self.process = core_launcher.launch(fds, env) or _start_directly(fds, env)
         finally:
             os.close(inbox_read)
             os.close(outbox_write)
@@ -100,6 +98,7 @@ class CoreClient:
             if self._outbox in ready:
                 message = self._recv()
                 if isinstance(message, Ready):
+                    core_launcher.prepare(self._env)
                     return message
                 if message is not None:
                     continue  # CoreFailed was recorded: the exit follows
@@ -325,21 +324,20 @@ class SteppedChildCore:
         self.process.shutdown()
 
 
+def _start_directly(fds: tuple[int, int, int], env: Mapping[str, str] | None) -> subprocess.Popen:
+    """The core as a fresh interpreter, handed the pipes' ends and the heartbeat `fds`."""
+    return subprocess.Popen([sys.executable, "-c", _CORE_PROGRAM.format(root=str(_PACKAGE_ROOT)),
+                             *map(str, fds), str(os.getpid())],
+                            pass_fds=fds, stdin=subprocess.DEVNULL, stdout=core_launcher.stderr_fd(),
+                            env={**os.environ, **env} if env else None)
+
+
 def _pidfd(pid: int) -> int | None:
     """A descriptor that becomes readable when `pid` exits (Linux 5.3+), else None."""
     try:
         return os.pidfd_open(pid)
     except (AttributeError, OSError):
         return None
-
-
-def _stderr_fd():
-    """The core writes its logs (and anything it prints) to our stderr, never our stdout,
-    which may carry a job's output."""
-    try:
-        return sys.__stderr__.fileno()
-    except (AttributeError, OSError, ValueError):
-        return subprocess.DEVNULL
 
 
 def _thread(target: Callable, name: str) -> threading.Thread:

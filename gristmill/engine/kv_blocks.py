@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from gristmill.engine.request import Request
 
@@ -52,7 +52,7 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
         self.block_hashes: list[bytes | None] = [None] * num_blocks
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._free = _FreeQueue(num_blocks)
         self._cached: dict[bytes, int] = {}  # hash -> the one block carrying it
         #: Prefix-cache lookups, in tokens: asked (each admission's num_tokens) and found.
         self.num_query_tokens = 0
@@ -131,11 +131,11 @@ class BlockManager:
             self.num_hit_tokens += len(computed) * self.block_size
         for block in computed:  # taken first: a new block must not evict a reused one
             if self.ref_counts[block] == 0:
-                del self._free[block]
+                self._free.remove(block)
             self.ref_counts[block] += 1
         request.block_ids.extend(computed)
         for _ in range(needed):
-            block, _ = self._free.popitem(last=False)
+            block = self._free.pop_first()
             self._evict(block)
             self.ref_counts[block] = 1
             request.block_ids.append(block)
@@ -178,9 +178,10 @@ class BlockManager:
         for block in reversed(request.block_ids):
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
-                self._free[block] = None
                 if self.block_hashes[block] is None:
-                    self._free.move_to_end(block, last=False)
+                    self._free.push_front(block)
+                else:
+                    self._free.push_back(block)
         request.block_ids = []
 
     # -- invariants (for tests) --------------------------------------------------------
@@ -206,3 +207,46 @@ class BlockManager:
                 digest = self.block_hashes[block]
                 assert digest is None or digest == self._hash_of(request, i), \
                     f"block {block} of {request.request_id} carries another prefix's hash"
+
+
+class _FreeQueue:
+    """The free queue, front to back: blocks freed without a hash (the latest first), the
+    blocks never used yet (in id order; counted, not listed, so a pool of millions of
+    blocks, a tiny model's default 1 GiB, costs nothing to make), then blocks freed with
+    a hash (the least recently freed first)."""
+
+    def __init__(self, num_blocks: int):
+        self._front: OrderedDict[int, None] = OrderedDict()
+        self._next_unused = 0
+        self._num_blocks = num_blocks
+        self._back: OrderedDict[int, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._front) + self._num_blocks - self._next_unused + len(self._back)
+
+    def __iter__(self) -> Iterator[int]:
+        yield from self._front
+        yield from range(self._next_unused, self._num_blocks)
+        yield from self._back
+
+    def pop_first(self) -> int:
+        if self._front:
+            return self._front.popitem(last=False)[0]
+        if self._next_unused < self._num_blocks:
+            self._next_unused += 1
+            return self._next_unused - 1
+        return self._back.popitem(last=False)[0]
+
+    def remove(self, block: int) -> None:
+        """Take out a block freed earlier (a cached one reused)."""
+        if block in self._back:
+            del self._back[block]
+        else:
+            del self._front[block]
+
+    def push_front(self, block: int) -> None:
+        self._front[block] = None
+        self._front.move_to_end(block, last=False)
+
+    def push_back(self, block: int) -> None:
+        self._back[block] = None

@@ -53,6 +53,25 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
+def _materialize(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Give every parameter and buffer still on the meta device uninitialized memory on
+    `device`, floating ones in `dtype`, with `torch.empty` (`Module.to_empty` would also
+    do, but its meta path imports sympy: 1.2 s of every start). Rotary tables are then
+    computed, in float32 whatever the dtype."""
+    def empty(tensor: torch.Tensor) -> torch.Tensor:
+        return torch.empty(tensor.shape, dtype=dtype if tensor.is_floating_point() else tensor.dtype, device=device)
+
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.is_meta:
+                setattr(module, name, torch.nn.Parameter(empty(param), requires_grad=False))
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            if buffer.is_meta:
+                setattr(module, name, empty(buffer))
+        if isinstance(module, RotaryEmbedding):
+            module.reset()
+
+
 def _tie_weights(model: torch.nn.Module) -> None:
     # Moving parameters between devices can replace them; tied ones must stay one tensor.
     if model.config.tie_word_embeddings and hasattr(model, "lm_head"):
@@ -173,10 +192,7 @@ class ModelRunner:
         # through host memory, and random weights are made on the device.
         with torch.device("meta"):
             model = model_class(self.hf_config)(self.hf_config, self.max_model_len)
-        model = model.to(dtype=self.dtype).to_empty(device=self.device)
-        for module in model.modules():  # rotary tables stay float32 whatever the dtype
-            if isinstance(module, RotaryEmbedding):
-                module.reset()
+        _materialize(model, self.dtype, self.device)
         _tie_weights(model)
         if dummy:
             random_weights(model, self.config.seed)
@@ -211,16 +227,7 @@ class ModelRunner:
         held = quant.load_quantized(model, self.quantization, cache_file)
         if held is None:
             return None
-        for module in model.modules():
-            for name, param in list(module.named_parameters(recurse=False)):
-                if param.is_meta:
-                    setattr(module, name, torch.nn.Parameter(torch.empty(param.shape, dtype=self.dtype),
-                                                             requires_grad=False))
-            for name, buffer in list(module.named_buffers(recurse=False)):
-                if buffer.is_meta:
-                    setattr(module, name, torch.empty(buffer.shape, dtype=buffer.dtype))
-            if isinstance(module, RotaryEmbedding):  # its tables stay float32 whatever the dtype
-                module.reset()
+        _materialize(model, self.dtype, self.device)
         load_weights(model, self.model_dir, skip=held)
         return model.eval()
 
