@@ -3,7 +3,8 @@ calls as Qwen's do (`<tool_call>` blocks): the tools reach the template, a force
 ("required", a named function) always parses and matches its function's schema, each
 completion carries its calls apart from its text, and malformed tool fields are each
 conversation's error. On a vocabulary whose call markers are special tokens, a call is
-written with them and read whole, and its text keeps no marker."""
+written with them and read whole, and its text keeps no marker; under "auto" without
+parallel calls, the first call ends the answer."""
 
 from __future__ import annotations
 
@@ -108,3 +109,16 @@ def test_calls_between_special_token_markers_are_written_with_them_and_parsed(sp
         ids = list(completion.token_ids)
         assert ids.count(opening) == ids.count(closing) == len(completion.tool_calls) == 1
         assert completion.text == ""  # (the markers and calls are all it wrote)
+
+
+def test_without_parallel_calls_the_first_auto_call_ends_the_answer(special_markers_llm):
+    """The model is biased to open a call wherever it may: left free after a call, it opens another."""
+    opening = token_id(special_markers_llm.get_tokenizer(), "<tool_call>")
+    params = SamplingParams(max_tokens=120, temperature=0, logit_bias={opening: 100})
+    [parallel] = special_markers_llm.chat(MESSAGES, params, use_tqdm=False, tools=TOOLS)
+    [one] = special_markers_llm.chat(MESSAGES, params, use_tqdm=False, tools=TOOLS, parallel_tool_calls=False)
+    assert len(parallel.outputs[0].tool_calls) >= 2
+    completion = one.outputs[0]
+    assert completion.finish_reason == "tool_calls" and completion.text == ""
+    assert completion.tool_calls == parallel.outputs[0].tool_calls[:1]
+    jsonschema.validate(completion.tool_calls[0].arguments, SCHEMAS[completion.tool_calls[0].name])

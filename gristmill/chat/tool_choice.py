@@ -18,7 +18,8 @@ _NAMED = '{"type": "function", "function": {"name": ...}}'
 class ToolRequest:
     """What a chat asks of tools. `tools`: OpenAI tool entries, for the template (None:
     none); `choice`: "none", "auto", "required" or a named function's entry; `parallel`:
-    a forced answer may hold several calls; `parser`: what reads the answer's calls (None
+    an answer may hold several calls (False: a forced answer is one call, and under "auto"
+    the first call ends the answer); `parser`: what reads the answer's calls (None
     with choice "none": the answer is plain content)."""
 
     tools: list[dict] | None
@@ -41,18 +42,24 @@ class ToolRequest:
         if self.forces_call:
             return forced_calls(call_schema(self.tools, self.choice, self.parser.name), self.parallel)
         if self.choice == "auto" and self.tools:
-            return lazy_calls(call_schema(self.tools, "auto", self.parser.name))
+            return lazy_calls(call_schema(self.tools, "auto", self.parser.name), self.parallel)
         return None
 
     def answer_constraint(self, answer: dict | None, field: str | None) -> tuple[dict | None, str | None]:
         """(the request's `structured_output`, the field it came from) given the answer's own
         constraint `answer` from request field `field` (None: none): a forced call and
-        an answer constraint are refused together; under "auto" the answer's wins (its
-        calls are then parsed, not held to their schema)."""
+        an answer constraint are refused together, and so are one call under "auto"
+        (`parallel_tool_calls: false`, which the call grammar holds) and an answer
+        constraint; else under "auto" the answer's wins (its calls are then parsed, not
+        held to their schema)."""
         if answer is not None:
             if self.forces_call:
                 raise RequestError(f"tool_choice forces a tool call, whose arguments follow the tool's schema, and "
                                    f"{field} constrains the answer too; send one of them", param="tool_choice")
+            if self.choice == "auto" and self.tools and not self.parallel:
+                raise RequestError(f"parallel_tool_calls false ends the answer at its first call, which the call "
+                                   f"grammar holds, and {field} constrains the answer instead; leave out one of "
+                                   "them", param="parallel_tool_calls")
             return answer, field
         calls = self.constraint()
         return calls, None if calls is None else "tool_choice"

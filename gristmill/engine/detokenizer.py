@@ -80,6 +80,10 @@ class IncrementalDetokenizer:
         if self.held:
             held, self.held = self.held, []
             self._add(held)
+            if self._pending:
+                # The stream gives no text while its text ends inside a character, and
+                # these tokens end inside one: they go one by one, as they would have come.
+                self._two_decode(self._leave_stream())
         return self._text
 
     def add_tokens(self, token_ids: list[int]) -> bool:
@@ -114,11 +118,19 @@ class IncrementalDetokenizer:
                 # The Rust stream refuses some byte-fallback sequences ("Invalid prefix
                 # encountered while decoding stream") that decoding whole ids handles:
                 # the two-decode path goes on from the last text the stream gave.
-                self._step = None
-                self.num_tokens -= len(self._pending)
-                token_ids = self._pending + list(token_ids[fed:])
-                self._pending = []
-                self.prefix_offset, self.read_offset = 0, len(self.ids)
+                token_ids = self._leave_stream() + list(token_ids[fed:])
+        return self._two_decode(token_ids)
+
+    def _leave_stream(self) -> list[int]:
+        """Off the stream, onto the two-decode path from the last text the stream gave:
+        the tokens the stream took and gave no text for yet, to decode again."""
+        self._step = None
+        self.num_tokens -= len(self._pending)
+        pending, self._pending = self._pending, []
+        self.prefix_offset, self.read_offset = 0, len(self.ids)
+        return pending
+
+    def _two_decode(self, token_ids: list[int]) -> bool:
         for token_id in token_ids:
             if self.stopped:
                 break

@@ -1,8 +1,9 @@
 """A shared engine as a Ray Serve application: `deploy(EngineConfig(...), name=, app_name=)`.
 
 Each replica owns one AsyncEngine (its own engine-core process) and answers OpenAI-shaped
-requests on two methods, `completions` and `chat`, through a streaming handle: each
-yields one whole response (a dict) and ends. That is how Ray Data LLM's
+requests on three methods, `completions`, `chat` and `response` (the Responses API, as
+`POST /v1/responses` answers it), through a streaming handle: each yields one whole
+response (a dict) and ends. That is how Ray Data LLM's
 `ServeDeploymentProcessorConfig` calls a deployment, and how gristmill's
 `DeploymentProcessorConfig(deployment_name=, app_name=)` does.
 
@@ -29,19 +30,21 @@ DEFAULT_MAX_ONGOING_REQUESTS = 256
 
 
 class EngineServer:
-    """One replica: an AsyncEngine behind OpenAI-shaped `completions` and `chat`."""
+    """One replica: an AsyncEngine behind OpenAI-shaped `completions`, `chat` and `response`."""
 
     def __init__(self, engine: EngineConfig, model_name: str | None = None, threads: int | None = None):
         from gristmill.engine.async_engine import AsyncEngine
         from gristmill.paths import DEFAULT_MODEL_NAME
         from gristmill.server.metrics import ServerMetrics
         from gristmill.server.openai_serving import OpenAIServing
+        from gristmill.server.responses_api import ResponsesServing
 
         if threads is not None:  # the engine core reads it when it starts
             os.environ["OMP_NUM_THREADS"] = str(threads)
         self.engine = AsyncEngine(engine)
         self.model_name = model_name or engine.model or DEFAULT_MODEL_NAME
         self.serving = OpenAIServing(self.engine, self.model_name, ServerMetrics())
+        self.responses = ResponsesServing(self.serving)
 
     async def completions(self, request):
         """An OpenAI completions request (a dict or a pydantic model); yields the response."""
@@ -52,6 +55,13 @@ class EngineServer:
         """An OpenAI chat completions request (a dict or a pydantic model); yields the response."""
         from gristmill.server.protocol import ChatCompletionRequest
         yield await self.serving.response(True, _body(ChatCompletionRequest, request))
+
+    async def response(self, request):
+        """An OpenAI Responses API request (a dict or a pydantic model), stateless as the
+        server's `POST /v1/responses` (which refuses fields it does not know); yields the
+        `response` object."""
+        from gristmill.server.responses_protocol import ResponsesRequest
+        yield await self.responses.response(_body(ResponsesRequest, request, drop=_RAY_DATA_KEYS))
 
     def pids(self) -> dict:
         """{"replica": this replica's process, "core": its engine core's} (to watch them)."""
@@ -72,14 +82,20 @@ class EngineServer:
             engine.shutdown()
 
 
-def _body(model: type[BaseModel], request):
-    """The request as `model`: Ray Data LLM sends a dict (with its own request_id and
-    idx_in_batch keys, ignored here) or a pydantic model of the caller's."""
+#: The keys Ray Data LLM adds to each request it sends a deployment.
+_RAY_DATA_KEYS = ("request_id", "idx_in_batch")
+
+
+def _body(model: type[BaseModel], request, drop: tuple[str, ...] = ()):
+    """The request as `model`, without the keys `drop`: Ray Data LLM sends a dict (with its
+    own request_id and idx_in_batch keys, which models that ignore unknown keys ignore) or
+    a pydantic model of the caller's."""
     if isinstance(request, BaseModel):
         request = request.model_dump(exclude_none=True)
     if not isinstance(request, dict):
         raise RequestError(f"a request must be a dict (or a pydantic model) of OpenAI request fields, got "
                            f"{type(request).__name__}", param="request")
+    request = {key: value for key, value in request.items() if key not in drop}
     try:
         return model.model_validate(request)
     except ValidationError as exc:  # pydantic's own error does not survive pickling well

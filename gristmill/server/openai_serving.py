@@ -195,14 +195,21 @@ class OpenAIServing:
     # -- running a job --------------------------------------------------------------
 
     async def response(self, chat: bool, body) -> dict:
-        """The response body of a non-streamed request, for callers other than HTTP
-        (a Ray Serve deployment): a failure raises its typed error instead."""
+        """The response body of a non-streamed chat or completions request, for callers
+        other than HTTP (a Ray Serve deployment): a failure raises its typed error instead."""
+        return await self.whole_response(body.stream, lambda: (self.chat_job if chat else self._completion_job)(body))
+
+    async def whole_response(self, stream: bool | None, make_job, respond=None) -> dict:
+        """The body `respond(job, finals)` gives (default: a chat or completion) of the job
+        `make_job()` makes (job, prompts, params), run whole, for callers other than HTTP;
+        a failure raises its typed error. `stream`: the request asked for a stream (refused)."""
+        respond = respond or self.writer.response
         timer = RequestTimer(self.metrics)
         try:
-            if body.stream:
+            if stream:
                 raise RequestError("stream=True needs the HTTP server (gristmill serve); this entry point "
                                    "returns whole responses: leave stream out", param="stream")
-            job, prompts, params = (self.chat_job if chat else self._completion_job)(body)
+            job, prompts, params = make_job()
             await self._submit(job, prompts, params, "final")
             timer.num_prompt_tokens = job.prompt_tokens
             try:
@@ -213,7 +220,7 @@ class OpenAIServing:
             timer.failed(exc)
             raise
         timer.finished(overall_reason(finals))
-        return self.writer.response(job, finals)
+        return respond(job, finals)
 
     async def _submit(self, job: Job, prompts, params: SamplingParams, output_kind: str) -> None:
         """Every prompt of the job into the engine, or none (a failure closes those in).

@@ -61,10 +61,18 @@ class ChoiceStates:
         self.calls = {}
 
     def delta(self, job: Job, key: tuple[int, int], c) -> dict:
-        """A chat chunk's delta for the new text of choice `key`: its content, or on a
-        reasoning model its reasoning and content apart (text that may begin `</think>`
-        waits for the next chunk); with tools, the calls in the content as OpenAI's
-        `tool_calls` pieces (text that may begin a call waits until it is decided)."""
+        """A chat chunk's delta for the new text of choice `key`: its `pieces` in one."""
+        fields: dict = {}
+        for piece in self.pieces(job, key, c):
+            for name, value in piece.items():
+                fields[name] = fields[name] + value if name in fields else value
+        return fields or {"content": ""}
+
+    def pieces(self, job: Job, key: tuple[int, int], c) -> list[dict]:
+        """The new text of choice `key` as chat delta fields, in the order the model wrote
+        them: its content, or on a reasoning model its reasoning then content; with tools,
+        content and the calls in it (OpenAI's `tool_calls` pieces) as they alternate. Text
+        that may begin `</think>` or a call waits until it is decided (then: no pieces)."""
         ending = c.finish_reason is not None
         if job.reasoning_parser is None:
             pieces = [Delta(CONTENT, c.delta_text)] if c.delta_text else []
@@ -74,17 +82,20 @@ class ChoiceStates:
             stream = self.reasoning[key]
             pieces = stream.feed(c.delta_text) + (stream.finish() if ending else [])
         if job.tool_parser is None:
-            return reasoning_fields(pieces) or {"content": ""}
+            return [reasoning_fields(pieces)] if pieces else []
         calls = self.calls.setdefault(key, job.tool_parser.stream())
         text = "".join(p.text for p in pieces if p.field == CONTENT)
         found = calls.feed(text) + (calls.finish() if ending else [])
-        fields = reasoning_fields([p for p in pieces if p.field == REASONING])
-        content = "".join(d.content for d in found if d.content is not None)
-        if content:
-            fields["content"] = content
-        if any(d.index is not None for d in found):
-            fields["tool_calls"] = [d.openai() for d in found if d.index is not None]
-        return fields or {"content": ""}
+        reasoning = reasoning_fields([p for p in pieces if p.field == REASONING])
+        ordered = [reasoning] if reasoning else []
+        for d in found:
+            if d.index is None:
+                ordered.append({"content": d.content})
+            elif ordered and "tool_calls" in ordered[-1]:
+                ordered[-1]["tool_calls"].append(d.openai())
+            else:
+                ordered.append({"tool_calls": [d.openai()]})
+        return ordered
 
     def finish_reason(self, key: tuple[int, int], reason: str | None) -> str | None:
         """A choice's finish reason: "tool_calls" when the model stopped after calling."""

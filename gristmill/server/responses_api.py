@@ -1,8 +1,11 @@
 """`POST /v1/responses`, stateless, served by the chat path: the request is mapped onto a
 chat completion request (responses_protocol), run as one, and its answer reshaped
-into a `response` object or the Responses stream's events (responses_output)."""
+into a `response` object or the Responses stream's events (responses_output): over HTTP
+(`create`), or whole for other callers (`response`: a Ray Serve deployment)."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from fastapi import Request
 
@@ -19,19 +22,44 @@ class ResponsesServing:
         self.serving = serving
 
     async def create(self, body: ResponsesRequest, request: Request):
+        """The HTTP answer: a whole response, or the stream's events."""
         try:
-            chat = to_chat_request(body)
-            job, prompts, params = self.serving.chat_job(chat)
+            job, prompts, params = self._chat_job(body)
         except Exception as exc:  # noqa: BLE001 - answered as the chat endpoint answers it
             return self.serving.rejected(responses_error(exc))
+        shape = self._shape(body)
+        return await self.serving.run(job, prompts, params, bool(body.stream), request,
+                                      respond=lambda job, finals: self._whole(shape, job, finals),
+                                      events=lambda job, timer: self._events(shape, job, timer))
+
+    async def response(self, body: ResponsesRequest) -> dict:
+        """The whole response, for callers other than HTTP (a Ray Serve deployment): a
+        failure raises its typed error, naming the Responses field."""
+        shape = self._shape(body)
+        try:
+            return await self.serving.whole_response(body.stream, lambda: self._chat_job(body),
+                                                     lambda job, finals: self._whole(shape, job, finals))
+        except Exception as exc:  # noqa: BLE001 - re-raised, reworded
+            raise responses_error(exc) from None
+
+    def _chat_job(self, body: ResponsesRequest):
+        """(job, prompts, params) of the chat completion that answers `body`."""
+        job, prompts, params = self.serving.chat_job(to_chat_request(body))
         if job.constraint_field == "response_format":
             job.constraint_field = "text.format"
+        return job, prompts, params
+
+    def _shape(self, body: ResponsesRequest) -> ResponseShape:
         tokenizer = self.serving.engine.tokenizer
-        shape = ResponseShape(body, self.serving.model_name,
-                              lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
-        return await self.serving.run(job, prompts, params, chat.stream, request,
-                                      respond=lambda job, finals: shape.whole(self.serving.writer.response(job, finals)),
-                                      events=lambda job, timer: self._events(shape, job, timer))
+        return ResponseShape(body, self.serving.model_name,
+                             lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
+
+    @staticmethod
+    def _whole(shape: ResponseShape, job: Job, finals) -> dict:
+        """The response of the job's one choice, whole."""
+        [c] = finals[0].outputs
+        pieces = ChoiceStates(1, 1).pieces(job, (0, 0), replace(c, delta_text=c.text))
+        return shape.whole(pieces, job.prompt_tokens, len(c.token_ids), c.finish_reason)
 
     async def _events(self, shape: ResponseShape, job: Job, timer: RequestTimer):
         """The stream of the job's one choice, as Responses events."""
@@ -45,13 +73,10 @@ class ResponsesServing:
                 for c in out.outputs:
                     output_tokens += len(c.token_ids)
                     timer.tokens(len(c.token_ids))
-                    chunk = self.serving.writer.delta_chunk(job, 0, c, choices)
-                    if chunk is None:
-                        continue
-                    choice = chunk["choices"][0]
-                    finish_reason = choice["finish_reason"] or finish_reason
-                    for event in events.feed(choice["delta"]):
-                        yield event
+                    for piece in choices.pieces(job, (0, 0), c):
+                        for event in events.feed(piece):
+                            yield event
+                    finish_reason = c.finish_reason or finish_reason
             for event in events.finish(job.prompt_tokens, output_tokens, finish_reason):
                 yield event
             timer.finished("length" if finish_reason == "length" else "stop")

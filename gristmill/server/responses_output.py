@@ -1,11 +1,13 @@
 """Responses API output: the `response` object and its output items, built from what
-the chat path made of the model's answer (a chat response's message, or a chat
-stream's deltas), and the stream's events, in the order the `openai` client's
-`responses.stream` reads them.
+the chat path made of the model's answer (its chat delta fields in the order it wrote
+them, `ChoiceStates.pieces`), and the stream's events, in the order the `openai`
+client's `responses.stream` reads them.
 
-One rule makes the items, whole or streamed: the reasoning (on a model with a reasoning
-parser) is a `reasoning` item, text is a `message` item, each call a `function_call` item,
-and an item with nothing in it is left out.
+One rule makes the items, whole or streamed (a whole response is the items its stream
+would make): the reasoning (on a model with a reasoning parser) is a `reasoning` item,
+each run of text a `message` item, each call a `function_call` item, in the order the
+model wrote them; text after a call starts without the whitespace between them, and an
+item with nothing in it is left out.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Iterator
 
 from gristmill.server.errors import exception_status_and_body
@@ -73,23 +76,14 @@ class ResponseShape:
                 "output_tokens_details": {"reasoning_tokens": self.count_tokens(reasoning) if reasoning else 0},
                 "total_tokens": prompt_tokens + output_tokens}
 
-    def whole(self, chat: dict) -> dict:
-        """The response of a whole chat completion (one choice)."""
-        choice = chat["choices"][0]
-        message = choice["message"]
-        status = "incomplete" if choice["finish_reason"] == "length" else "completed"
-        output = []
-        if message.get("reasoning_content"):
-            output.append(reasoning_item(new_id("rs"), message["reasoning_content"], "completed"))
-        if message.get("content"):
-            output.append(message_item(new_id("msg"), message["content"], "completed"))
-        for call in message.get("tool_calls") or ():
-            output.append(call_item(new_id("fc"), call["id"], call["function"]["name"],
-                                    call["function"]["arguments"], "completed"))
-        if output and status == "incomplete":
-            output[-1]["status"] = "incomplete"
-        usage = self.usage(chat["usage"]["prompt_tokens"], chat["usage"]["completion_tokens"], output)
-        return self.response(status, output, usage)
+    def whole(self, pieces: list[dict], prompt_tokens: int, output_tokens: int, finish_reason: str | None) -> dict:
+        """The response of a whole answer: `pieces`, its chat delta fields in order, made
+        into items as a stream of them would be (its events dropped)."""
+        events = OutputEvents(self)
+        for piece in pieces:
+            deque(events.feed(piece), maxlen=0)
+        deque(events.finish(prompt_tokens, output_tokens, finish_reason), maxlen=0)
+        return events.final
 
 
 class OutputEvents:
@@ -103,6 +97,8 @@ class OutputEvents:
         #: The item being written: its kind ("reasoning", "message", "function_call"),
         #: id and text (a call's arguments), and a call's chat index, call_id and name.
         self.open: dict | None = None
+        #: The whole response, once `finish` has run.
+        self.final: dict | None = None
 
     def event(self, type_: str, **fields) -> str:
         payload = {"type": type_, "sequence_number": self.sequence_number, **fields}
@@ -127,7 +123,8 @@ class OutputEvents:
         status = "incomplete" if finish_reason == "length" else "completed"
         yield from self._close(status)
         usage = self.shape.usage(prompt_tokens, output_tokens, self.items)
-        yield self.event(f"response.{status}", response=self.shape.response(status, self.items, usage))
+        self.final = self.shape.response(status, self.items, usage)
+        yield self.event(f"response.{status}", response=self.final)
 
     def error(self, exc: BaseException) -> str:
         """The `error` event a stream that failed after it started ends with."""
@@ -140,6 +137,10 @@ class OutputEvents:
         return {"item_id": self.open["id"], "output_index": len(self.items)}
 
     def _text(self, kind: str, text: str) -> Iterator[str]:
+        if kind == "message" and (self.open or {}).get("kind") == "function_call":
+            text = text.lstrip()  # (the whitespace between a call and the text after it)
+            if not text:
+                return
         if self.open is None or self.open["kind"] != kind:
             yield from self._close("completed")
             self.open = {"kind": kind, "id": new_id("rs" if kind == "reasoning" else "msg"), "text": ""}

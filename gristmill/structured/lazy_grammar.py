@@ -1,7 +1,10 @@
 """A lazy grammar (as llama.cpp's grammar triggers): the output runs free until it writes a
 trigger text, then a grammar holds it from the trigger's first byte until the grammar is
 complete, then it runs free again. `tool_choice="auto"` uses it so that a call the model
-starts is a whole call whose arguments match their schema (structured.tool_grammar).
+starts is a whole call whose arguments match their schema (structured.tool_grammar). With
+`one_call` (`parallel_tool_calls: false`) the grammar never lets go: once the call is whole
+it allows only what ends it (an end marker, the end-of-sequence token), so the first call
+ends the answer.
 
 While free, a token costs a lookup of its bytes and a search of the last few bytes for a
 trigger: no grammar work, no mask (`constrains_next` is False, so the sampler leaves the
@@ -29,30 +32,33 @@ _BLANK = b" \t\r\n"
 
 
 def lazy_matcher(grammar, spec: dict, tokenizer):
-    """The matcher of a tool-call constraint (`spec`: its "triggers" and "start_triggers"):
-    `grammar` itself when it has no triggers (a forced call), else a LazyMatcher over it."""
+    """The matcher of a tool-call constraint (`spec`: its "triggers", "start_triggers" and
+    "one_call"): `grammar` itself when it has no triggers (a forced call), else a
+    LazyMatcher over it."""
     if not spec["triggers"] and not spec["start_triggers"]:
         return grammar
     return LazyMatcher(grammar, tokenizer, [t.encode() for t in spec["triggers"]],
-                       [t.encode() for t in spec["start_triggers"]], separators=b";,")
+                       [t.encode() for t in spec["start_triggers"]], separators=b";,", one_call=spec["one_call"])
 
 
 class LazyMatcher:
     """`grammar` (an llguidance Matcher) held off until a trigger. `tokenizer`: the
     LLTokenizer (token bytes; text -> tokens); `triggers`: bytes anywhere in the output;
     `start_triggers`: bytes that start a call only at the start of the output or right
-    after a call (after blanks and `separators`)."""
+    after a call (after blanks and `separators`); `one_call`: the first call ends the
+    output (the grammar holds on to the end-of-sequence token)."""
 
-    __slots__ = ("grammar", "tokenizer", "triggers", "start_triggers", "separators", "constraint",
+    __slots__ = ("grammar", "tokenizer", "triggers", "start_triggers", "separators", "one_call", "constraint",
                  "_state", "_tail", "_lead", "_keep")
 
     def __init__(self, grammar, tokenizer, triggers: list[bytes], start_triggers: list[bytes],
-                 separators: bytes = b""):
+                 separators: bytes = b"", one_call: bool = False):
         self.grammar = grammar
         self.tokenizer = tokenizer
         self.triggers = triggers
         self.start_triggers = start_triggers
         self.separators = _BLANK + separators
+        self.one_call = one_call
         self.constraint = ("lazy", grammar.constraint)
         self._state = FREE
         self._tail = b""  # the last bytes of the output while free (a trigger may end in the next token)
@@ -103,12 +109,14 @@ class LazyMatcher:
         # (else the token went on in a way no call can: left to the parser)
 
     def _release_if_done(self) -> None:
-        if self.grammar.accepting:
+        if self.grammar.accepting and not self.one_call:
             self._state, self._lead, self._tail = FREE, b"", b""
 
     @property
     def finished(self) -> bool:
-        return False  # (the output ends as a free one does: at its end-of-sequence token or length)
+        # (a free output ends as any does: at its end-of-sequence token or length; one call,
+        # as a forced call does)
+        return self._state == HELD and self.one_call and self.grammar.finished
 
     @property
     def error(self) -> str | None:

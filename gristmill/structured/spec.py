@@ -72,10 +72,11 @@ def parse_constraint(value) -> Constraint | None:
 def _tool_calls_source(spec) -> str:
     """A tool-call grammar's spec as canonical JSON: {"grammar": Lark text whose rules
     `marker_K` are the K-th marker, "markers", "triggers", "start_triggers": lists of
-    texts}."""
-    keys = ("grammar", "markers", "triggers", "start_triggers")
+    texts, "one_call": whether the first call ends the answer}."""
+    keys = ("grammar", "markers", "triggers", "start_triggers", "one_call")
     if not isinstance(spec, dict) or set(spec) != set(keys) or not isinstance(spec["grammar"], str) or not all(
-            isinstance(spec[key], list) and all(isinstance(t, str) and t for t in spec[key]) for key in keys[1:]):
+            isinstance(spec[key], list) and all(isinstance(t, str) and t for t in spec[key]) for key in keys[1:4]) \
+            or not isinstance(spec["one_call"], bool):
         raise RequestError(f"{PARAM}.tool_calls must be an object with exactly {', '.join(keys)} (as "
                            f"tool_choice builds it), got {short(spec)}", param=PARAM)
     return json.dumps({key: spec[key] for key in keys}, separators=(",", ":"))

@@ -9,7 +9,9 @@ for JSON values), so that every call parses and its arguments match the function
   until the call ends, then the answer is free again (`structured.lazy_grammar`).
 
 Both give a `structured_output` value `{"tool_calls": {"grammar", "markers", "triggers",
-"start_triggers"}}`. The grammar names each call marker of the format (`<tool_call>`, ...)
+"start_triggers", "one_call"}}`; `one_call` (`parallel_tool_calls: false`) makes a lazy
+grammar's first call the end of the answer: after it, only what ends the call (an end
+marker) and the end-of-sequence token. The grammar names each call marker of the format (`<tool_call>`, ...)
 as a rule `marker_K` that the grammar engine defines for its vocabulary: the marker's
 special token where the vocabulary has it as one, else its text.
 
@@ -46,12 +48,13 @@ def forced_calls(spec: dict, parallel: bool) -> dict:
             _json_rule("body", spec["schema"])
     else:
         rules = _pythonic_list(spec, parallel)
-    return _value(rules, markers)
+    return _value(rules, markers, one_call=not parallel)
 
 
-def lazy_calls(spec: dict) -> dict:
+def lazy_calls(spec: dict, parallel: bool = True) -> dict:
     """The `structured_output` value that lets an answer run free and holds each call it
-    starts (at one of the format's triggers) to a call of `spec` (an "auto" `call_schema`)."""
+    starts (at one of the format's triggers) to a call of `spec` (an "auto" `call_schema`);
+    without `parallel`, the first call is the answer's last."""
     parser, markers = spec["parser"], spec["markers"]
     start_triggers: tuple[str, ...] = ()
     if parser == "hermes":
@@ -61,15 +64,18 @@ def lazy_calls(spec: dict) -> dict:
         rules = f'start: marker_0? body\n{_json_rule("body", spec["schema"])}'
         triggers, start_triggers = ("<|python_tag|>",), ('{"name"',)
     else:
-        rules = _pythonic_list(spec, parallel=True).replace("start:", "start: marker_0?", 1)
+        # (one call: its list, and the `<|python_end|>` that closes a `<|python_start|>`,
+        # before the end-of-sequence token; parallel calls are one list, the answer free after it)
+        head = "start: marker_0? calls" if parallel else "start: marker_0 calls marker_1? | calls"
+        rules = head + "\n" + _pythonic_list(spec, parallel, rule="calls")
         triggers = ("<|python_start|>",)
         start_triggers = tuple(f"[{f['name']}(" for f in spec["functions"])
-    return _value(rules, markers, triggers, start_triggers)
+    return _value(rules, markers, triggers, start_triggers, one_call=not parallel)
 
 
-def _value(rules: str, markers, triggers=(), start_triggers=()) -> dict:
+def _value(rules: str, markers, triggers=(), start_triggers=(), one_call: bool = False) -> dict:
     return {"tool_calls": {"grammar": rules + "\n", "markers": list(markers), "triggers": list(triggers),
-                           "start_triggers": list(start_triggers)}}
+                           "start_triggers": list(start_triggers), "one_call": one_call}}
 
 
 def _json_rule(name: str, schema: dict) -> str:
@@ -78,9 +84,9 @@ def _json_rule(name: str, schema: dict) -> str:
     return f"{name}: %json {json.dumps(schema)}"
 
 
-def _pythonic_list(spec: dict, parallel: bool) -> str:
-    """Lark rules for `[name(key=value, ...), ...]` over `spec`'s functions."""
-    lines = ['start: "[" call (", " call)* "]"' if parallel else 'start: "[" call "]"']
+def _pythonic_list(spec: dict, parallel: bool, rule: str = "start") -> str:
+    """Lark rules for `[name(key=value, ...), ...]` over `spec`'s functions, the list as `rule`."""
+    lines = [f'{rule}: "[" call (", " call)* "]"' if parallel else f'{rule}: "[" call "]"']
     lines.append("call: " + " | ".join(f"call_{i}" for i in range(len(spec["functions"]))))
     for i, function in enumerate(spec["functions"]):
         lines += _pythonic_call(f"call_{i}", function)

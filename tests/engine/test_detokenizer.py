@@ -80,6 +80,12 @@ def test_held_tokens_decoded_once_at_the_end_give_the_same_text(tokenizer):
         held.add_tokens(tail[:end])
         assert held.text == _text(tokenizer, [2], tail[:end])[0], end
     assert held.text.startswith(_text(tokenizer, [2], tail[:10])[0]) and "🙂" in held.text
+    # More tokens inside a character than one can hold (a random model's stray byte
+    # tokens): the text before them still comes out (it used to give no text at all).
+    stray = ids[:40] + tokenizer.convert_tokens_to_ids(["<0x80>"] * 6)
+    held = IncrementalDetokenizer(tokenizer, [2], [], incremental=False)
+    held.add_tokens(stray)
+    assert held.text == _text(tokenizer, [2], stray)[0] == _text(tokenizer, [2], ids[:40])[0]
     # With stop strings the text is still checked token by token.
     assert IncrementalDetokenizer(tokenizer, [2], ["x"], incremental=False).held is None
 

@@ -20,6 +20,7 @@ from tests.on_ray.conftest import ENGINE, GREEDY, by_key, story_rows, tiny_engin
 pytestmark = pytest.mark.timeout(180)
 
 APP = "shared-app"
+GREEDY_CHAT = {"temperature": 0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
@@ -155,6 +156,22 @@ def test_a_deployment_refuses_what_it_cannot_honour_rather_than_doing_otherwise(
                                  "'prompt' or turn it on"
     # Generating, the same deployment answers as usual.
     assert prompt[ERROR_COLUMN] == "" and prompt["num_generated_tokens"] == 6
+
+
+def test_the_responses_api_on_the_deployment_answers_as_its_chat_and_names_its_own_fields(shared):
+    handle = shared.options(stream=True)
+    [response] = handle.response.remote({"input": "Name a colour.", "max_output_tokens": 6, **GREEDY_CHAT})
+    [chat] = handle.chat.remote({"messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 6,
+                                 **GREEDY_CHAT})
+    assert response["object"] == "response" and response["status"] == "incomplete"
+    [message] = response["output"]
+    assert message["content"][0]["text"] == chat["choices"][0]["message"]["content"] != ""
+    assert (response["usage"]["input_tokens"], response["usage"]["output_tokens"]) == \
+        (chat["usage"]["prompt_tokens"], 6)
+    with pytest.raises(RequestError) as raised:
+        list(handle.response.remote({"input": "Hi", "max_output_tokens": 10**6}))
+    error = root_cause(raised.value)
+    assert error.param == "max_output_tokens" and "max_completion_tokens" not in error.message, error.message
 
 
 def test_a_deployment_that_is_not_running_fails_the_job_at_once_saying_how_to_start_it():

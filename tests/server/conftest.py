@@ -200,11 +200,13 @@ def server(server_loop, engine):
 TINY_MODEL = "tiny-qwen3"
 
 
-def start_tiny_engine(variant: str):
+def start_tiny_engine(variant: str, control: tuple[str, ...] = ()):
     """An engine over a tiny random-weight Qwen3 with chat template `variant`
-    (tests/chat/reasoning_models.py), on the exact float path."""
+    (tests/chat/reasoning_models.py) and the special tokens `control` added to its
+    vocabulary, on the exact float path."""
     from tests.chat.reasoning_models import cache_dir, tiny_reasoning_model
-    return start_engine("--model", tiny_reasoning_model(variant), "--cache-dir", cache_dir(), "--quantization", "none")
+    return start_engine("--model", tiny_reasoning_model(variant, control), "--cache-dir", cache_dir(),
+                        "--quantization", "none")
 
 
 @contextlib.contextmanager
@@ -231,6 +233,23 @@ def tools_engine():
 def tools_client(server_loop, tools_engine):
     """The openai client of an in-process server over `tools_engine`."""
     with openai_client(server_loop, tools_engine) as served:
+        yield served
+
+
+@pytest.fixture(scope="package")
+def marker_tools_engine():
+    """`tools_engine`'s model with `<tool_call>` and `</tool_call>` special tokens of its
+    vocabulary (as some Qwen ones have): one token opens a call, so a test can bias the
+    model to call (logit_bias), again after each call where it may."""
+    engine = start_tiny_engine("hermes_tools", control=("<tool_call>", "</tool_call>"))
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="package")
+def marker_tools_client(server_loop, marker_tools_engine):
+    """The openai client of an in-process server over `marker_tools_engine`."""
+    with openai_client(server_loop, marker_tools_engine) as served:
         yield served
 
 

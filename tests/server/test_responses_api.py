@@ -1,9 +1,11 @@
 """The Responses API (`POST /v1/responses`) through the real `openai` client, on tiny
 random-weight Qwen3 models: input strings and items answer as the same chat does; a
 reasoning model's reasoning is an item apart from the message; a json_schema format and
-forced function calls validate; calls and their outputs go back in as input items; the
-stream is the event sequence `responses.stream` reads, ending in the whole response; and
-what a stateless server cannot do is a 400 naming the field."""
+forced function calls validate; calls and their outputs go back in as input items; with
+`parallel_tool_calls: false` the first call ends an `auto` answer; the stream is the event
+sequence `responses.stream` reads, ending in the whole response, whose items (text around
+calls included) are those of the same response not streamed; and what a stateless server
+cannot do is a 400 naming the field."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import jsonschema
 import openai
 import pytest
 
+from tests.chat.reasoning_models import token_id
 from tests.chat.tools import WEATHER
 from tests.server.conftest import openai_client
 
@@ -138,6 +141,41 @@ def test_a_streamed_call_comes_as_events_in_order_ending_in_the_whole_response(c
         == final.output[0].arguments
     assert shape(final) == shape(whole) and len(final.output) == 1
     jsonschema.validate(json.loads(final.output[0].arguments), WEATHER)
+
+
+def call_bias(engine, bias: float) -> dict:
+    """logit_bias toward opening a call (`<tool_call>`, one token of `marker_tools_engine`'s vocabulary)."""
+    return {"logit_bias": {str(token_id(engine.tokenizer, "<tool_call>")): bias}}
+
+
+def test_without_parallel_calls_the_first_auto_call_ends_the_response(marker_tools_client, marker_tools_engine):
+    fields = dict(model=MODEL, input="Weather?", tools=TOOLS, max_output_tokens=120, temperature=0,
+                  extra_body=call_bias(marker_tools_engine, 100))
+    parallel = marker_tools_client.responses.create(**fields)
+    assert [item.type for item in parallel.output][:2] == ["function_call", "function_call"]
+    one = marker_tools_client.responses.create(**fields, parallel_tool_calls=False)
+    assert [item.type for item in one.output] == ["function_call"] and one.status == "completed"
+    assert (one.output[0].name, one.output[0].arguments) == (parallel.output[0].name, parallel.output[0].arguments)
+    assert one.parallel_tool_calls is False
+    with marker_tools_client.responses.stream(**fields, parallel_tool_calls=False) as stream:
+        assert shape(stream.get_final_response()) == shape(one)
+
+
+def test_text_around_a_call_is_the_same_items_streamed_or_not(marker_tools_client, marker_tools_engine):
+    """A milder bias: the model writes text, a call, then text again (which a stop string
+    ends, so the stream completes)."""
+    fields = dict(model=MODEL, input="Weather?", tools=TOOLS, max_output_tokens=120, temperature=0,
+                  extra_body={**call_bias(marker_tools_engine, 20), "stop": [" and"]})
+    whole = marker_tools_client.responses.create(**fields)
+    assert [item.type for item in whole.output] == ["message", "function_call", "message"], \
+        "the model no longer writes text around a call: the case tests nothing"
+    with marker_tools_client.responses.stream(**fields) as stream:
+        kinds = [event.type for event in stream]
+        streamed = stream.get_final_response()
+    assert shape(streamed) == shape(whole) and whole.status == "completed"
+    assert kinds.count("response.output_item.added") == 3
+    # (the text after the call starts without the whitespace between them)
+    assert whole.output[2].content[0].text == whole.output[2].content[0].text.lstrip()
 
 
 def test_streamed_text_joins_to_the_whole_text(client):

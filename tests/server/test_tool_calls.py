@@ -1,8 +1,9 @@
 """Chat completions with tools, through the real `openai` client, on a tiny random-weight
 Qwen3 whose chat template writes tools and calls as Qwen's do (`<tool_call>` blocks): a
 forced call (`required`, a named function) always parses and matches its schema, whole
-and streamed; `auto` reads the calls the model writes and leaves a malformed one as text;
-the call -> tool result -> answer round trip; malformed fields are 400s naming them."""
+and streamed; `auto` reads the calls the model writes and leaves a malformed one as text,
+and with `parallel_tool_calls: false` its first call ends the answer; the call -> tool
+result -> answer round trip; malformed fields are 400s naming them."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import jsonschema
 import openai
 import pytest
 
+from tests.chat.reasoning_models import token_id
 from tests.chat.tools import MESSAGES, SCHEMAS, TOOLS
 
 
@@ -84,6 +86,23 @@ def test_auto_reads_a_call_and_leaves_a_malformed_one_as_text(client):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == choice.message.content
 
 
+def test_without_parallel_calls_the_first_auto_call_ends_the_answer(marker_tools_client, marker_tools_engine):
+    """The model is biased to open a call wherever it may (`<tool_call>` is one token of
+    this vocabulary): left free after a call, it opens another."""
+    bias = {str(token_id(marker_tools_engine.tokenizer, "<tool_call>")): 100}
+    fields = dict(tool_choice="auto", temperature=0, logit_bias=bias)
+    parallel = chat(marker_tools_client, **fields).choices[0]
+    assert len(parallel.message.tool_calls) >= 2
+    one = chat(marker_tools_client, **fields, parallel_tool_calls=False).choices[0]
+    assert one.finish_reason == "tool_calls" and one.message.content is None
+    assert [c.function.model_dump() for c in one.message.tool_calls] == \
+        [parallel.message.tool_calls[0].function.model_dump()]
+    check_calls(one.message.tool_calls)
+    chunks = list(chat(marker_tools_client, **fields, parallel_tool_calls=False, stream=True))
+    pieces = [p for c in chunks if c.choices for p in c.choices[0].delta.tool_calls or ()]
+    assert {p.index for p in pieces} == {0} and chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
 def test_none_leaves_the_answer_as_text(client):
     call = r'<tool_call>\n\{"name": "get_time", "arguments": \{"zone": "UTC"\}\}\n</tool_call>'
     choice = chat(client, tool_choice="none", extra_body={"structured_outputs": {"regex": call}}).choices[0]
@@ -114,6 +133,8 @@ def test_a_call_and_its_result_go_back_into_the_chat(client, tools_engine):
     ({"tools": [{"type": "function", "function": {}}]}, "tools", "each tool must be"),
     ({"parallel_tool_calls": "yes"}, "parallel_tool_calls", "true or false"),
     ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice", "one of them"),
+    ({"parallel_tool_calls": False, "response_format": {"type": "json_object"}}, "parallel_tool_calls",
+     "leave out one of them"),
 ])
 def test_malformed_tool_fields_are_400s_naming_them(client, fields, param, says):
     with pytest.raises(openai.BadRequestError) as raised:

@@ -159,3 +159,33 @@ def test_a_start_trigger_counts_only_at_the_start():
     for token in tokenizer.encode("  [get_time(", add_special_tokens=False):
         matcher.accept(token)
     assert matcher.holding
+
+
+@pytest.mark.parametrize("special", [False, True])
+@pytest.mark.parametrize("parser, opening", [("hermes", "<tool_call>"), ("llama3_json", '{"name"'),
+                                             ("llama3_json", "<|python_tag|>"), ("pythonic", "[get_time("),
+                                             ("pythonic", "<|python_start|>")])
+def test_without_parallel_calls_the_first_call_ends_the_answer(parser, opening, special):
+    tokenizer, grammars = vocabulary(special)
+    rng = random.Random(3)
+    eos = tokenizer.eos_token_id
+    free_text = "Let me check. " if opening in ("<tool_call>", "<|python_tag|>") else ""
+    parallel = parse_constraint(lazy_calls(call_schema(TOOLS, "auto", parser)))
+    one = parse_constraint(lazy_calls(call_schema(TOOLS, "auto", parser), parallel=False))
+    prefix = tokenizer.encode(free_text + opening, add_special_tokens=False)
+    for _ in range(WALKS // 10):
+        matcher = grammars.matcher(one)
+        for token in prefix:
+            assert matcher.accept(token)
+        tokens = prefix + walk(matcher, rng, eos, len(tokenizer))
+        assert matcher.finished  # (the call ended the answer; no end-of-sequence token was needed)
+        text = tokenizer.decode([t for t in tokens if t != eos], skip_special_tokens=False)
+        parsed = get_tool_parser(parser).parse(text)
+        assert len(parsed.calls) == 1 and not parsed.error and parsed.content == free_text.rstrip(), text
+        jsonschema.validate(parsed.calls[0].arguments, SCHEMAS[parsed.calls[0].name])
+    # With parallel calls the same call lets go: anything may follow it, a second call too.
+    matcher = grammars.matcher(parallel)
+    for token in tokens:
+        if token != eos:
+            assert matcher.accept(token)
+    assert not matcher.holding and not matcher.finished and not matcher.constrains_next
