@@ -22,6 +22,15 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+# This process starts well over a hundred engine cores, one after another: fork each
+# from a launcher that imported torch once (tests/engine/test_core_launcher.py), rather
+# than importing it again per core. Not through the environment: the servers and jobs
+# the tests start as processes start one core each, and run as users run them.
+from gristmill.engine import core_launcher  # noqa: E402
+
+core_launcher.ENABLED = True
+
+
 @pytest.hookimpl(tryfirst=True)  # (before xdist's own hook reads the marks)
 def pytest_collection_modifyitems(config, items):
     """Under `pytest -n N --dist loadgroup` (what `make test` runs): a test file's tests

@@ -71,7 +71,11 @@ def preload() -> None:
     """Import what `build_core` will (torch and the model code), for a process that forks
     cores from here (core_launcher.py)."""
     from gristmill.model import runner  # noqa: F401
+    from gristmill.model.cpu import kernels
     from gristmill.structured import grammars  # noqa: F401
+
+    if kernels.is_built():  # (never built here: a first start builds them in its client)
+        kernels.int8_extension()
 
 
 def load_tokenizer(model_dir: Path, cache_dir: str | None = None) -> tuple[object, frozenset[int]]:

@@ -49,34 +49,45 @@ _PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 _REPLY_TIMEOUT_S = 10.0
 _MAX_MESSAGE = 1 << 20
 
+# Launchers by environment (`_key`): a library may set a variable in this process after
+# a launcher started (torch sets TORCHINDUCTOR_CACHE_DIR), while cores of the first run.
+_MAX_LAUNCHERS = 2
 _lock = threading.Lock()
-_launcher: _Launcher | None = None
+_launchers: dict[frozenset, _Launcher] = {}
 
 
 def launch(fds: tuple[int, int, int], env: Mapping[str, str] | None) -> LaunchedCore | None:
     """Fork a core from the launcher, handing it `fds` (inbox read end, outbox write end,
     heartbeat): None when there is no ready launcher for this environment (start it
     directly). Raises EngineDeadError when the launcher failed to start it."""
-    with _lock:
-        launcher = _launcher
-    if launcher is None or not launcher.ready.is_set() or launcher.lost:
+    if not ENABLED:
         return None
     full_env = {**os.environ, **env} if env else dict(os.environ)
-    if _key(full_env) != launcher.key:
+    with _lock:
+        launcher = _launchers.get(_key(full_env))
+    if launcher is None or not launcher.ready.is_set() or launcher.lost:
         return None
     return launcher.launch(fds, full_env)
 
 
 def prepare(env: Mapping[str, str] | None) -> None:
-    """Start the launcher for this environment, if it is enabled and none runs (called
-    once a core started the direct way is ready)."""
-    global _launcher
+    """Start a launcher for this process's environment, if it is enabled and none runs
+    for it (called once a core started the direct way is ready). A core with variables of
+    its own (`env`) starts none. Of launchers for environments since changed, those with
+    no core running are stopped to make room."""
     if not ENABLED or not hasattr(os, "pidfd_open"):
         return
+    full_env = {**os.environ, **env} if env else dict(os.environ)
+    key = _key(full_env)
+    if key != _key(os.environ):
+        return
     with _lock:
-        if _launcher is not None and not _launcher.lost:
-            return
-        _launcher = _Launcher({**os.environ, **env} if env else dict(os.environ))
+        for other, launcher in list(_launchers.items()):
+            if launcher.lost or (other != key and not launcher.has_cores and len(_launchers) >= _MAX_LAUNCHERS):
+                launcher.close()
+                del _launchers[other]
+        if key not in _launchers and len(_launchers) < _MAX_LAUNCHERS:
+            _launchers[key] = _Launcher(full_env)
 
 
 def _key(env: Mapping[str, str]) -> frozenset:
@@ -150,6 +161,19 @@ class _Launcher:
         if isinstance(reply, str):
             raise EngineDeadError(f"the core launcher could not start the engine core: {reply}")
         return reply
+
+    @property
+    def has_cores(self) -> bool:
+        return bool(self._cores)
+
+    def close(self) -> None:
+        """Stop the launcher (it has no cores left); its reader thread then ends."""
+        self.lost = True
+        try:
+            self._socket.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.process.wait()
 
     def _read(self) -> None:
         while True:

@@ -14,6 +14,7 @@ import time
 import pytest
 
 from gristmill import LLM, AsyncEngine, EngineConfig, EngineDeadError, RequestError, SamplingParams
+from gristmill.engine import core_launcher
 from gristmill.engine.core_process import EXIT_ENGINE_ERROR
 from tests.batch.inprocess import tiny_model
 from tests.harness import process_gone, run_script, wait_for_core_child
@@ -75,6 +76,12 @@ UNGUARDED_SCRIPTS = {
         engine.shutdown()
     """,
 }
+
+
+@pytest.fixture(autouse=True)
+def direct_cores(monkeypatch):
+    """Cores started as users' processes start them (the suite's launcher off)."""
+    monkeypatch.setattr(core_launcher, "ENABLED", False)
 
 
 @pytest.mark.parametrize("kind", sorted(UNGUARDED_SCRIPTS))
