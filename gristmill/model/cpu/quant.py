@@ -36,15 +36,14 @@ ENCODER_X_LEVELS = 63
 _FORMATS = {"int8": "int8-v3", "q4": "q4-v1"}
 
 
-def resolve_quantization(quantization: str | None, device: torch.device, encoder: bool = False) -> str | None:
-    """What runs: "auto" is int8 on CPU when the kernel builds, float elsewhere and for
-    an encoder. An encoder's steps are all prompt tokens, hundreds to thousands of rows
-    a matmul, where float GEMM is compute-bound and our int8 kernel gains nothing on AVX2
-    (all-MiniLM-L6-v2: int8 no faster than float32 in benchmarks/embeddings.py, and
-    float32 is exact; docs/performance.md, "Embeddings"); int8 pays in a decoder's
-    decode steps, which are bound by the weights' bytes."""
+def resolve_quantization(quantization: str | None, device: torch.device) -> str | None:
+    """What runs: "auto" is int8 on CPU when the kernel builds, float elsewhere. For a
+    decoder int8 pays in decode steps, which wait on the weights' bytes; for an encoder
+    (every step all prompt tokens, thousands of rows a matmul: compute-bound) it pays
+    because its activations go in 7 bits, which the AVX2 kernel multiplies with fewer
+    instructions than a float GEMM (all-MiniLM-L6-v2: docs/performance.md, "Embeddings")."""
     if quantization == "auto":
-        if device.type != "cpu" or encoder:
+        if device.type != "cpu":
             return None
         if kernels.int8_extension() is None:
             logger.warning("quantization='auto': the int8 kernel is unavailable, so weights stay float")
