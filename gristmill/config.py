@@ -59,8 +59,8 @@ class EngineConfig:
     dtype: str = _field(
         "auto", '"auto" (bfloat16 on CUDA, float32 on CPU), "float32", "bfloat16" or "float16".')
     quantization: str | None = _field(
-        "auto", '"auto" (int8 on CPU, float on CUDA; float for an encoder such as BERT on CPU too, where '
-                "int8 is slower on AVX2 machines: docs/performance.md), "
+        "auto", '"auto" (int8 on CPU, float on CUDA; an encoder such as BERT quantizes its activations '
+                "to 7 bits, which the AVX2 kernel multiplies faster: docs/performance.md), "
                 '"int8" (every linear layer, the LM head '
                 "included, in int8: weights and each token's activations in blocks of 32 channels), "
                 '"q4" (4-bit weights, the LM head int8: fewer bytes a step, more quality lost, see '

@@ -130,8 +130,7 @@ class ModelRunner:
                                f"{self.hf_config.max_position_embeddings} positions {self.model_dir.name} "
                                f"supports; lower it or leave it out", param="max_model_len")
         self.vocab_size = self.hf_config.vocab_size
-        self.quantization = quant.resolve_quantization(config.quantization, self.device,
-                                                       encoder=getattr(model_class(self.hf_config), "is_encoder", False))
+        self.quantization = quant.resolve_quantization(config.quantization, self.device)
         self.backend = pick_backend(self.device, self.dtype)
         if self.device.type == "cuda":  # before the weights: what this engine takes is measured from here
             from gristmill.model.cuda.memory import MemoryAtStart

@@ -243,7 +243,9 @@ def test_minilm_is_sentence_transformers_in_float32_and_int8(minilm, tokenizer):
     assert F.cosine_similarity(F.normalize(pooler(*step), dim=-1), want).min() >= 0.99999
     int8 = copy.deepcopy(model)
     quant.quantize_model(int8, "int8")  # as the engine does on CPU
-    assert sum(isinstance(m, Int8Linear) for m in int8.modules()) == 6 * 4  # q/k/v fused, o, up, down per layer
+    int8_layers = [m for m in int8.modules() if isinstance(m, Int8Linear)]
+    assert len(int8_layers) == 6 * 4  # q/k/v fused, o, up, down per layer
+    assert {m.x_levels for m in int8_layers} == {quant.ENCODER_X_LEVELS}  # 7-bit activations
     embeddings = pooler(*_run(int8, [tokenizer(s) for s in sentences]))
     assert F.cosine_similarity(F.normalize(embeddings, dim=-1), want).min() >= 0.995
 

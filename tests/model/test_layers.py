@@ -1,5 +1,5 @@
-"""The compiled CPU ops against the torch reference backend: paged decode attention, and
-the fused norms, residual adds and q/k/v preparation."""
+"""The compiled CPU ops against the torch reference backend: paged decode attention,
+encoder attention, and the fused norms, residual adds and q/k/v preparation."""
 
 from __future__ import annotations
 
@@ -123,3 +123,23 @@ def test_fused_attention_inputs_refuse_a_position_past_the_table():
     module = _Attention(2, 1, 16, fused_qkv=True)
     with torch.inference_mode(), pytest.raises(RuntimeError, match="position 64 is past the rotary table"):
         backend.attention_inputs(module, torch.tensor([3, 64]), torch.randn(2, 48), None, None)
+
+
+@pytest.mark.parametrize("lengths", [[1], [3, 70, 5, 129, 2], [17] * 5, list(range(1, 40, 3))])
+def test_encoder_attention_matches_torch_from_fused_qkv_views(lengths):
+    # q, k, v as an encoder layer hands them over: strided views of one fused projection.
+    import numpy as np
+
+    class Layer:
+        num_heads, head_dim, scale = 6, 24, 24 ** -0.5
+
+    backend = _cpu_backend()
+    bounds = np.concatenate([[0], np.cumsum(lengths)]).tolist()
+    md = StepMetadata(slot_mapping=None, query_start=torch.tensor(bounds), seq_lens=torch.tensor(lengths),
+                      block_tables=None, num_decodes=0, block_size=16, query_start_host=bounds,
+                      seq_lens_host=list(lengths))
+    torch.manual_seed(0)
+    qkv = torch.randn(bounds[-1], 3 * 6 * 24) * 2
+    q, k, v = (t.view(-1, 6, 24) for t in qkv.split(6 * 24, dim=1))
+    out = backend.encoder_attention(Layer, q, k, v, md)
+    torch.testing.assert_close(out, REFERENCE.encoder_attention(Layer, q, k, v, md), rtol=1e-5, atol=3e-5)

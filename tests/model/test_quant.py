@@ -63,6 +63,37 @@ def test_kernel_path_equals_reference_arithmetic(kind, isa, rows, in_features, o
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
 
 
+# 7-bit activations (an encoder's layers): the AVX2 path multiplies them as unsigned
+# bytes; from 64 rows (at 2 threads) the rows, not the output tiles, are split between
+# threads. Odd sizes: rows not a multiple of the 4-row tile, K and N not of 32.
+SHAPES_7BIT = [(1, 7, 5), (3, 64, 64), (5, 130, 200), (67, 384, 1152), (130, 1536, 388), (301, 97, 70)]
+
+
+@pytest.mark.parametrize("isa", PATHS)
+@pytest.mark.parametrize("rows,in_features,out_features", SHAPES_7BIT)
+def test_7bit_activations_kernel_path_equals_reference_arithmetic(isa, rows, in_features, out_features):
+    _, layer = _layer(in_features, out_features, bias=True)
+    layer.x_levels = 63
+    x = torch.randn(rows, in_features) * 3
+    x[0, : min(3, in_features)] = 40.0
+    x[-1] = 0.0  # a zero row: zero scales, the padding's offset taken back out exactly
+    layer.isa = isa
+    torch.testing.assert_close(layer(x), layer.reference(x), rtol=1e-5, atol=1e-4)
+    assert torch.equal(layer(x)[-1], layer.bias)
+    together = layer(x)  # rows alone or among many (split between threads) come out the same
+    for i in (0, rows // 2, rows - 1):
+        assert torch.equal(layer(x[i:i + 1])[0], together[i])
+
+
+def test_7bit_activations_cost_little_against_float():
+    linear, layer = _layer(384, 1536, bias=True, seed=1)
+    layer.x_levels = 63
+    x = torch.randn(200, 384)
+    with torch.no_grad():
+        expected = linear(x)
+    assert (layer(x) - expected).norm() / expected.norm() < 0.03
+
+
 # Relative error against float on Gaussian data, in blocks of 32: int8 rounds weights and
 # activations to 8 bits (under 1%); q4 rounds weights to 16 levels (about 7%). The bounds
 # loosen for tiny inner dimensions, where per-value errors average out less.
@@ -155,8 +186,6 @@ def test_quantization_option_is_validated_and_resolved():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert resolve_quantization("auto", cuda) is None
     assert resolve_quantization("auto", cpu) == ("int8" if EXT is not None else None)
-    assert resolve_quantization("auto", cpu, encoder=True) is None  # float GEMM wins on prompt-only steps
-    assert resolve_quantization("int8", cpu, encoder=True) == "int8"
     assert resolve_quantization(None, cpu) is None
     for scheme in ("int8", "q4"):
         assert resolve_quantization(scheme, cpu) == scheme

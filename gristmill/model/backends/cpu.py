@@ -1,7 +1,8 @@
 """The CPU backend: the compiled C++ ops (model/cpu/csrc) for float32 activations -
-fused norms, residual adds and q/k/v preparation, paged decode attention, and the decode
-stack that runs a decode-only step's layers in one call. Prefill attention is SDPA. With
-other dtypes, or without a compiler (GRISTMILL_KERNELS=0), it is the torch reference."""
+fused norms, residual adds and q/k/v preparation, paged decode attention, encoder
+attention straight from the fused q/k/v, and the decode stack that runs a decode-only
+step's layers in one call. Prefill attention is SDPA. With other dtypes, or without a
+compiler (GRISTMILL_KERNELS=0), it is the torch reference."""
 
 from __future__ import annotations
 
@@ -61,6 +62,11 @@ class CpuBackend(Backend):
             return super().decode_attention(layer, q, md)
         return self.ops.paged_decode_attention(q, layer.k_cache, layer.v_cache, md.decode_block_tables,
                                                md.decode_context_lens, layer.scale, layer.sliding_window or 0)
+
+    def encoder_attention(self, layer, q, k, v, md):
+        if self._ops_for(q) is None:
+            return super().encoder_attention(layer, q, k, v, md)
+        return self.ops.encoder_attention(q, k, v, md.query_start_host, layer.scale)
 
     def run_layers(self, layers, positions, x):
         md = get_metadata()

@@ -27,7 +27,8 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 ISA_NAMES = {0: "portable", 1: "avx2", 2: "avx512_vnni"}
 # The 4-bit linear kernel is compiled in only for models that use it (q4=True).
-_SOURCES = ["bindings.cpp", "fused_ops.cpp", "paged_attention.cpp", "decode_stack.cpp", "int8_linear.cpp", "isa.cpp"]
+_SOURCES = ["bindings.cpp", "fused_ops.cpp", "paged_attention.cpp", "encoder_attention.cpp", "decode_stack.cpp",
+            "int8_linear.cpp", "isa.cpp"]
 _Q4_SOURCES = _SOURCES + ["q4_linear.cpp"]
 
 
@@ -162,7 +163,8 @@ def build_in_background(q4: bool = False, unless_cuda: bool = False) -> threadin
 
 def fused_ops():
     """The CPU float32 ops (`rms_norm`, `residual_norm`, `qkv_rotary`, `mask_logits`;
-    csrc/fused_ops.cpp), `paged_decode_attention` and `decode_stack`; or None."""
+    csrc/fused_ops.cpp), `paged_decode_attention`, `encoder_attention` and
+    `decode_stack`; or None."""
     return extension()
 
 

@@ -136,12 +136,13 @@ def dequantize_q4(packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tens
     return (blocks + unpack_blocks(minimum).float()[:, :, None]).view(rows, cols)
 
 
-def _quantize_rows(x: torch.Tensor, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (m, k) -> int8 values as float (m, Kp / 32, 32) and block scales (m, Kp / 32), as the kernels do."""
+def _quantize_rows(x: torch.Tensor, cols: int, levels: int = 127) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (m, k) -> values in [-levels, levels] as float (m, Kp / 32, 32) and block scales
+    (m, Kp / 32), as the kernels do."""
     xb = torch.nn.functional.pad(x.float(), (0, cols - x.shape[1])).view(x.shape[0], cols // Q, Q)
     absmax = xb.abs().amax(dim=2)
-    inv = torch.where(absmax > 0, 127 / absmax, torch.zeros_like(absmax))
-    return torch.round(xb * inv[:, :, None]).clamp_(-127, 127), absmax / 127
+    inv = torch.where(absmax > 0, levels / absmax, torch.zeros_like(absmax))
+    return torch.round(xb * inv[:, :, None]).clamp_(-levels, levels), absmax / levels
 
 
 class QuantizedLinear(nn.Module):
@@ -151,6 +152,7 @@ class QuantizedLinear(nn.Module):
 
     kernel: str
     _buffers_of_kernel: tuple[str, ...]
+    x_levels = 127  # activations quantized to [-127, 127]; Int8Linear may take 63
 
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__()
@@ -196,8 +198,10 @@ class QuantizedLinear(nn.Module):
             weights = [getattr(self, name) for name in self._buffers_of_kernel]
             n = self.out_features
 
+            options = self._kernel_options()
+
             def call(flat, out):
-                return kernel(flat, *weights, bias, n, isa, out)
+                return kernel(flat, *weights, bias, n, isa, *options, out)
         object.__setattr__(self, "_call", call)
         return call
 
@@ -218,11 +222,15 @@ class QuantizedLinear(nn.Module):
         if x.shape[0] > 16:  # bound the (rows, out, blocks) float64 intermediate
             return torch.cat([self.reference(part) for part in x.split(16)])
         rows, cols = _padded(self.out_features, self.in_features)
-        xq, xs = _quantize_rows(x, cols)
+        xq, xs = _quantize_rows(x, cols, self.x_levels)
         w = self.unpacked().view(rows, cols // Q, Q)
         sums = torch.einsum("mbq,nbq->mnb", xq.double(), w.double())  # exact integers
         out = self._combine(sums, xq, xs.double()).sum(dim=2).float()[:, :self.out_features]
         return out if self.bias is None else out + self.bias
+
+    def _kernel_options(self) -> tuple:
+        """The kernel's arguments between the code path and the output buffer."""
+        return ()
 
     def _output(self, rows: int) -> torch.Tensor:
         if self._out is None or self._out.shape[0] < rows:
@@ -234,6 +242,10 @@ class QuantizedLinear(nn.Module):
 
 
 class Int8Linear(QuantizedLinear):
+    """`x_levels` is how finely the activations are quantized: 127 (int8), or 63 (7 bits),
+    which the AVX2 kernel multiplies without the sign trick (docs/performance.md,
+    "Embeddings"): what an encoder's layers use, whose calls are thousands of rows."""
+
     kernel = "int8_linear"
     _buffers_of_kernel = ("qweight", "scale", "qsum")
     pack = staticmethod(quantize_weight)
@@ -247,6 +259,9 @@ class Int8Linear(QuantizedLinear):
 
     def unpacked(self) -> torch.Tensor:
         return unpack_weight(self.qweight)
+
+    def _kernel_options(self) -> tuple:
+        return (self.x_levels,)
 
     def _combine(self, sums, xq, xs):
         # sums, result: (m, n, blocks)

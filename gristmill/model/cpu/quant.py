@@ -28,19 +28,22 @@ logger = logging.getLogger(__name__)
 # The LM head stays int8 under "q4": in 4 bits it doubled Gemma 3 270M's perplexity (21.8
 # against 11.1), and llama.cpp's Q4_K_M keeps that model's token embedding at Q8_0 too.
 _HEAD_SCHEMES = {"int8": "int8", "q4": "int8"}
+# An encoder's steps are thousands of rows a matmul: compute-bound, where 7-bit
+# activations let the AVX2 kernel skip the sign trick (all-MiniLM-L6-v2: min cosine to
+# float 0.9985 against 0.9992 with int8 activations; docs/performance.md, "Embeddings").
+ENCODER_X_LEVELS = 63
 # Bump a scheme's version when its packed layout changes: old cache files are then ignored.
 _FORMATS = {"int8": "int8-v3", "q4": "q4-v1"}
 
 
-def resolve_quantization(quantization: str | None, device: torch.device, encoder: bool = False) -> str | None:
-    """What runs: "auto" is int8 on CPU when the kernel builds, float elsewhere and for
-    an encoder. An encoder's steps are all prompt tokens, hundreds to thousands of rows
-    a matmul, where float GEMM is compute-bound and our int8 kernel gains nothing on AVX2
-    (all-MiniLM-L6-v2: int8 no faster than float32 in benchmarks/embeddings.py, and
-    float32 is exact; docs/performance.md, "Embeddings"); int8 pays in a decoder's
-    decode steps, which are bound by the weights' bytes."""
+def resolve_quantization(quantization: str | None, device: torch.device) -> str | None:
+    """What runs: "auto" is int8 on CPU when the kernel builds, float elsewhere. For a
+    decoder int8 pays in decode steps, which wait on the weights' bytes; for an encoder
+    (every step all prompt tokens, thousands of rows a matmul: compute-bound) it pays
+    because its activations go in 7 bits, which the AVX2 kernel multiplies with fewer
+    instructions than a float GEMM (all-MiniLM-L6-v2: docs/performance.md, "Embeddings")."""
     if quantization == "auto":
-        if device.type != "cpu" or encoder:
+        if device.type != "cpu":
             return None
         if kernels.int8_extension() is None:
             logger.warning("quantization='auto': the int8 kernel is unavailable, so weights stay float")
@@ -148,9 +151,12 @@ def _empty_layer(scheme: str, name: str, linear: nn.Linear):
 
 
 def _put(model: nn.Module, name: str, layer: nn.Module, linear: nn.Linear) -> None:
-    """Put quantized `layer` where `linear` (named `name`) was."""
+    """Put quantized `layer` where `linear` (named `name`) was. An encoder's int8 layers
+    quantize their activations to 7 bits (`Int8Linear.x_levels`)."""
     layer.split_sizes = getattr(linear, "split_sizes", None)
     layer.reuse_output = name == "lm_head"
+    if isinstance(layer, Int8Linear) and getattr(model, "is_encoder", False):
+        layer.x_levels = ENCODER_X_LEVELS
     parent_name, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
 

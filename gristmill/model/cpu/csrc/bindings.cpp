@@ -1,5 +1,5 @@
 // The one Python module of the CPU kernels: the fused float32 ops, the paged decode
-// attention, the decode stack and the quantized linears (q4 only where GRISTMILL_Q4 is 1:
+// attention, the encoder attention, the decode stack and the quantized linears (q4 only where GRISTMILL_Q4 is 1:
 // the build for 4-bit models). The only file that includes pybind11 (torch's casters for
 // at::Tensor), so the kernels themselves compile fast.
 #include <torch/csrc/utils/pybind.h>
@@ -11,6 +11,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mask_logits", &mask_logits, "structured output: -inf for the tokens a bitmask row does not allow");
   m.def("paged_decode_attention", &paged_decode_attention,
         "decode attention over a paged KV cache (CPU, float32)");
+  m.def("encoder_attention", &encoder_attention,
+        "an encoder's attention within each sequence, from strided q/k/v (CPU, float32)");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension");
   m.def("residual_norm", &residual_norm, "x + norm(delta) * w, and the norm of that for the next sublayer");
   m.def("qkv_rotary", &qkv_rotary, "split fused qkv into heads, q/k norm, rotary");

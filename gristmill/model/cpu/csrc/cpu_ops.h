@@ -1,4 +1,4 @@
-// The CPU float32 ops (fused_ops.cpp, paged_attention.cpp),
+// The CPU float32 ops (fused_ops.cpp, paged_attention.cpp, encoder_attention.cpp),
 // declared for the decode stack (decode_stack.cpp), which runs them layer after layer.
 #pragma once
 
@@ -13,6 +13,8 @@ std::vector<at::Tensor> qkv_rotary(at::Tensor q_in, at::Tensor k_in, at::Tensor 
                                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                       at::Tensor q_weight, at::Tensor k_weight, double offset, double eps,
                                       at::Tensor cos, at::Tensor sin, at::Tensor positions);
+at::Tensor encoder_attention(at::Tensor q, at::Tensor k, at::Tensor v, std::vector<int64_t> bounds,
+                                double scale);
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                                      at::Tensor block_tables, at::Tensor context_lens,
                                      double scale, int64_t window);

@@ -28,7 +28,7 @@ at::Tensor linear_of(const at::Tensor& x, const at::Tensor* t, int64_t kind, int
                         int64_t isa) {
   static const at::Tensor none;
   switch (kind) {
-    case kInt8: return int8_linear(x, t[0], t[1], t[2], t[3], out_features, isa, x.new_empty({0}));
+    case kInt8: return int8_linear(x, t[0], t[1], t[2], t[3], out_features, isa, /*x_levels=*/127, x.new_empty({0}));
 #if GRISTMILL_Q4
     case kQ4: return q4_linear(x, t[0], t[1], t[2], t[3], out_features, isa, x.new_empty({0}));
 #else

@@ -5,7 +5,8 @@
 //      into 16 output channels x 4 input channels (64 bytes):
 //        qweight[n / 16][k / 4][n % 16][k % 4]   wscale[n / 16][k / 32][n % 16]
 //      with N padded to a multiple of 32 and K to a multiple of 32 (zeros).
-//   x: quantized here, per row and block, to int8 with a float scale (absmax / 127).
+//   x: quantized here, per row and block, to int8 with a float scale (absmax / 127), or
+//      to 7 bits (absmax / 63, see below).
 // One 4-byte group of x, broadcast, meets a 64-byte weight group, so every lane sums one
 // output channel in int32 and no horizontal sums are needed. After each block the int32
 // sums are scaled into float accumulators:
@@ -20,6 +21,13 @@
 //                sign, so no 16-bit pair sum can saturate (2 * 127 * 127 < 2^15).
 //   portable     plain C++ loops; any CPU.
 // The int32 block sums are identical on every path; only float rounding may differ.
+//
+// Activations in 7 bits (x_levels = 63, what encoders use: thousands of rows a call, so
+// compute-bound): on AVX2, x + 64 is a uint8 in [1, 127] that vpmaddubsw multiplies as it
+// is (2 * 127 * 127 < 2^15 again), without the sign trick's two extra instructions per
+// multiply; each block's sums start at -64 x (the block's weight sum), which takes the
+// shift back out. 4 rows share each weight load. The other paths take the same values
+// in their own layout, so the int32 sums are still identical on every path.
 #include "linear_common.h"
 
 namespace {
@@ -121,6 +129,64 @@ void tile_avx2(const Tile& t, int mb, float* out) {
   }
 }
 
+// MB rows x one block (16 channels), 7-bit activations stored as x + 64. The int32 sums
+// of a quantization block stay in registers (8 for 4 rows); the float accumulators are
+// `out`'s rows (L1), updated once per block.
+template <int MB>
+__attribute__((target("avx2,fma,f16c"))) void tile_avx2_u7_m(const Tile& t, const int8_t* w, const uint16_t* ws,
+                                                           const int16_t* wsum, float* out) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int i = 0; i < MB; ++i) {
+    _mm256_storeu_ps(out + i * kTileN, _mm256_setzero_ps());
+    _mm256_storeu_ps(out + i * kTileN + 8, _mm256_setzero_ps());
+  }
+  for (int64_t b = 0; b < t.qblocks; ++b) {
+    const __m256i wsum0 = _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i*)(wsum + b * kBlock)));
+    const __m256i wsum1 = _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i*)(wsum + b * kBlock + 8)));
+    const __m256i start0 = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(wsum0, 6));
+    const __m256i start1 = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(wsum1, 6));
+    __m256i sums[MB][2];
+    for (int i = 0; i < MB; ++i) sums[i][0] = start0, sums[i][1] = start1;
+    const int8_t* wb = w + b * (kQ / 4) * kGroupBytes;
+    const int8_t* xb = t.x + b * kQ;
+    // Not unrolled: unrolled, GCC sums the products as a tree and spills them.
+#pragma GCC unroll 1
+    for (int g = 0; g < kQ / 4; ++g) {
+      const __m256i w0 = _mm256_loadu_si256((const __m256i*)(wb + g * kGroupBytes));
+      const __m256i w1 = _mm256_loadu_si256((const __m256i*)(wb + g * kGroupBytes + 32));
+      for (int i = 0; i < MB; ++i) {
+        const __m256i xv = _mm256_set1_epi32(load4(xb + i * t.ldx + 4 * g));
+        sums[i][0] = _mm256_add_epi32(sums[i][0], _mm256_madd_epi16(_mm256_maddubs_epi16(xv, w0), ones));
+        sums[i][1] = _mm256_add_epi32(sums[i][1], _mm256_madd_epi16(_mm256_maddubs_epi16(xv, w1), ones));
+      }
+    }
+    const __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(ws + b * kBlock)));
+    const __m256 s1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(ws + b * kBlock + 8)));
+    for (int i = 0; i < MB; ++i) {
+      const __m256 sx = _mm256_set1_ps(t.xs[i * t.ldxs + b]);
+      float* o = out + i * kTileN;
+      _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[i][0]), _mm256_mul_ps(s0, sx), _mm256_loadu_ps(o)));
+      _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[i][1]), _mm256_mul_ps(s1, sx),
+                                              _mm256_loadu_ps(o + 8)));
+    }
+  }
+}
+
+void tile_avx2_u7(const Tile& t, int mb, float* out) {
+  for (int blk = 0; blk < kTileN / kBlock; ++blk) {
+    const int8_t* w = t.w + blk * t.stride;
+    const uint16_t* ws = t.ws + blk * t.sstride;
+    const int16_t* wsum = t.wsum + blk * t.sstride;
+    float* o = out + blk * kBlock;
+    switch (mb) {
+      case 1: tile_avx2_u7_m<1>(t, w, ws, wsum, o); break;
+      case 2: tile_avx2_u7_m<2>(t, w, ws, wsum, o); break;
+      case 3: tile_avx2_u7_m<3>(t, w, ws, wsum, o); break;
+      default: tile_avx2_u7_m<4>(t, w, ws, wsum, o); break;
+    }
+  }
+}
+
 // MB rows x 2 blocks (32 channels): one zmm of int32 sums and one of floats per row and block.
 template <int MB>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_vnni_m(const Tile& t, float* out) {
@@ -169,12 +235,18 @@ void tile_vnni(const Tile& t, int mb, float* out) {
 
 #endif
 
-TileFn tile_for(int64_t isa) {
+TileFn tile_for(int64_t isa, int64_t x_levels) {
 #if defined(__x86_64__) || defined(__i386__)
   if (isa == kAvx512Vnni) return tile_vnni;
-  if (isa == kAvx2) return tile_avx2;
+  if (isa == kAvx2) return x_levels == 63 ? tile_avx2_u7 : tile_avx2;
 #endif
   return tile_portable;
+}
+
+// How each path wants the activations' bytes.
+RowFormat row_format(int64_t isa, int64_t x_levels) {
+  const int offset = isa == kAvx512Vnni ? 128 : isa == kAvx2 && x_levels == 63 ? 64 : 0;
+  return RowFormat{int(x_levels), offset};
 }
 
 }  // namespace
@@ -182,9 +254,10 @@ TileFn tile_for(int64_t isa) {
 // x: (M, K) float32. qweight: (Np / 16, Kp / 4, 16, 4) int8; wscale: (Np / 16, Kp / 32, 16)
 // float16; wsum: the same shape, int16, each block's weight sum. Np % 32 == 0, Kp % 32 == 0,
 // Kp >= K. bias: (N,) float32 or empty. Returns (M, N) float32, N = out_features.
-// out: (M, N) float32 contiguous to write into, or empty to allocate one.
+// x_levels: 127 (int8 activations) or 63 (7 bits). out: (M, N) float32 contiguous to
+// write into, or empty to allocate one.
 at::Tensor int8_linear(at::Tensor x, at::Tensor qweight, at::Tensor wscale, at::Tensor wsum,
-                          at::Tensor bias, int64_t out_features, int64_t isa, at::Tensor out) {
+                          at::Tensor bias, int64_t out_features, int64_t isa, int64_t x_levels, at::Tensor out) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "int8_linear: x must be (M, K) float32");
   TORCH_CHECK(qweight.dim() == 4 && qweight.scalar_type() == at::kChar && qweight.size(2) == kBlock &&
                   qweight.size(3) == 4 && qweight.size(0) % (kTileN / kBlock) == 0 &&
@@ -200,22 +273,23 @@ at::Tensor int8_linear(at::Tensor x, at::Tensor qweight, at::Tensor wscale, at::
   TORCH_CHECK(bias.numel() == 0 || (bias.scalar_type() == at::kFloat && bias.numel() == n_out),
               "int8_linear: bias must be float32 (N,)");
   TORCH_CHECK(isa >= kPortable && isa <= best_isa(), "int8_linear: this CPU cannot run isa ", isa);
+  TORCH_CHECK(x_levels == 127 || x_levels == 63, "int8_linear: x_levels must be 127 or 63");
   x = x.contiguous();
   out = output_for(x, n_out, out);
   if (x.size(0) == 0) return out;
 
-  const Rows rows = quantize_rows(x, kp, /*shift=*/isa == kAvx512Vnni, /*with_sums=*/false);
+  Rows rows = make_rows(x.size(0), kp, /*with_sums=*/false);
   const int8_t* w_ptr = qweight.data_ptr<int8_t>();
   const auto* ws_ptr = reinterpret_cast<const uint16_t*>(wscale.data_ptr<at::Half>());
   const int16_t* wsum_ptr = wsum.data_ptr<int16_t>();
-  const TileFn tile = tile_for(isa);
+  const TileFn tile = tile_for(isa, x_levels);
   const int64_t stride = groups * kGroupBytes, sstride = qblocks * kBlock;
-  for_each_tile(x.size(0), n_out, kp, bias.numel() ? bias.data_ptr<float>() : nullptr, out.data_ptr<float>(),
-                [&](int64_t m, int mb, int64_t blk, float* acc) {
-                  const Tile tl{rows.q.data() + m * kp, kp, rows.scale.data() + m * qblocks, qblocks,
-                                w_ptr + blk * stride, stride, ws_ptr + blk * sstride, wsum_ptr + blk * sstride,
-                                sstride, qblocks};
-                  tile(tl, mb, acc);
-                });
+  quantize_and_run_tiles(x, row_format(isa, x_levels), rows, n_out, bias.numel() ? bias.data_ptr<float>() : nullptr,
+                         out.data_ptr<float>(), [&](int64_t m, int mb, int64_t blk, float* acc) {
+                           const Tile tl{rows.q.data() + m * kp, kp, rows.scale.data() + m * qblocks, qblocks,
+                                         w_ptr + blk * stride, stride, ws_ptr + blk * sstride,
+                                         wsum_ptr + blk * sstride, sstride, qblocks};
+                           tile(tl, mb, acc);
+                         });
   return out;
 }

@@ -19,7 +19,7 @@
 
 
 at::Tensor int8_linear(at::Tensor x, at::Tensor qweight, at::Tensor wscale, at::Tensor wsum,
-                          at::Tensor bias, int64_t out_features, int64_t isa, at::Tensor out);
+                          at::Tensor bias, int64_t out_features, int64_t isa, int64_t x_levels, at::Tensor out);
 at::Tensor q4_linear(at::Tensor x, at::Tensor qweight, at::Tensor wscale, at::Tensor wmin,
                         at::Tensor bias, int64_t out_features, int64_t isa, at::Tensor out);
 
@@ -58,7 +58,8 @@ inline float half_to_float(uint16_t h) {
 }
 
 // x's rows quantized: `kp` bytes a row (zero padded), `qblocks` block scales a row, and
-// when asked, each block's scale x (sum of its int8 values), which q4's block minimum meets.
+// when asked, each block's scale x (sum of its quantized values), which q4's block
+// minimum meets.
 struct Rows {
   std::vector<int8_t> q;
   std::vector<float> scale;
@@ -66,40 +67,103 @@ struct Rows {
   int64_t kp = 0, qblocks = 0;
 };
 
-// With `shift`, bytes hold x + 128 as uint8 (the vpdpbusd layout); padding then holds
-// 128, which meets zero weights and is taken back out with the block sums.
-inline Rows quantize_rows(const at::Tensor& x, int64_t kp, bool shift, bool with_sums) {
-  const int64_t m_total = x.size(0), k = x.size(1), qblocks = kp / kQ;
+// How activations are quantized: to integers in [-levels, levels] (127: int8; 63: 7 bits,
+// which the AVX2 path multiplies as unsigned bytes without the sign trick), each byte
+// holding value + offset (128: the vpdpbusd layout; 64: 7 bits as uint8 in [1, 127]).
+// Padding holds `offset` (a zero value).
+struct RowFormat {
+  int levels = 127;
+  int offset = 0;
+};
+
+// One block of `n` <= kQ values (the rest of the block's bytes are padding): its scale,
+// and the sum of its quantized values.
+inline float quantize_block(const float* x, int64_t n, RowFormat f, int8_t* q, int32_t* sum) {
+  float absmax = 0.f;
+  for (int64_t i = 0; i < n; ++i) absmax = std::max(absmax, std::fabs(x[i]));
+  const float inv = absmax > 0.f ? float(f.levels) / absmax : 0.f;
+  int32_t total = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int v = std::clamp(int(std::nearbyint(x[i] * inv)), -f.levels, f.levels);
+    total += v;
+    q[i] = int8_t(uint8_t(v + f.offset));
+  }
+  for (int64_t i = n; i < kQ; ++i) q[i] = int8_t(uint8_t(f.offset));
+  *sum = total;
+  return absmax / float(f.levels);
+}
+
+#if defined(__x86_64__) || defined(__i386__)
+// quantize_block for a whole block (n == kQ) in AVX2, bit for bit the same: the same
+// absmax, the same float products, rounded to nearest even as nearbyint does.
+__attribute__((target("avx2"))) inline float quantize_block_avx2(const float* x, RowFormat f, int8_t* q,
+                                                                   int32_t* sum) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 v[4];
+  __m256 m = _mm256_setzero_ps();
+  for (int j = 0; j < 4; ++j) {
+    v[j] = _mm256_loadu_ps(x + 8 * j);
+    m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[j]));
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+  const float absmax = _mm_cvtss_f32(m4);
+  const float inv = absmax > 0.f ? float(f.levels) / absmax : 0.f;
+  const __m256 vinv = _mm256_set1_ps(inv);
+  const __m256i hi = _mm256_set1_epi32(f.levels), lo = _mm256_set1_epi32(-f.levels);
+  __m256i r[4];
+  __m256i total = _mm256_setzero_si256();
+  for (int j = 0; j < 4; ++j) {
+    r[j] = _mm256_max_epi32(lo, _mm256_min_epi32(hi, _mm256_cvtps_epi32(_mm256_mul_ps(v[j], vinv))));
+    total = _mm256_add_epi32(total, r[j]);
+  }
+  // packs interleave 128-bit lanes: dwords come out as a0 b0 c0 d0 a1 b1 c1 d1 (4 values each)
+  const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3]));
+  const __m256i ordered = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256((__m256i*)q, _mm256_add_epi8(ordered, _mm256_set1_epi8(char(f.offset))));
+  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+  *sum = _mm_cvtsi128_si32(t);
+  return absmax / float(f.levels);
+}
+#endif
+
+// Room for x's rows quantized; with `with_sums`, each block's scale x (sum of its
+// values) too (q4's minimums meet it).
+inline Rows make_rows(int64_t m_total, int64_t kp, bool with_sums) {
   Rows rows;
   rows.kp = kp;
-  rows.qblocks = qblocks;
+  rows.qblocks = kp / kQ;
   rows.q.resize(m_total * kp);
-  rows.scale.resize(m_total * qblocks);
-  if (with_sums) rows.scaled_sum.resize(m_total * qblocks);
-  const int offset = shift ? 128 : 0;
-  const float* x_ptr = x.data_ptr<float>();
-  at::parallel_for(0, m_total, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) {
-      const float* xr = x_ptr + m * k;
-      int8_t* q = rows.q.data() + m * kp;
-      for (int64_t b0 = 0; b0 < kp; b0 += kQ) {
-        const int64_t b1 = std::min(k, b0 + kQ);
-        float absmax = 0.f;
-        for (int64_t i = b0; i < b1; ++i) absmax = std::max(absmax, std::fabs(xr[i]));
-        const float scale = absmax / 127.f, inv = absmax > 0.f ? 127.f / absmax : 0.f;
-        int32_t sum = 0;
-        for (int64_t i = b0; i < b1; ++i) {
-          const int v = std::clamp(int(std::nearbyint(xr[i] * inv)), -127, 127);
-          sum += v;
-          q[i] = int8_t(uint8_t(v + offset));
-        }
-        for (int64_t i = std::max(b0, b1); i < b0 + kQ; ++i) q[i] = int8_t(uint8_t(offset));
-        rows.scale[m * qblocks + b0 / kQ] = scale;
-        if (with_sums) rows.scaled_sum[m * qblocks + b0 / kQ] = scale * float(sum);
-      }
-    }
-  });
+  rows.scale.resize(m_total * rows.qblocks);
+  if (with_sums) rows.scaled_sum.resize(m_total * rows.qblocks);
   return rows;
+}
+
+// Quantizes rows [begin, end) of x (M, K) float32 into `rows`.
+inline void quantize_rows(const at::Tensor& x, RowFormat format, Rows& rows, int64_t begin, int64_t end) {
+  const int64_t k = x.size(1), kp = rows.kp, qblocks = rows.qblocks;
+  const bool avx2 = best_isa() >= kAvx2, with_sums = !rows.scaled_sum.empty();
+  const float* x_ptr = x.data_ptr<float>();
+  for (int64_t m = begin; m < end; ++m) {
+    const float* xr = x_ptr + m * k;
+    int8_t* q = rows.q.data() + m * kp;
+    for (int64_t b0 = 0; b0 < kp; b0 += kQ) {
+      const int64_t n = std::max<int64_t>(0, std::min<int64_t>(kQ, k - b0));
+      int32_t sum;
+      float scale;
+#if defined(__x86_64__) || defined(__i386__)
+      if (avx2 && n == kQ)
+        scale = quantize_block_avx2(xr + b0, format, q + b0, &sum);
+      else
+#endif
+        scale = quantize_block(xr + b0, n, format, q + b0, &sum);
+      rows.scale[m * qblocks + b0 / kQ] = scale;
+      if (with_sums) rows.scaled_sum[m * qblocks + b0 / kQ] = scale * float(sum);
+    }
+  }
 }
 
 // `out` when given (checked: contiguous float32 (M, N)), else a new (M, N) tensor.
@@ -111,33 +175,58 @@ inline at::Tensor output_for(const at::Tensor& x, int64_t n_out, at::Tensor out)
   return out;
 }
 
-// Calls tile(m, mb, block, acc) for every tile of kTileN output channels (starting at
-// packed block `block`) and every run of up to kMaxM rows; the tile fills
-// acc[i * kTileN + c], which lands in out (plus bias). Rows go in chunks that stay in L2
-// while every weight tile passes over them; tiles are split between threads.
+// Rows [m0, m1) through tiles [t0, t1): tile(m, mb, block, acc) for every tile of kTileN
+// output channels (starting at packed block `block`) and every run of up to kMaxM rows;
+// the tile fills acc[i * kTileN + c], which lands in out (plus bias). Rows go in chunks
+// that stay in L2 while every weight tile passes over them.
 template <typename TileCall>
-void for_each_tile(int64_t m_total, int64_t n_out, int64_t kp, const float* bias, float* out,
-                   const TileCall& tile) {
-  const int64_t n_tiles = (n_out + kTileN - 1) / kTileN;
+void run_tiles(int64_t m0, int64_t m1, int64_t t0, int64_t t1, int64_t n_out, int64_t kp, const float* bias,
+               float* out, const TileCall& tile) {
   const int64_t m_chunk = std::max<int64_t>(kMaxM, (256 * 1024 / kp) / kMaxM * kMaxM);
-  for (int64_t m0 = 0; m0 < m_total; m0 += m_chunk) {
-    const int64_t m1 = std::min(m_total, m0 + m_chunk);
-    at::parallel_for(0, n_tiles, 4, [&](int64_t t_begin, int64_t t_end) {
-      float acc[kMaxM * kTileN];
-      for (int64_t t = t_begin; t < t_end; ++t) {
-        const int64_t n0 = t * kTileN;
-        const int64_t width = std::min<int64_t>(kTileN, n_out - n0);
-        for (int64_t m = m0; m < m1; m += kMaxM) {
-          const int mb = int(std::min<int64_t>(kMaxM, m1 - m));
-          tile(m, mb, n0 / kBlock, acc);
-          for (int i = 0; i < mb; ++i) {
-            float* row = out + (m + i) * n_out + n0;
-            for (int64_t c = 0; c < width; ++c) row[c] = bias ? acc[i * kTileN + c] + bias[n0 + c] : acc[i * kTileN + c];
-          }
+  float acc[kMaxM * kTileN];
+  for (int64_t c0 = m0; c0 < m1; c0 += m_chunk) {
+    const int64_t c1 = std::min(m1, c0 + m_chunk);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * kTileN;
+      const int64_t width = std::min<int64_t>(kTileN, n_out - n0);
+      for (int64_t m = c0; m < c1; m += kMaxM) {
+        const int mb = int(std::min<int64_t>(kMaxM, c1 - m));
+        tile(m, mb, n0 / kBlock, acc);
+        for (int i = 0; i < mb; ++i) {
+          float* row = out + (m + i) * n_out + n0;
+          for (int64_t c = 0; c < width; ++c) row[c] = bias ? acc[i * kTileN + c] + bias[n0 + c] : acc[i * kTileN + c];
         }
       }
-    });
+    }
   }
+}
+
+// Rows a thread must have before the rows, not the output tiles, are split between threads.
+constexpr int64_t kRowsPerThread = 32;
+
+// x (M, K) quantized into `rows` (made by make_rows) and through every tile (run_tiles).
+// Many rows (prefill, encoders): one parallel region; each thread quantizes its own share
+// of the rows and passes every weight tile over them, so no thread waits for another
+// between the two. Few rows (decode): the output tiles are split between threads instead,
+// so each reads only its share of the weights.
+template <typename TileCall>
+void quantize_and_run_tiles(const at::Tensor& x, RowFormat format, Rows& rows, int64_t n_out, const float* bias,
+                            float* out, const TileCall& tile) {
+  const int64_t m_total = x.size(0), kp = rows.kp;
+  const int64_t n_tiles = (n_out + kTileN - 1) / kTileN;
+  if (m_total >= kRowsPerThread * at::get_num_threads()) {
+    const int64_t runs = (m_total + kMaxM - 1) / kMaxM;  // split in whole runs of kMaxM rows
+    at::parallel_for(0, runs, 1, [&](int64_t begin, int64_t end) {
+      const int64_t m0 = begin * kMaxM, m1 = std::min(m_total, end * kMaxM);
+      quantize_rows(x, format, rows, m0, m1);
+      run_tiles(m0, m1, 0, n_tiles, n_out, kp, bias, out, tile);
+    });
+    return;
+  }
+  at::parallel_for(0, m_total, 16, [&](int64_t begin, int64_t end) { quantize_rows(x, format, rows, begin, end); });
+  at::parallel_for(0, n_tiles, 4, [&](int64_t t_begin, int64_t t_end) {
+    run_tiles(0, m_total, t_begin, t_end, n_out, kp, bias, out, tile);
+  });
 }
 
 }  // namespace linear

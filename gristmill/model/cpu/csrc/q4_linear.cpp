@@ -159,18 +159,18 @@ at::Tensor q4_linear(at::Tensor x, at::Tensor qweight, at::Tensor wscale, at::Te
   out = output_for(x, n_out, out);
   if (x.size(0) == 0) return out;
 
-  const Rows rows = quantize_rows(x, kp, /*shift=*/false, /*with_sums=*/true);
+  Rows rows = make_rows(x.size(0), kp, /*with_sums=*/true);
   const uint8_t* w_ptr = qweight.data_ptr<uint8_t>();
   const auto* ws_ptr = reinterpret_cast<const uint16_t*>(wscale.data_ptr<at::Half>());
   const auto* wm_ptr = reinterpret_cast<const uint16_t*>(wmin.data_ptr<at::Half>());
   const TileFn tile = tile_for(isa);
   const int64_t stride = groups * kGroupBytes, sstride = qblocks * kBlock;
-  for_each_tile(x.size(0), n_out, kp, bias.numel() ? bias.data_ptr<float>() : nullptr, out.data_ptr<float>(),
-                [&](int64_t m, int mb, int64_t blk, float* acc) {
-                  const Tile tl{rows.q.data() + m * kp, kp, rows.scale.data() + m * qblocks,
-                                rows.scaled_sum.data() + m * qblocks, qblocks, w_ptr + blk * stride, stride,
-                                ws_ptr + blk * sstride, wm_ptr + blk * sstride, sstride, qblocks};
-                  tile(tl, mb, acc);
-                });
+  quantize_and_run_tiles(x, RowFormat{}, rows, n_out, bias.numel() ? bias.data_ptr<float>() : nullptr,
+                         out.data_ptr<float>(), [&](int64_t m, int mb, int64_t blk, float* acc) {
+                           const Tile tl{rows.q.data() + m * kp, kp, rows.scale.data() + m * qblocks,
+                                         rows.scaled_sum.data() + m * qblocks, qblocks, w_ptr + blk * stride, stride,
+                                         ws_ptr + blk * sstride, wm_ptr + blk * sstride, sstride, qblocks};
+                           tile(tl, mb, acc);
+                         });
   return out;
 }
