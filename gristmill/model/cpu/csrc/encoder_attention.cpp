@@ -2,10 +2,10 @@
 // q, k and v are read where the fused q/k/v projection left them (strided views), one
 // (sequence, head) at a time, so nothing is gathered into a padded batch first; for the
 // short sequences of sentence embeddings, padding and gathering cost more than the
-// attention itself. The softmax's exp is vectorized on AVX2 (a Cephes-style polynomial,
-// within 2 ulp of expf).
+// attention itself. The softmax's exp is vectorized on AVX2 (vector_math.h).
 #include "aten_light.h"
 #include "isa.h"
+#include "vector_math.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -18,22 +18,7 @@
 namespace {
 
 #if defined(__x86_64__) || defined(__i386__)
-__attribute__((target("avx2,fma"))) inline __m256 exp_avx2(__m256 x) {
-  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-87.3365447504f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-  const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(exponent));
-}
+using vmath::exp_avx2;
 
 // s[j] = exp(s[j] - max) for j < n; returns their sum.
 __attribute__((target("avx2,fma"))) float exp_shifted_avx2(float* s, int64_t n, float max) {
