@@ -92,10 +92,12 @@ def test_fused_add_layer_norm_matches_torch(with_delta, shape):
     nn.init.normal_(norm.bias, 0.0, 0.3)
     x = torch.randn(*shape) * 3 + 5  # a large mean: the variance must not cancel it away
     delta = torch.randn(*shape) if with_delta else None
+    x_before = x.clone()
     with torch.inference_mode():
-        got = backend.add_layer_norm(x, delta, norm)
-        torch.testing.assert_close(got, REFERENCE.add_layer_norm(x, delta, norm), rtol=1e-5, atol=1e-5)
-    assert got.shape == x.shape
+        want = REFERENCE.add_layer_norm(x, delta, norm)
+        got = backend.add_layer_norm(x, delta, norm)  # (may be written over delta)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(x, x_before) and got.shape == x.shape
 
 
 def test_gelu_after_a_float_linear_matches_torch():

@@ -56,8 +56,8 @@ class CpuBackend(Backend):
         ops = self._ops_for(x)
         if ops is None or (delta is not None and delta.dtype != x.dtype):
             return super().add_layer_norm(x, delta, norm)
-        return ops.add_layer_norm(x, _EMPTY if delta is None else delta, _or_empty(norm.weight),
-                                  _or_empty(norm.bias), norm.eps)
+        return ops.add_layer_norm_(x, _EMPTY if delta is None else delta, _or_empty(norm.weight),
+                                   _or_empty(norm.bias), norm.eps)  # over delta
 
     def linear_activation(self, linear, x, activation):
         if isinstance(linear, QuantizedLinear):

@@ -38,5 +38,6 @@ def residual_norm(x: torch.Tensor, delta: torch.Tensor, delta_norm: RMSNorm | No
 
 
 def add_layer_norm(x: torch.Tensor, delta: torch.Tensor | None, norm: nn.LayerNorm) -> torch.Tensor:
-    """norm(x + delta) (norm(x) when delta is None): a post-LayerNorm encoder's residual."""
+    """norm(x + delta) (norm(x) when delta is None): a post-LayerNorm encoder's residual.
+    delta is the sublayer's output, and the backend may write the result over it."""
     return current_backend().add_layer_norm(x, delta, norm)

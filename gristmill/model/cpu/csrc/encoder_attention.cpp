@@ -5,6 +5,7 @@
 // attention itself. The softmax's exp is vectorized on AVX2 (vector_math.h).
 #include "aten_light.h"
 #include "isa.h"
+#include "parallel.h"
 #include "vector_math.h"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -196,18 +197,17 @@ at::Tensor encoder_attention(at::Tensor q, at::Tensor k, at::Tensor v, std::vect
   const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t items = num_seqs * heads;
-  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> kt, vb, s;
-    for (int64_t i = begin; i < end; ++i) {
-      // Items taken from both ends in turn: a step's sequences come sorted by length and
-      // cost grows with its square, so each thread's contiguous share gets a fair mix.
-      const int64_t w = i % 2 == 0 ? i / 2 : items - 1 - i / 2;
-      const int64_t seq = w / heads, head = w % heads, start = bounds[seq];
-      const Head h{qp + start * q.stride(0) + head * q.stride(1), kp + start * k.stride(0) + head * k.stride(1),
-                   vp + start * v.stride(0) + head * v.stride(1), op + (start * heads + head) * dim,
-                   bounds[seq + 1] - start, q.stride(0), k.stride(0), v.stride(0), heads * dim};
-      attend(h, dim, fscale, avx2, kt, vb, s);
-    }
+  // Items longest first (a step's sequences come sorted by length, shortest first, and
+  // cost grows with the square of the length), taken by whichever thread is free: the
+  // short ones at the end even out the threads' finishing times.
+  parallel_items(items, [&](int64_t i) {
+    thread_local std::vector<float> kt, vb, s;
+    const int64_t w = items - 1 - i;
+    const int64_t seq = w / heads, head = w % heads, start = bounds[seq];
+    const Head h{qp + start * q.stride(0) + head * q.stride(1), kp + start * k.stride(0) + head * k.stride(1),
+                 vp + start * v.stride(0) + head * v.stride(1), op + (start * heads + head) * dim,
+                 bounds[seq + 1] - start, q.stride(0), k.stride(0), v.stride(0), heads * dim};
+    attend(h, dim, fscale, avx2, kt, vb, s);
   });
   return out;
 }

@@ -110,8 +110,10 @@ std::vector<at::Tensor> residual_norm(at::Tensor x, at::Tensor delta, at::Tensor
 
 // LayerNorm of x + delta (of x alone when delta is empty) over the last dimension, times
 // weight plus bias (each (d,) or empty): the residual add of a post-LayerNorm encoder and
-// its norm in one pass over the row. Mean and variance are summed in double.
-at::Tensor add_layer_norm(at::Tensor x, at::Tensor delta, at::Tensor weight, at::Tensor bias, double eps) {
+// its norm in one pass over the row. Mean and variance are summed in double. The result
+// is written over delta (a sublayer's output, read by nothing else: a fresh tensor of a
+// few MB a call costs its page faults) when delta is contiguous, else into a new tensor.
+at::Tensor add_layer_norm_(at::Tensor x, at::Tensor delta, at::Tensor weight, at::Tensor bias, double eps) {
   check_rows(x, "x");
   x = x.contiguous();
   const int64_t d = x.size(-1), rows = x.numel() / d;
@@ -123,7 +125,7 @@ at::Tensor add_layer_norm(at::Tensor x, at::Tensor delta, at::Tensor weight, at:
   }
   const float* w = weight_or_null(weight, d, "weight");
   const float* b = weight_or_null(bias, d, "bias");
-  auto out = x.new_empty(x.sizes());
+  auto out = has_delta ? delta : x.new_empty(x.sizes());
   const float* xp = x.data_ptr<float>();
   const float* dp = has_delta ? delta.data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
@@ -132,7 +134,7 @@ at::Tensor add_layer_norm(at::Tensor x, at::Tensor delta, at::Tensor weight, at:
       float* o = op + r * d;
       const float* xr = xp + r * d;
       if (dp) {
-        const float* dr = dp + r * d;
+        const float* dr = dp + r * d;  // (o itself)
 #pragma omp simd
         for (int64_t i = 0; i < d; ++i) o[i] = xr[i] + dr[i];
       } else {
