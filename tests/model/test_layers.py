@@ -82,6 +82,38 @@ def test_fused_residual_norm_matches_torch(delta_norm, out_norm):
             torch.testing.assert_close(got_h, want_h, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("with_delta", [False, True])
+@pytest.mark.parametrize("shape", [(1, 384), (3, 5, 37), (301, 96)])  # 301 rows: split across threads
+def test_fused_add_layer_norm_matches_torch(with_delta, shape):
+    backend = _cpu_backend()
+    torch.manual_seed(4)
+    norm = nn.LayerNorm(shape[-1], eps=1e-12)
+    nn.init.normal_(norm.weight, 1.0, 0.3)
+    nn.init.normal_(norm.bias, 0.0, 0.3)
+    x = torch.randn(*shape) * 3 + 5  # a large mean: the variance must not cancel it away
+    delta = torch.randn(*shape) if with_delta else None
+    x_before = x.clone()
+    with torch.inference_mode():
+        want = REFERENCE.add_layer_norm(x, delta, norm)
+        got = backend.add_layer_norm(x, delta, norm)  # (may be written over delta)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(x, x_before) and got.shape == x.shape
+
+
+def test_gelu_after_a_float_linear_matches_torch():
+    backend = _cpu_backend()
+    torch.manual_seed(5)
+    linear = nn.Linear(37, 301)
+    x = torch.randn(131, 37) * 4  # outputs from about -40 to 40: both tails and the middle
+    with torch.inference_mode():
+        got = backend.linear_activation(linear, x, "gelu")
+        want = REFERENCE.linear_activation(linear, x, "gelu")
+        exact = linear(x).double() * 0.5 * (1 + torch.erf(linear(x).double() / 2 ** 0.5))
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert (got.double() - exact).abs().max() < 1e-6  # within float rounding of exact GELU
+    assert torch.equal(backend.linear_activation(linear, x, "silu"), REFERENCE.linear_activation(linear, x, "silu"))
+
+
 class _Attention(nn.Module):
     """The attributes attention_inputs reads: head counts, rotary, q/k/v projections
     (one fused projection, as quantization makes it, or three)."""

@@ -85,6 +85,22 @@ def test_7bit_activations_kernel_path_equals_reference_arithmetic(isa, rows, in_
         assert torch.equal(layer(x[i:i + 1])[0], together[i])
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("isa", PATHS)
+@pytest.mark.parametrize("rows,in_features,out_features", [(1, 7, 5), (67, 384, 1536), (130, 97, 70)])
+def test_gelu_in_the_kernels_output_step_equals_torch_gelu_after_it(kind, isa, rows, in_features, out_features):
+    _, layer = _layer(in_features, out_features, bias=True, kind=kind)
+    if kind is Int8Linear:
+        layer.x_levels = 63
+    x = torch.randn(rows, in_features) * 3
+    layer.isa = isa
+    plain = layer(x)
+    assert plain.abs().max() > 5  # both tails of GELU are reached, not only its middle
+    torch.testing.assert_close(layer(x, "gelu"), torch.nn.functional.gelu(plain), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(layer(x, "gelu"), layer.reference(x, "gelu"), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(layer(x, "silu"), torch.nn.functional.silu(plain))  # not fused: after the kernel
+
+
 def test_7bit_activations_cost_little_against_float():
     linear, layer = _layer(384, 1536, bias=True, seed=1)
     layer.x_levels = 63

@@ -1,7 +1,8 @@
 """The CPU backend: the compiled C++ ops (model/cpu/csrc) for float32 activations -
 fused norms, residual adds and q/k/v preparation, paged decode attention, encoder
-attention straight from the fused q/k/v, and the decode stack that runs a decode-only
-step's layers in one call. Prefill attention is SDPA. With other dtypes, or without a
+attention straight from the fused q/k/v, an encoder's residual + LayerNorm and GELU
+(inside the quantized linears' kernels, or in place after a float one), and the decode
+stack that runs a decode-only step's layers in one call. Prefill attention is SDPA. With other dtypes, or without a
 compiler (GRISTMILL_KERNELS=0), it is the torch reference."""
 
 from __future__ import annotations
@@ -11,10 +12,16 @@ import torch
 from gristmill.model.backends.reference import Backend
 from gristmill.model.context import get_metadata
 from gristmill.model.cpu import kernels
+from gristmill.model.cpu.qlinear import QuantizedLinear
 from gristmill.model.cpu.decode_stack import DecodeStack
 from gristmill.model.layers.linear import QKV, project
+from gristmill.model.layers.mlp import ACTIVATIONS
 
 _EMPTY = torch.empty(0)
+
+
+def _or_empty(weight: torch.Tensor | None) -> torch.Tensor:
+    return _EMPTY if weight is None else weight
 
 
 class CpuBackend(Backend):
@@ -44,6 +51,21 @@ class CpuBackend(Backend):
                                  out_norm.float_weight() if out_norm else _EMPTY,
                                  norm.offset if norm else 0.0, norm.eps if norm else 0.0)
         return x, h if out_norm else None
+
+    def add_layer_norm(self, x, delta, norm):
+        ops = self._ops_for(x)
+        if ops is None or (delta is not None and delta.dtype != x.dtype):
+            return super().add_layer_norm(x, delta, norm)
+        return ops.add_layer_norm_(x, _EMPTY if delta is None else delta, _or_empty(norm.weight),
+                                   _or_empty(norm.bias), norm.eps)  # over delta
+
+    def linear_activation(self, linear, x, activation):
+        if isinstance(linear, QuantizedLinear):
+            return linear(x, activation)  # GELU in the kernel
+        out = linear(x)
+        if activation == "gelu" and self._ops_for(out) is not None:
+            return self.ops.gelu_(out.contiguous())  # (a float linear's output is its own: in place)
+        return ACTIVATIONS[activation](out)
 
     def attention_inputs(self, module, positions, x, q_norm, k_norm):
         ops = self._ops_for(x)

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gristmill.model.layers.linear import GATE_UP, QKV, project
+from gristmill.model.layers.mlp import ACTIVATIONS
 from gristmill.model.metadata import HostStep, StepMetadata
 
 
@@ -56,6 +57,9 @@ class Backend:
         x = x + (self.rms_norm(delta, delta_norm) if delta_norm else delta)
         return x, self.rms_norm(x, out_norm) if out_norm else None
 
+    def add_layer_norm(self, x, delta, norm: nn.LayerNorm):
+        return F.layer_norm(x if delta is None else x + delta, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
+
     def attention_inputs(self, module: nn.Module, positions, x, q_norm, k_norm):
         n, heads, kv_heads, dim = x.shape[0], module.num_heads, module.num_kv_heads, module.head_dim
         q, k, v = project(module, x, *QKV)
@@ -67,6 +71,9 @@ class Backend:
     def gated_activation(self, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
         gate, up = project(mlp, x, *GATE_UP)
         return mlp.act(gate) * up
+
+    def linear_activation(self, linear: nn.Module, x: torch.Tensor, activation: str) -> torch.Tensor:
+        return ACTIVATIONS[activation](linear(x))
 
     def run_layers(self, layers: nn.ModuleList, positions, x):
         for layer in layers:

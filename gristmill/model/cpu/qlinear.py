@@ -18,9 +18,13 @@ import torch
 from torch import nn
 
 from gristmill.model.cpu import kernels
+from gristmill.model.layers.mlp import ACTIVATIONS
 
 _BLOCK, _PAD, Q = 16, 32, 32  # packing: 16 output channels a block; N and K padded to 32; blocks of 32
 _EMPTY = torch.empty(0)
+# The activations the kernels apply as they write their output (csrc/linear_common.h,
+# `Activation`): name -> the kernels' code.
+FUSED_ACTIVATIONS = {"gelu": 1}
 
 
 def _padded(out_features: int, in_features: int) -> tuple[int, int]:
@@ -190,7 +194,7 @@ class QuantizedLinear(nn.Module):
         step makes ~70 of these calls, so looking each of them up every time counts)."""
         ext = kernels.q4_extension() if self.kernel == "q4_linear" else kernels.int8_extension()
         if ext is None:
-            call = lambda flat, out: self.reference(flat)  # noqa: E731
+            call = lambda flat, out, activation: self.reference(flat, activation)  # noqa: E731
         else:
             kernel = getattr(ext, self.kernel)
             isa = ext.best_isa() if self.isa is None else self.isa
@@ -200,36 +204,42 @@ class QuantizedLinear(nn.Module):
 
             options = self._kernel_options()
 
-            def call(flat, out):
-                return kernel(flat, *weights, bias, n, isa, *options, out)
+            def call(flat, out, activation):
+                return kernel(flat, *weights, bias, n, isa, *options, FUSED_ACTIVATIONS.get(activation, 0), out)
         object.__setattr__(self, "_call", call)
         return call
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, activation: str | None = None) -> torch.Tensor:
+        """x @ W^T + bias, then `activation` (an ACTIVATIONS name) when given: inside the
+        kernel when it is one of FUSED_ACTIVATIONS, else after it."""
         call = self._call or self._bind()
         flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if flat.dtype != torch.float32:
             flat = flat.float()
-        out = call(flat, self._output(flat.shape[0]) if self.reuse_output else _EMPTY)
+        fused = activation if activation in FUSED_ACTIVATIONS else None
+        out = call(flat, self._output(flat.shape[0]) if self.reuse_output else _EMPTY, fused)
+        if activation is not None and fused is None:
+            out = ACTIVATIONS[activation](out)
         if x.dim() != 2:
             out = out.view(*x.shape[:-1], self.out_features)
         return out if out.dtype == x.dtype else out.to(x.dtype)
 
-    def reference(self, x: torch.Tensor) -> torch.Tensor:
+    def reference(self, x: torch.Tensor, activation: str | None = None) -> torch.Tensor:
         """The kernel's arithmetic in plain torch (same rounding, same int32 block sums,
-        float accumulation in another order): the fallback without a compiler, and the
-        reference the kernel is tested against."""
+        float accumulation in another order; torch's `activation`): the fallback without
+        a compiler, and the reference the kernel is tested against."""
         if x.shape[0] > 16:  # bound the (rows, out, blocks) float64 intermediate
-            return torch.cat([self.reference(part) for part in x.split(16)])
+            return torch.cat([self.reference(part, activation) for part in x.split(16)])
         rows, cols = _padded(self.out_features, self.in_features)
         xq, xs = _quantize_rows(x, cols, self.x_levels)
         w = self.unpacked().view(rows, cols // Q, Q)
         sums = torch.einsum("mbq,nbq->mnb", xq.double(), w.double())  # exact integers
         out = self._combine(sums, xq, xs.double()).sum(dim=2).float()[:, :self.out_features]
-        return out if self.bias is None else out + self.bias
+        out = out if self.bias is None else out + self.bias
+        return out if activation is None else ACTIVATIONS[activation](out)
 
     def _kernel_options(self) -> tuple:
-        """The kernel's arguments between the code path and the output buffer."""
+        """The kernel's arguments between the code path and the activation."""
         return ()
 
     def _output(self, rows: int) -> torch.Tensor:

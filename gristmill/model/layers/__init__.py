@@ -11,13 +11,14 @@ from torch import nn
 from gristmill.model.context import current_backend
 from gristmill.model.layers.attention import EncoderAttention, PagedAttention, attention_inputs
 from gristmill.model.layers.linear import GATE_UP, QKV, fuse_projections, project
-from gristmill.model.layers.mlp import ACTIVATIONS, GatedMLP
-from gristmill.model.layers.norm import RMSNorm, residual_norm
+from gristmill.model.layers.mlp import ACTIVATIONS, GatedMLP, linear_activation
+from gristmill.model.layers.norm import RMSNorm, add_layer_norm, residual_norm
 from gristmill.model.layers.rotary import RotaryEmbedding, clear_rotary_cache, rope_inv_freq, shared_rotary
 
 __all__ = ["ACTIVATIONS", "EncoderAttention", "GATE_UP", "QKV", "GatedMLP", "PagedAttention", "RMSNorm",
-           "RotaryEmbedding", "attention_inputs", "clear_rotary_cache", "embedding", "fuse_projections", "project",
-           "residual_norm", "rope_inv_freq", "run_layers", "shared_rotary"]
+           "RotaryEmbedding", "add_layer_norm", "attention_inputs", "clear_rotary_cache", "embedding",
+           "fuse_projections", "linear_activation", "project", "residual_norm", "rope_inv_freq", "run_layers",
+           "shared_rotary"]
 
 
 def embedding(vocab_size: int, hidden_size: int) -> nn.Embedding:

@@ -1,4 +1,5 @@
-"""The gated MLP of every supported family: down(act(gate(x)) * up(x))."""
+"""The gated MLP of every supported family, down(act(gate(x)) * up(x)), and an
+encoder's activated projection, act(up(x))."""
 
 from __future__ import annotations
 
@@ -28,3 +29,9 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(current_backend().gated_activation(self, x))
+
+
+def linear_activation(linear: nn.Module, x: torch.Tensor, activation: str) -> torch.Tensor:
+    """ACTIVATIONS[activation](linear(x)), as the backend runs it (the int8 kernel applies
+    GELU as it writes its output)."""
+    return current_backend().linear_activation(linear, x, activation)

@@ -1,4 +1,4 @@
-"""RMSNorm and the residual stream around a sublayer. Which arithmetic runs is the
+"""RMSNorm, the residual stream around a sublayer, and a post-LayerNorm encoder's residual. Which arithmetic runs is the
 step's backend's (model/backends): these modules hold the weights and say what to do."""
 
 from __future__ import annotations
@@ -35,3 +35,9 @@ def residual_norm(x: torch.Tensor, delta: torch.Tensor, delta_norm: RMSNorm | No
     """The residual stream around a sublayer: x + delta_norm(delta) (x + delta without a
     delta_norm), and out_norm of that, the next sublayer's input (None without out_norm)."""
     return current_backend().residual_norm(x, delta, delta_norm, out_norm)
+
+
+def add_layer_norm(x: torch.Tensor, delta: torch.Tensor | None, norm: nn.LayerNorm) -> torch.Tensor:
+    """norm(x + delta) (norm(x) when delta is None): a post-LayerNorm encoder's residual.
+    delta is the sublayer's output, and the backend may write the result over it."""
+    return current_backend().add_layer_norm(x, delta, norm)

@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gristmill.model.layers import ACTIVATIONS, QKV, EncoderAttention, embedding, project
+from gristmill.model.layers import (ACTIVATIONS, QKV, EncoderAttention, add_layer_norm, embedding,
+                                    linear_activation, project)
 
 # Checkpoint names inside an encoder layer (HF's, after "encoder.layer.N.") -> ours. Our
 # q/k/v are named as the decoders' so fuse_projections makes them one matmul.
@@ -40,7 +41,7 @@ class BertEmbeddings(nn.Module):
             x = x + self.token_type_embeddings.weight[0]
         else:
             x = x + self.token_type_embeddings(token_type_ids)
-        return self.norm(x + self.position_embeddings(positions))
+        return add_layer_norm(x, self.position_embeddings(positions), self.norm)
 
 
 class BertAttention(nn.Module):
@@ -72,11 +73,11 @@ class BertLayer(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size)
         self.mlp_norm = _layer_norm(config)
-        self.act = ACTIVATIONS[config.hidden_act]
+        self.activation = config.hidden_act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.attn_norm(x + self.attn(x))  # post-LayerNorm: the norm follows the residual add
-        return self.mlp_norm(x + self.down_proj(self.act(self.up_proj(x))))
+        x = add_layer_norm(x, self.attn(x), self.attn_norm)  # post-LayerNorm: the norm follows the residual add
+        return add_layer_norm(x, self.down_proj(linear_activation(self.up_proj, x, self.activation)), self.mlp_norm)
 
 
 class BertModel(nn.Module):

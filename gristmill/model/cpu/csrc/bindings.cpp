@@ -15,6 +15,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "an encoder's attention within each sequence, from strided q/k/v (CPU, float32)");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension");
   m.def("residual_norm", &residual_norm, "x + norm(delta) * w, and the norm of that for the next sublayer");
+  m.def("add_layer_norm_", &add_layer_norm_, "LayerNorm of x + delta, over delta: an encoder's residual add and norm");
+  m.def("gelu_", &gelu_, "GELU (erf form) in place");
   m.def("qkv_rotary", &qkv_rotary, "split fused qkv into heads, q/k norm, rotary");
   m.def("decode_stack", &decode_stack, "a decode-only step's decoder layers in one call");
   m.def("int8_linear", &int8_linear, "int8 linear layer: block-quantized weights and activations");

@@ -9,6 +9,8 @@
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double offset, double eps);
 std::vector<at::Tensor> residual_norm(at::Tensor x, at::Tensor delta, at::Tensor delta_weight,
                                          at::Tensor out_weight, double offset, double eps);
+at::Tensor add_layer_norm_(at::Tensor x, at::Tensor delta, at::Tensor weight, at::Tensor bias, double eps);
+at::Tensor gelu_(at::Tensor x);
 std::vector<at::Tensor> qkv_rotary(at::Tensor q_in, at::Tensor k_in, at::Tensor v_in,
                                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                       at::Tensor q_weight, at::Tensor k_weight, double offset, double eps,

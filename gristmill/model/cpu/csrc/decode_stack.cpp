@@ -28,9 +28,11 @@ at::Tensor linear_of(const at::Tensor& x, const at::Tensor* t, int64_t kind, int
                         int64_t isa) {
   static const at::Tensor none;
   switch (kind) {
-    case kInt8: return int8_linear(x, t[0], t[1], t[2], t[3], out_features, isa, /*x_levels=*/127, x.new_empty({0}));
+    case kInt8:
+      return int8_linear(x, t[0], t[1], t[2], t[3], out_features, isa, /*x_levels=*/127, linear::kNoActivation,
+                         x.new_empty({0}));
 #if GRISTMILL_Q4
-    case kQ4: return q4_linear(x, t[0], t[1], t[2], t[3], out_features, isa, x.new_empty({0}));
+    case kQ4: return q4_linear(x, t[0], t[1], t[2], t[3], out_features, isa, linear::kNoActivation, x.new_empty({0}));
 #else
     case kQ4: TORCH_CHECK(false, "decode_stack: these kernels were built without q4_linear");
 #endif

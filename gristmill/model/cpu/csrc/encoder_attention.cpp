@@ -2,10 +2,11 @@
 // q, k and v are read where the fused q/k/v projection left them (strided views), one
 // (sequence, head) at a time, so nothing is gathered into a padded batch first; for the
 // short sequences of sentence embeddings, padding and gathering cost more than the
-// attention itself. The softmax's exp is vectorized on AVX2 (a Cephes-style polynomial,
-// within 2 ulp of expf).
+// attention itself. The softmax's exp is vectorized on AVX2 (vector_math.h).
 #include "aten_light.h"
 #include "isa.h"
+#include "parallel.h"
+#include "vector_math.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -18,22 +19,7 @@
 namespace {
 
 #if defined(__x86_64__) || defined(__i386__)
-__attribute__((target("avx2,fma"))) inline __m256 exp_avx2(__m256 x) {
-  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-87.3365447504f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-  const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(exponent));
-}
+using vmath::exp_avx2;
 
 // s[j] = exp(s[j] - max) for j < n; returns their sum.
 __attribute__((target("avx2,fma"))) float exp_shifted_avx2(float* s, int64_t n, float max) {
@@ -211,18 +197,17 @@ at::Tensor encoder_attention(at::Tensor q, at::Tensor k, at::Tensor v, std::vect
   const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t items = num_seqs * heads;
-  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> kt, vb, s;
-    for (int64_t i = begin; i < end; ++i) {
-      // Items taken from both ends in turn: a step's sequences come sorted by length and
-      // cost grows with its square, so each thread's contiguous share gets a fair mix.
-      const int64_t w = i % 2 == 0 ? i / 2 : items - 1 - i / 2;
-      const int64_t seq = w / heads, head = w % heads, start = bounds[seq];
-      const Head h{qp + start * q.stride(0) + head * q.stride(1), kp + start * k.stride(0) + head * k.stride(1),
-                   vp + start * v.stride(0) + head * v.stride(1), op + (start * heads + head) * dim,
-                   bounds[seq + 1] - start, q.stride(0), k.stride(0), v.stride(0), heads * dim};
-      attend(h, dim, fscale, avx2, kt, vb, s);
-    }
+  // Items longest first (a step's sequences come sorted by length, shortest first, and
+  // cost grows with the square of the length), taken by whichever thread is free: the
+  // short ones at the end even out the threads' finishing times.
+  parallel_items(items, [&](int64_t i) {
+    thread_local std::vector<float> kt, vb, s;
+    const int64_t w = items - 1 - i;
+    const int64_t seq = w / heads, head = w % heads, start = bounds[seq];
+    const Head h{qp + start * q.stride(0) + head * q.stride(1), kp + start * k.stride(0) + head * k.stride(1),
+                 vp + start * v.stride(0) + head * v.stride(1), op + (start * heads + head) * dim,
+                 bounds[seq + 1] - start, q.stride(0), k.stride(0), v.stride(0), heads * dim};
+    attend(h, dim, fscale, avx2, kt, vb, s);
   });
   return out;
 }

@@ -1,9 +1,11 @@
 // The small steps between a layer's matmuls, fused, for CPU float32: RMSNorm, the
-// residual add with the norms around it, and q/k norm + rotary over the fused qkv output.
+// residual add with the norms around it, and q/k norm + rotary over the fused qkv output;
+// for encoders, the residual add + LayerNorm and GELU.
 // Spelled out in torch each is 5-12 small ops; at batch 1 their dispatch, not their
 // arithmetic, is what costs (a decode step of Gemma 3 270M runs ~1000 of them).
 // Rows run in parallel only when there are enough of them to pay for waking threads.
 #include "cpu_ops.h"
+#include "vector_math.h"
 
 
 #include <algorithm>
@@ -104,6 +106,68 @@ std::vector<at::Tensor> residual_norm(at::Tensor x, at::Tensor delta, at::Tensor
     }
   });
   return {x_new, h};
+}
+
+// LayerNorm of x + delta (of x alone when delta is empty) over the last dimension, times
+// weight plus bias (each (d,) or empty): the residual add of a post-LayerNorm encoder and
+// its norm in one pass over the row. Mean and variance are summed in double. The result
+// is written over delta (a sublayer's output, read by nothing else: a fresh tensor of a
+// few MB a call costs its page faults) when delta is contiguous, else into a new tensor.
+at::Tensor add_layer_norm_(at::Tensor x, at::Tensor delta, at::Tensor weight, at::Tensor bias, double eps) {
+  check_rows(x, "x");
+  x = x.contiguous();
+  const int64_t d = x.size(-1), rows = x.numel() / d;
+  const bool has_delta = delta.numel() > 0;
+  if (has_delta) {
+    check_rows(delta, "delta");
+    delta = delta.contiguous();
+    TORCH_CHECK(x.sizes() == delta.sizes(), "x and delta must have one shape");
+  }
+  const float* w = weight_or_null(weight, d, "weight");
+  const float* b = weight_or_null(bias, d, "bias");
+  auto out = has_delta ? delta : x.new_empty(x.sizes());
+  const float* xp = x.data_ptr<float>();
+  const float* dp = has_delta ? delta.data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, grain_for(d), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* o = op + r * d;
+      const float* xr = xp + r * d;
+      if (dp) {
+        const float* dr = dp + r * d;  // (o itself)
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) o[i] = xr[i] + dr[i];
+      } else {
+        std::copy(xr, xr + d, o);
+      }
+      double sum = 0.0;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t i = 0; i < d; ++i) sum += o[i];
+      const double mean = sum / d;
+      double squares = 0.0;
+#pragma omp simd reduction(+ : squares)
+      for (int64_t i = 0; i < d; ++i) squares += (o[i] - mean) * (o[i] - mean);
+      const float m = static_cast<float>(mean), rstd = static_cast<float>(1.0 / std::sqrt(squares / d + eps));
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) {
+        const float v = (o[i] - m) * rstd;
+        o[i] = (w ? v * w[i] : v) + (b ? b[i] : 0.f);
+      }
+    }
+  });
+  return out;
+}
+
+// x = gelu(x) (erf form), in place; x contiguous float32. Returns x.
+at::Tensor gelu_(at::Tensor x) {
+  check_rows(x, "x");
+  TORCH_CHECK(x.is_contiguous(), "gelu_: x must be contiguous");
+  float* p = x.data_ptr<float>();
+  const bool avx2 = best_isa() >= kAvx2;
+  at::parallel_for(0, x.numel(), kWorkPerThread, [&](int64_t begin, int64_t end) {
+    vmath::gelu_inplace(p + begin, end - begin, avx2);
+  });
+  return x;
 }
 
 // The attention inputs from the q, k, v projections, each (rows, heads * D) with unit

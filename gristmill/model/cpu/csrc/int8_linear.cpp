@@ -254,10 +254,12 @@ RowFormat row_format(int64_t isa, int64_t x_levels) {
 // x: (M, K) float32. qweight: (Np / 16, Kp / 4, 16, 4) int8; wscale: (Np / 16, Kp / 32, 16)
 // float16; wsum: the same shape, int16, each block's weight sum. Np % 32 == 0, Kp % 32 == 0,
 // Kp >= K. bias: (N,) float32 or empty. Returns (M, N) float32, N = out_features.
-// x_levels: 127 (int8 activations) or 63 (7 bits). out: (M, N) float32 contiguous to
+// x_levels: 127 (int8 activations) or 63 (7 bits). activation: kNoActivation, or kGelu
+// (erf form) applied to each output after the bias. out: (M, N) float32 contiguous to
 // write into, or empty to allocate one.
 at::Tensor int8_linear(at::Tensor x, at::Tensor qweight, at::Tensor wscale, at::Tensor wsum,
-                          at::Tensor bias, int64_t out_features, int64_t isa, int64_t x_levels, at::Tensor out) {
+                          at::Tensor bias, int64_t out_features, int64_t isa, int64_t x_levels,
+                          int64_t activation, at::Tensor out) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "int8_linear: x must be (M, K) float32");
   TORCH_CHECK(qweight.dim() == 4 && qweight.scalar_type() == at::kChar && qweight.size(2) == kBlock &&
                   qweight.size(3) == 4 && qweight.size(0) % (kTileN / kBlock) == 0 &&
@@ -274,6 +276,7 @@ at::Tensor int8_linear(at::Tensor x, at::Tensor qweight, at::Tensor wscale, at::
               "int8_linear: bias must be float32 (N,)");
   TORCH_CHECK(isa >= kPortable && isa <= best_isa(), "int8_linear: this CPU cannot run isa ", isa);
   TORCH_CHECK(x_levels == 127 || x_levels == 63, "int8_linear: x_levels must be 127 or 63");
+  TORCH_CHECK(activation == kNoActivation || activation == kGelu, "int8_linear: unknown activation ", activation);
   x = x.contiguous();
   out = output_for(x, n_out, out);
   if (x.size(0) == 0) return out;
@@ -285,8 +288,8 @@ at::Tensor int8_linear(at::Tensor x, at::Tensor qweight, at::Tensor wscale, at::
   const TileFn tile = tile_for(isa, x_levels);
   const int64_t stride = groups * kGroupBytes, sstride = qblocks * kBlock;
   quantize_and_run_tiles(x, row_format(isa, x_levels), rows, n_out, bias.numel() ? bias.data_ptr<float>() : nullptr,
-                         out.data_ptr<float>(), [&](int64_t m, int mb, int64_t blk, float* acc) {
-                           const Tile tl{rows.q.data() + m * kp, kp, rows.scale.data() + m * qblocks, qblocks,
+                         activation, out.data_ptr<float>(), [&](int64_t m, int mb, int64_t blk, float* acc) {
+                           const Tile tl{rows.q + m * kp, kp, rows.scale + m * qblocks, qblocks,
                                          w_ptr + blk * stride, stride, ws_ptr + blk * sstride,
                                          wsum_ptr + blk * sstride, sstride, qblocks};
                            tile(tl, mb, acc);

@@ -6,6 +6,8 @@
 
 #include "aten_light.h"
 #include "isa.h"
+#include "parallel.h"
+#include "vector_math.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -19,9 +21,10 @@
 
 
 at::Tensor int8_linear(at::Tensor x, at::Tensor qweight, at::Tensor wscale, at::Tensor wsum,
-                          at::Tensor bias, int64_t out_features, int64_t isa, int64_t x_levels, at::Tensor out);
+                          at::Tensor bias, int64_t out_features, int64_t isa, int64_t x_levels,
+                          int64_t activation, at::Tensor out);
 at::Tensor q4_linear(at::Tensor x, at::Tensor qweight, at::Tensor wscale, at::Tensor wmin,
-                        at::Tensor bias, int64_t out_features, int64_t isa, at::Tensor out);
+                        at::Tensor bias, int64_t out_features, int64_t isa, int64_t activation, at::Tensor out);
 
 namespace linear {
 
@@ -29,6 +32,9 @@ constexpr int kBlock = 16;  // output channels per packed block
 constexpr int kTileN = 32;  // output channels per tile (2 blocks)
 constexpr int kMaxM = 4;    // activation rows per tile
 constexpr int kQ = 32;      // input channels per quantization block
+
+// What the output step applies after the bias (qlinear.py's FUSED_ACTIVATIONS).
+enum Activation : int64_t { kNoActivation = 0, kGelu = 1 };
 
 inline int32_t load4(const int8_t* p) {
   int32_t v;
@@ -59,11 +65,12 @@ inline float half_to_float(uint16_t h) {
 
 // x's rows quantized: `kp` bytes a row (zero padded), `qblocks` block scales a row, and
 // when asked, each block's scale x (sum of its quantized values), which q4's block
-// minimum meets.
+// minimum meets. The memory is the calling thread's, kept between calls (make_rows): a
+// fresh megabyte-sized buffer a call costs page faults.
 struct Rows {
-  std::vector<int8_t> q;
-  std::vector<float> scale;
-  std::vector<float> scaled_sum;
+  int8_t* q = nullptr;
+  float* scale = nullptr;
+  float* scaled_sum = nullptr;  // null unless asked for
   int64_t kp = 0, qblocks = 0;
 };
 
@@ -131,25 +138,31 @@ __attribute__((target("avx2"))) inline float quantize_block_avx2(const float* x,
 #endif
 
 // Room for x's rows quantized; with `with_sums`, each block's scale x (sum of its
-// values) too (q4's minimums meet it).
+// values) too (q4's minimums meet it). Valid until this thread's next make_rows.
 inline Rows make_rows(int64_t m_total, int64_t kp, bool with_sums) {
+  thread_local std::vector<int8_t> q;
+  thread_local std::vector<float> scale, scaled_sum;
+  auto room = [](auto& v, int64_t n) {
+    if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+    return v.data();
+  };
   Rows rows;
   rows.kp = kp;
   rows.qblocks = kp / kQ;
-  rows.q.resize(m_total * kp);
-  rows.scale.resize(m_total * rows.qblocks);
-  if (with_sums) rows.scaled_sum.resize(m_total * rows.qblocks);
+  rows.q = room(q, m_total * kp);
+  rows.scale = room(scale, m_total * rows.qblocks);
+  if (with_sums) rows.scaled_sum = room(scaled_sum, m_total * rows.qblocks);
   return rows;
 }
 
 // Quantizes rows [begin, end) of x (M, K) float32 into `rows`.
 inline void quantize_rows(const at::Tensor& x, RowFormat format, Rows& rows, int64_t begin, int64_t end) {
   const int64_t k = x.size(1), kp = rows.kp, qblocks = rows.qblocks;
-  const bool avx2 = best_isa() >= kAvx2, with_sums = !rows.scaled_sum.empty();
+  const bool avx2 = best_isa() >= kAvx2, with_sums = rows.scaled_sum != nullptr;
   const float* x_ptr = x.data_ptr<float>();
   for (int64_t m = begin; m < end; ++m) {
     const float* xr = x_ptr + m * k;
-    int8_t* q = rows.q.data() + m * kp;
+    int8_t* q = rows.q + m * kp;
     for (int64_t b0 = 0; b0 < kp; b0 += kQ) {
       const int64_t n = std::max<int64_t>(0, std::min<int64_t>(kQ, k - b0));
       int32_t sum;
@@ -177,11 +190,13 @@ inline at::Tensor output_for(const at::Tensor& x, int64_t n_out, at::Tensor out)
 
 // Rows [m0, m1) through tiles [t0, t1): tile(m, mb, block, acc) for every tile of kTileN
 // output channels (starting at packed block `block`) and every run of up to kMaxM rows;
-// the tile fills acc[i * kTileN + c], which lands in out (plus bias). Rows go in chunks
-// that stay in L2 while every weight tile passes over them.
+// the tile fills acc[i * kTileN + c], which lands in out (plus bias, then the
+// activation: applied here, the output is written once, while it is in L1). Rows go in
+// chunks that stay in L2 while every weight tile passes over them.
 template <typename TileCall>
 void run_tiles(int64_t m0, int64_t m1, int64_t t0, int64_t t1, int64_t n_out, int64_t kp, const float* bias,
-               float* out, const TileCall& tile) {
+               int64_t activation, float* out, const TileCall& tile) {
+  const bool avx2 = best_isa() >= kAvx2;
   const int64_t m_chunk = std::max<int64_t>(kMaxM, (256 * 1024 / kp) / kMaxM * kMaxM);
   float acc[kMaxM * kTileN];
   for (int64_t c0 = m0; c0 < m1; c0 += m_chunk) {
@@ -195,6 +210,7 @@ void run_tiles(int64_t m0, int64_t m1, int64_t t0, int64_t t1, int64_t n_out, in
         for (int i = 0; i < mb; ++i) {
           float* row = out + (m + i) * n_out + n0;
           for (int64_t c = 0; c < width; ++c) row[c] = bias ? acc[i * kTileN + c] + bias[n0 + c] : acc[i * kTileN + c];
+          if (activation == kGelu) vmath::gelu_inplace(row, width, avx2);
         }
       }
     }
@@ -203,29 +219,34 @@ void run_tiles(int64_t m0, int64_t m1, int64_t t0, int64_t t1, int64_t n_out, in
 
 // Rows a thread must have before the rows, not the output tiles, are split between threads.
 constexpr int64_t kRowsPerThread = 32;
+// Rows a thread takes at a time when the rows are split (parallel_items): small enough
+// that a thread that loses its core holds the others up little, large enough that each
+// pass of the weights (from L3: 0.6 MB for 1536 x 384) serves many rows.
+constexpr int64_t kRowsPerItem = 64;
 
 // x (M, K) quantized into `rows` (made by make_rows) and through every tile (run_tiles).
-// Many rows (prefill, encoders): one parallel region; each thread quantizes its own share
-// of the rows and passes every weight tile over them, so no thread waits for another
-// between the two. Few rows (decode): the output tiles are split between threads instead,
-// so each reads only its share of the weights.
+// Many rows (prefill, encoders): the rows go in items of kRowsPerItem, which the threads
+// take as they finish one; each item is quantized and passed through every weight tile
+// by the thread that took it, so no thread waits for another between the two. Few rows
+// (decode): the output tiles are split between threads instead, so each reads only its
+// share of the weights.
 template <typename TileCall>
 void quantize_and_run_tiles(const at::Tensor& x, RowFormat format, Rows& rows, int64_t n_out, const float* bias,
-                            float* out, const TileCall& tile) {
+                            int64_t activation, float* out, const TileCall& tile) {
   const int64_t m_total = x.size(0), kp = rows.kp;
   const int64_t n_tiles = (n_out + kTileN - 1) / kTileN;
   if (m_total >= kRowsPerThread * at::get_num_threads()) {
-    const int64_t runs = (m_total + kMaxM - 1) / kMaxM;  // split in whole runs of kMaxM rows
-    at::parallel_for(0, runs, 1, [&](int64_t begin, int64_t end) {
-      const int64_t m0 = begin * kMaxM, m1 = std::min(m_total, end * kMaxM);
+    static_assert(kRowsPerItem % kMaxM == 0, "items hold whole runs of kMaxM rows");
+    parallel_items((m_total + kRowsPerItem - 1) / kRowsPerItem, [&](int64_t item) {
+      const int64_t m0 = item * kRowsPerItem, m1 = std::min(m_total, m0 + kRowsPerItem);
       quantize_rows(x, format, rows, m0, m1);
-      run_tiles(m0, m1, 0, n_tiles, n_out, kp, bias, out, tile);
+      run_tiles(m0, m1, 0, n_tiles, n_out, kp, bias, activation, out, tile);
     });
     return;
   }
   at::parallel_for(0, m_total, 16, [&](int64_t begin, int64_t end) { quantize_rows(x, format, rows, begin, end); });
   at::parallel_for(0, n_tiles, 4, [&](int64_t t_begin, int64_t t_end) {
-    run_tiles(0, m_total, t_begin, t_end, n_out, kp, bias, out, tile);
+    run_tiles(0, m_total, t_begin, t_end, n_out, kp, bias, activation, out, tile);
   });
 }
 

@@ -138,9 +138,10 @@ TileFn tile_for(int64_t isa) {
 
 // x: (M, K) float32. qweight: (Np / 16, Kp / 4, 32) uint8; wscale, wmin: (Np / 16, Kp / 32, 16)
 // float16. Np % 32 == 0, Kp % 32 == 0, Kp >= K. bias: (N,) float32 or empty. Returns (M, N)
-// float32, N = out_features, written into `out` when it is not empty.
+// float32, N = out_features, written into `out` when it is not empty. activation: as
+// int8_linear's.
 at::Tensor q4_linear(at::Tensor x, at::Tensor qweight, at::Tensor wscale, at::Tensor wmin,
-                        at::Tensor bias, int64_t out_features, int64_t isa, at::Tensor out) {
+                        at::Tensor bias, int64_t out_features, int64_t isa, int64_t activation, at::Tensor out) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "q4_linear: x must be (M, K) float32");
   TORCH_CHECK(qweight.dim() == 3 && qweight.scalar_type() == at::kByte && qweight.size(2) == kGroupBytes &&
                   qweight.size(0) % (kTileN / kBlock) == 0 && qweight.size(1) % (kQ / 4) == 0 &&
@@ -155,6 +156,7 @@ at::Tensor q4_linear(at::Tensor x, at::Tensor qweight, at::Tensor wscale, at::Te
   TORCH_CHECK(bias.numel() == 0 || (bias.scalar_type() == at::kFloat && bias.numel() == n_out),
               "q4_linear: bias must be float32 (N,)");
   TORCH_CHECK(isa >= kPortable && isa <= best_isa(), "q4_linear: this CPU cannot run isa ", isa);
+  TORCH_CHECK(activation == kNoActivation || activation == kGelu, "q4_linear: unknown activation ", activation);
   x = x.contiguous();
   out = output_for(x, n_out, out);
   if (x.size(0) == 0) return out;
@@ -165,10 +167,10 @@ at::Tensor q4_linear(at::Tensor x, at::Tensor qweight, at::Tensor wscale, at::Te
   const auto* wm_ptr = reinterpret_cast<const uint16_t*>(wmin.data_ptr<at::Half>());
   const TileFn tile = tile_for(isa);
   const int64_t stride = groups * kGroupBytes, sstride = qblocks * kBlock;
-  quantize_and_run_tiles(x, RowFormat{}, rows, n_out, bias.numel() ? bias.data_ptr<float>() : nullptr,
+  quantize_and_run_tiles(x, RowFormat{}, rows, n_out, bias.numel() ? bias.data_ptr<float>() : nullptr, activation,
                          out.data_ptr<float>(), [&](int64_t m, int mb, int64_t blk, float* acc) {
-                           const Tile tl{rows.q.data() + m * kp, kp, rows.scale.data() + m * qblocks,
-                                         rows.scaled_sum.data() + m * qblocks, qblocks, w_ptr + blk * stride, stride,
+                           const Tile tl{rows.q + m * kp, kp, rows.scale + m * qblocks,
+                                         rows.scaled_sum + m * qblocks, qblocks, w_ptr + blk * stride, stride,
                                          ws_ptr + blk * sstride, wm_ptr + blk * sstride, sstride, qblocks};
                            tile(tl, mb, acc);
                          });
