@@ -110,9 +110,8 @@ def schema_workload(llm: LLM, args) -> None:
         stats = list(runner.masks.stats)
         elapsed, tokens = run(llm, prompts, params)
         figures[name] = tokens / elapsed
-        steps, rows, filled, next_best = (after - before for after, before in zip(runner.masks.stats, stats))
-        masks = (f"; {rows} of {tokens} rows needed a mask, {filled} filled, {next_best} took a next best token"
-                 if steps else "")
+        steps, rows, filled = (after - before for after, before in zip(runner.masks.stats, stats))
+        masks = f"; {rows} of {tokens} rows needed a mask, {filled} filled" if steps else ""
         print(f"{name:>12}: {tokens:5d} tokens in {elapsed:6.2f} s = {tokens / elapsed:8.1f} tok/s{masks}", flush=True)
     free_speed = (figures["free"] + figures["free again"]) / 2
     print(f"json schema / free: {figures['json schema'] / free_speed:.3f}x "

@@ -80,7 +80,7 @@ def test_asking_the_grammar_about_the_argmax_first_changes_no_output(default_llm
     assert runner.argmax_first
     before = list(runner.masks.stats)
     first = default_llm.generate(prompts, params, use_tqdm=False)
-    steps, rows, filled, next_best = (after - start for after, start in zip(runner.masks.stats, before))
+    steps, rows, filled = (after - start for after, start in zip(runner.masks.stats, before))
     runner.argmax_first = False
     try:
         every = default_llm.generate(prompts, params, use_tqdm=False)
@@ -90,11 +90,9 @@ def test_asking_the_grammar_about_the_argmax_first_changes_no_output(default_llm
     for out, params_of in zip(first, params):
         assert out.finish_reason == "stop", out.outputs[0].error
         _check(out.text, params_of.structured_output)
-    # Most rows needed no mask, and rows in one grammar state shared theirs; some refused
-    # argmaxes gave way to a next best token the grammar allows, with the same output.
+    # Most rows needed no mask, and rows in one grammar state shared theirs.
     total_rows = sum(len(o.token_ids) for o in first)
     assert rows < total_rows / 2 and filled < rows, (steps, rows, filled, total_rows)
-    assert next_best > 0, (steps, rows, filled, next_best)
 
 
 def test_sampled_rows_resampled_after_a_refusal_keep_the_masked_distribution(default_llm):

@@ -7,10 +7,9 @@ tokens: every row of a job at its first token). On CUDA the masks are filled on 
 while the device runs the forward (queued, not waited for), then go up in one copy. On a
 CPU, where the forward has already run, two shortcuts skip most masks (`argmax_first`):
 - a step whose rows are all greedy first asks each grammar whether it allows its row's
-  argmax, then, where it does not, its next best few tokens (`NEXT_BEST`): the first
-  allowed is the masked argmax, and only rows with none of them allowed need a mask.
-  Inside a JSON string, where a mask costs most, the model's choice is nearly always
-  allowed; a forced piece of text (a tool call's name) is mostly among the next best;
+  argmax: only rows whose grammar refuses it need a mask. Inside a JSON string, where a
+  mask costs most, the model's choice is nearly always allowed; where it is refused
+  (punctuation), masks are cheap;
 - sampled rows without top-k / top-p / min-p or logprobs are sampled unmasked, and only a token the
   grammar refuses is drawn again from the masked row (`resample_refused`)."""
 
@@ -27,17 +26,12 @@ from gristmill.step import ScheduledRequest
 from gristmill.structured.grammars import fill_masks, torch_bitmask
 
 
-# How many next best tokens a greedy row whose argmax was refused tries before a mask.
-NEXT_BEST = 8
-
-
 class GrammarMasks:
     def __init__(self, device: torch.device, sampler: Sampler):
         self.device = device
         self.sampler = sampler
-        #: [steps with a constrained row, rows that needed a mask, masks filled, greedy
-        #: rows whose refused argmax gave way to the next best allowed token].
-        self.stats = [0, 0, 0, 0]
+        #: [steps with a constrained row, rows that needed a mask, masks filled].
+        self.stats = [0, 0, 0]
         #: Ask the grammar about the model's choice before filling a mask (on a CPU; on
         #: CUDA the masks are filled while the forward runs).
         self.argmax_first = device.type == "cpu"
@@ -54,7 +48,6 @@ class GrammarMasks:
             ids = argmax.tolist()  # (logprobs come from masked logits: rows that want them are masked)
             constrained = [(j, item) for j, item in constrained
                            if rows[j].params.logprobs is not None or not item.matcher.allows(ids[j])]
-            constrained = self._next_best(logits, constrained, rows, argmax)
         elif self.argmax_first:  # (per row, so a seeded row draws the same whatever else is in the step)
             deferred = [(j, item) for j, item in constrained if _unfiltered(rows[j].params)]
             constrained = [(j, item) for j, item in constrained if not _unfiltered(rows[j].params)]
@@ -66,25 +59,6 @@ class GrammarMasks:
                 for j, _ in constrained:
                     argmax[j] = greedy_tokens(logits[j:j + 1])[0]
         return deferred, argmax
-
-    def _next_best(self, logits: torch.Tensor, refused: list, rows: list[SamplerRow],
-                   argmax: torch.Tensor) -> list:
-        """Greedy rows whose argmax the grammar refused: the first of the row's next best
-        `NEXT_BEST` tokens the grammar allows is the masked row's argmax (no allowed token
-        has a higher logit), so no mask is filled for it. Returns the rows still to mask:
-        those wanting logprobs, those with none of their next best allowed, and ties."""
-        candidates = [(j, item) for j, item in refused if rows[j].params.logprobs is None]
-        if not candidates:
-            return refused
-        values, tokens = logits[torch.tensor([j for j, _ in candidates])].topk(NEXT_BEST + 1, dim=-1)
-        found = {}
-        for (j, item), row_values, row_tokens in zip(candidates, values.tolist(), tokens.tolist()):
-            token = _first_allowed(item.matcher, int(argmax[j]), row_values, row_tokens)
-            if token is not None:
-                found[j] = token
-                argmax[j] = token
-        self.stats[3] += len(found)
-        return [(j, item) for j, item in refused if j not in found]
 
     def resample_refused(self, logits: torch.Tensor, deferred: list, rows: list[SamplerRow],
                          tokens: torch.Tensor, pending):
@@ -114,20 +88,6 @@ class GrammarMasks:
         if len(matchers) < len(which):
             bitmask = bitmask[torch.tensor(which)]
         apply_masks(logits, bitmask, [j for j, _ in constrained])
-
-
-def _first_allowed(matcher, refused: int, values: list[float], tokens: list[int]) -> int | None:
-    """The first of `tokens` (by descending logit `values`; `refused`, the argmax, skipped;
-    the last only bounds the others) the grammar allows, or None when none is, its logit
-    is -inf, or it ties the next (argmax would break the tie by token id)."""
-    for k in range(len(tokens) - 1):
-        if tokens[k] == refused:
-            continue
-        if values[k] == float("-inf"):
-            return None
-        if matcher.allows(tokens[k]):
-            return tokens[k] if values[k] > values[k + 1] else None
-    return None
 
 
 def apply_masks(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
