@@ -50,7 +50,7 @@ _REPLY_TIMEOUT_S = 10.0
 _MAX_MESSAGE = 1 << 20
 
 # Launchers by environment (`_key`): a library may set a variable in this process after
-# a launcher started (torch sets TORCHINDUCTOR_CACHE_DIR), while cores of the first run.
+# a launcher started (torch sets TORCHINDUCTOR_CACHE_DIR) while cores of the first still run.
 _MAX_LAUNCHERS = 2
 _lock = threading.Lock()
 _launchers: dict[frozenset, _Launcher] = {}
@@ -67,7 +67,11 @@ def launch(fds: tuple[int, int, int], env: Mapping[str, str] | None) -> Launched
         launcher = _launchers.get(_key(full_env))
     if launcher is None or not launcher.ready.is_set() or launcher.lost:
         return None
-    return launcher.launch(fds, full_env)
+    try:
+        cwd = os.getcwd()
+    except OSError:  # (a working directory since deleted: a direct start inherits it as it is)
+        return None
+    return launcher.launch(fds, full_env, cwd)
 
 
 def prepare(env: Mapping[str, str] | None) -> None:
@@ -143,8 +147,8 @@ class _Launcher:
         self._socket = ours
         threading.Thread(target=self._read, name="gristmill-core-launcher", daemon=True).start()
 
-    def launch(self, fds: tuple[int, int, int], env: dict[str, str]) -> LaunchedCore:
-        request = pickle.dumps(("start", env, os.getcwd()))
+    def launch(self, fds: tuple[int, int, int], env: dict[str, str], cwd: str) -> LaunchedCore:
+        request = pickle.dumps(("start", env, cwd))
         err = stderr_fd()
         devnull = None if isinstance(err, int) else os.open(os.devnull, os.O_WRONLY)
         with self._send_lock:

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gristmill.model.layers.linear import GATE_UP, QKV, project
-from gristmill.model.layers.mlp import ACTIVATIONS
+from gristmill.model.layers.activations import ACTIVATIONS
 from gristmill.model.metadata import HostStep, StepMetadata
 
 

@@ -4,16 +4,10 @@ encoder's activated projection, act(up(x))."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from gristmill.model.context import current_backend
-
-ACTIVATIONS = {
-    "silu": F.silu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu": F.gelu,
-}
+from gristmill.model.layers.activations import ACTIVATIONS
 
 
 class GatedMLP(nn.Module):
