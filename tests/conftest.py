@@ -31,6 +31,11 @@ from gristmill.engine import core_launcher  # noqa: E402
 core_launcher.ENABLED = True
 
 
+# Files of several minutes each (`--durations`), scheduled right after the Ray group.
+LONG_FILES = ("tests/server/test_structured_mixed.py", "tests/test_llm.py", "tests/model/test_quality.py",
+              "tests/test_structured_output.py")
+
+
 @pytest.hookimpl(tryfirst=True)  # (before xdist's own hook reads the marks)
 def pytest_collection_modifyitems(config, items):
     """Under `pytest -n N --dist loadgroup` (what `make test` runs): a test file's tests
@@ -41,9 +46,13 @@ def pytest_collection_modifyitems(config, items):
         path = item.nodeid.split("::", 1)[0]
         item.add_marker(pytest.mark.xdist_group("ray" if path.startswith("tests/on_ray/") else path))
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        # The longest group first (the Ray tests, minutes): the other worker meanwhile takes
-        # the files one by one, instead of waiting at the end for the Ray tests alone.
-        items.sort(key=lambda item: not item.nodeid.startswith("tests/on_ray/"))
+        # The longest groups first (the Ray tests, then the files that take minutes on the
+        # real model): the short files then fill both workers at the end, instead of one
+        # worker waiting for the other to finish a long file alone.
+        def order(item) -> int:
+            path = item.nodeid.split("::", 1)[0]
+            return 0 if path.startswith("tests/on_ray/") else 1 if path in LONG_FILES else 2
+        items.sort(key=order)
 
 
 @pytest.fixture(scope="session")
