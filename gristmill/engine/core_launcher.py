@@ -312,12 +312,8 @@ def _run_core(sock, selector, children, env, cwd, fds, launcher_pid) -> None:
         import traceback
         traceback.print_exc()
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
-        os._exit(code)
+        from gristmill.engine.core_process import _exit
+        _exit(code)
 
 
 def _returncode(status: int) -> int:
