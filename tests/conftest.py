@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import os
+import signal
+from collections import Counter
 
 import pytest
 
@@ -14,6 +16,12 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
+
+# A suite started in the background of a non-interactive shell (`make test &`) inherits
+# SIGINT ignored, and so would every process it starts: Ctrl-C would do nothing and the
+# tests of what Ctrl-C does would fail. Handled here, it is the default again after exec.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # Triton decides at import whether its own jit functions (tl.sum...) run interpreted: set
 # TRITON_INTERPRET before any test imports it (sentence-transformers does, through
@@ -36,23 +44,42 @@ LONG_FILES = ("tests/server/test_structured_mixed.py", "tests/test_llm.py", "tes
               "tests/test_structured_output.py")
 
 
-@pytest.hookimpl(tryfirst=True)  # (before xdist's own hook reads the marks)
+def work_unit(nodeid: str) -> str:
+    """What one xdist worker runs whole: a test file (its module fixtures, an engine or a
+    server, start once), or all the Ray tests (one cluster of 2 CPUs: two clusters would
+    deadlock the machine's CPUs)."""
+    path = nodeid.split("::", 1)[0]
+    return "ray" if path.startswith("tests/on_ray/") else path
+
+
+def _rank(path: str) -> int:
+    return 0 if path == "ray" else 1 if path in LONG_FILES else 2
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`pytest -n N --dist loadgroup` (what `make test` runs) hands out `work_unit`s. Not
+    through xdist_group marks: xdist puts a test's group into its node id, which pytest
+    9.2 no longer lets a plugin change, so marked tests were spread over both workers."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class WorkUnits(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    config.option.loadscopereorder = False  # (the order pytest_collection_modifyitems gives)
+    return WorkUnits(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Under `pytest -n N --dist loadgroup` (what `make test` runs): a test file's tests
-    run in one worker, so its module fixtures (an engine, a server) start once; the Ray
-    tests all run in one worker, on one cluster of 2 CPUs (two clusters would deadlock
-    the machine's CPUs)."""
-    for item in items:
-        path = item.nodeid.split("::", 1)[0]
-        item.add_marker(pytest.mark.xdist_group("ray" if path.startswith("tests/on_ray/") else path))
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        # The longest groups first (the Ray tests, then the files that take minutes on the
-        # real model): the short files then fill both workers at the end, instead of one
-        # worker waiting for the other to finish a long file alone.
-        def order(item) -> int:
-            path = item.nodeid.split("::", 1)[0]
-            return 0 if path.startswith("tests/on_ray/") else 1 if path in LONG_FILES else 2
-        items.sort(key=order)
+    """The longest units first (the Ray tests, then the files that take minutes on the real
+    model, then the rest by their number of tests): the short files then fill both
+    workers at the end, instead of one worker finishing a long file alone."""
+    if config.getvalue("dist") == "loadgroup" or os.environ.get("PYTEST_XDIST_WORKER"):
+        sizes = Counter(work_unit(item.nodeid) for item in items)
+        items.sort(key=lambda item: (_rank(work_unit(item.nodeid)), -sizes[work_unit(item.nodeid)]))
 
 
 @pytest.fixture(scope="session")
