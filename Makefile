@@ -16,8 +16,12 @@ $(BIN)/gristmill: pyproject.toml
 	$(BIN)/pip install --quiet --disable-pip-version-check -e .
 	touch $(BIN)/gristmill
 
+# The C++ kernels compile while pip installs the test tools (pip leaves a core idle);
+# otherwise the first test module that needs them compiles them, both workers waiting.
 $(VENV)/.test-tools: $(BIN)/gristmill
-	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[test]'
+	$(BIN)/python -m gristmill.model.cpu.kernels & build=$$!; \
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[test]'; status=$$?; \
+	wait $$build; exit $$status
 	touch $(VENV)/.test-tools
 
 install: $(BIN)/gristmill
@@ -27,8 +31,10 @@ run: install
 
 # Two workers: much of the suite waits on processes starting (servers, engine cores, Ray),
 # and a test file's tests stay in one worker (tests/conftest.py), the Ray tests in one.
+# (PYTHONDONTWRITEBYTECODE cleared: the test processes, well over a hundred, then read the
+# package's and the tests' compiled bytecode instead of compiling them each.)
 test: $(VENV)/.test-tools
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n 2 --dist loadgroup
 
 bench: $(VENV)/.test-tools
 	$(BIN)/python benchmarks/throughput.py

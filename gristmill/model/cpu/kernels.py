@@ -176,3 +176,10 @@ def int8_extension():
 def q4_extension():
     """The kernels with the 4-bit linear kernel (`q4_linear`) too, or None."""
     return extension(q4=True)
+
+
+if __name__ == "__main__":
+    # `python -m gristmill.model.cpu.kernels`: build both extensions now (`make test` does,
+    # while pip installs the test tools), so nothing compiles on first use.
+    for q4 in (False, True):
+        _Build(q4).load()
