@@ -10,10 +10,12 @@ start; EOS ignored, so it waits all the way), one call a chat at most, each agai
 generation (tools rendered, tool_choice "none") of the same number of tokens per row. A
 forced call ends on its own, so its plain twin gets each row's own count. A model with no
 call syntax of its own in its chat template (the bundled Gemma 3) is read with
-`--tool-call-parser` (hermes unless told).
+`--tool-call-parser` (hermes unless told). The forced calls run again on a second engine
+with `fast_forward=False` (every token of a call sampled under the mask; `--no-twin`
+skips it), against their own plain twin.
 
     python benchmarks/structured_output.py [--device cpu|cuda] [--batch 64] [--tokens 64] [--temperature 0]
-        [--model PATH] [--only schema|tools] [--tool-call-parser hermes|pythonic|llama3_json]
+        [--model PATH] [--only schema|tools] [--tool-call-parser hermes|pythonic|llama3_json] [--no-twin]
 """
 
 from __future__ import annotations
@@ -72,6 +74,8 @@ def main() -> None:
     parser.add_argument("--tool-call-parser", default=None,
                         help="the call syntax (default: the model's own, else hermes)")
     parser.add_argument("--call-tokens", type=int, default=128, help="max_tokens of a forced call (it ends sooner)")
+    parser.add_argument("--no-twin", action="store_true",
+                        help="skip the forced calls with fast_forward=False (a second engine)")
     args = parser.parse_args()
     llm = LLM(args.model, device=args.device, max_num_seqs=max(64, args.batch),
               structured_output_backend=args.backend, tool_call_parser=args.tool_call_parser)
@@ -79,7 +83,10 @@ def main() -> None:
     if args.only != "tools":
         schema_workload(llm, args)
     if args.only != "schema":
-        tool_workload(llm, args)
+        sampled = None if args.no_twin else LLM(args.model, device=args.device, max_num_seqs=max(64, args.batch),
+                                                structured_output_backend=args.backend,
+                                                tool_call_parser=args.tool_call_parser, fast_forward=False)
+        tool_workload(llm, args, sampled)
 
 
 def schema_workload(llm: LLM, args) -> None:
@@ -129,9 +136,11 @@ def run_chats(llm: LLM, chats, params, **tool_fields) -> tuple[float, list]:
     return time.perf_counter() - start, [o.outputs[0] for o in outs]
 
 
-def tool_workload(llm: LLM, args) -> None:
-    if llm.tool_parser is None:  # (no call syntax in the model's template: read one it does not know)
-        llm.client.tool_parser = get_tool_parser("hermes")
+def tool_workload(llm: LLM, args, sampled: LLM | None = None) -> None:
+    """`sampled`: the same model with `fast_forward=False`, for the forced calls' twin row."""
+    for each in (llm, sampled):
+        if each is not None and each.tool_parser is None:  # (no call syntax in the model's template)
+            each.client.tool_parser = get_tool_parser("hermes")
     chats = [[{"role": "user", "content": f"Customer {i} asks about the weather where they live. Help them."}]
              for i in range(args.batch)]
     same = llm.apply_chat_template(chats[0], tools=TOOLS) == llm.apply_chat_template(chats[0])
@@ -157,6 +166,13 @@ def tool_workload(llm: LLM, args) -> None:
     # The plain twin: each row as many tokens as its forced call took.
     twins = [free.clone(max_tokens=max(1, len(o.token_ids))) for o in calls]
     plain_required = report("plain, same counts", *run_chats(llm, chats, twins, tool_choice="none"))
+    if sampled is not None:  # the same calls with every token sampled under the mask
+        run_chats(sampled, chats[:2], forced, tool_choice="required")
+        elapsed, slow_calls = run_chats(sampled, chats, forced, tool_choice="required")
+        slow = report("required, no fast-forward", elapsed, slow_calls)
+        slow_twins = [free.clone(max_tokens=max(1, len(o.token_ids))) for o in slow_calls]
+        slow_plain = report("plain, same counts", *run_chats(sampled, chats, slow_twins, tool_choice="none"))
+        print(f"required / plain (same counts), every token sampled: {slow / slow_plain:.3f}x")
     plain = report("plain", *run_chats(llm, chats, free, tool_choice="none"))
     elapsed, outs = run_chats(llm, chats, free, tool_choice="auto")
     started = sum(bool(o.tool_calls) or o.finish_reason == "tool_calls" for o in outs)

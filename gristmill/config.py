@@ -78,6 +78,12 @@ class EngineConfig:
     structured_output_backend: str = _field(
         "llguidance", 'Grammar engine of structured output: "llguidance" (the default) or "xgrammar" '
                       "(pip install xgrammar; see docs/structured_output.md).")
+    fast_forward: bool = _field(
+        True, "Structured output: text the grammar forces (a JSON key, a call's name and markers) "
+              "is appended without sampling, as the tokenizer spells it, and computed in the next "
+              "step with the token sampled before it (llguidance's fast-forward tokens; not for "
+              "requests with logprobs or logits controls). False = every token sampled under "
+              "the mask.")
     reasoning_parser: str | None = _field(
         None, "How a chat's reasoning (the text between <think> and </think>) is kept apart from its "
               f"answer: {', '.join(map(repr, REASONING_PARSERS))}; None = chosen from the model's chat "

@@ -56,7 +56,7 @@ class EngineCore:
         self.block_manager = BlockManager(executor.num_blocks, config.block_size,
                                           config.enable_prefix_caching and not is_pooling(self.task))
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
-                                   config.max_num_batched_tokens, executor.max_model_len)
+                                   config.max_num_batched_tokens, executor.max_model_len, config.fast_forward)
         self.capacity = Capacity(executor.max_model_len, executor.num_blocks, config.block_size,
                                  executor.vocab_size, config.max_num_seqs,
                                  config.max_num_batched_tokens, self.task,

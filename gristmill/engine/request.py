@@ -73,6 +73,9 @@ class Request:
         #: control, no constraint (a step of such rows only needs the forward's argmax).
         self.plain = (params.greedy and params.logprobs is None and not self.controlled
                       and self.matcher is None and params.prompt_logprobs is None)
+        #: The tokens its grammar forces may be appended unsampled (`EngineConfig.fast_forward`):
+        #: no logprobs or logits control would have seen each of them sampled.
+        self.may_fast_forward = self.matcher is not None and params.logprobs is None and not self.controlled
         #: With `prompt_logprobs`: each prompt token's entry (from its second), gathered
         #: over its prefill chunks and sent with its first output token; None: not asked.
         self.prompt_logprobs: list | None = [] if params.prompt_logprobs is not None else None

@@ -26,8 +26,10 @@ from gristmill.step import SchedulerOutput, StepTokens
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int):
+                 max_num_batched_tokens: int, max_model_len: int, fast_forward: bool = False):
         self.block_manager = block_manager
+        #: Append the tokens a request's grammar forces (`EngineConfig.fast_forward`).
+        self.fast_forward = fast_forward
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -220,10 +222,43 @@ class Scheduler:
                                                  else [token_id], logprobs, reason, error, request.token_times,
                                                  prompt_logprobs=_prompt_logprobs(request)))
                     continue
+            new_token_ids = [token_id]
+            if self.fast_forward and request.may_fast_forward:
+                forced = self._fast_forward(request)
+                new_token_ids += forced
+                if forced and request.token_times is not None:
+                    request.token_times.extend([now] * len(forced))
+                if forced and request.matcher.finished:
+                    self.finish_request(request_id, "stop")
+                    updates.append(RequestUpdate(request_id, request.output_token_ids if request.send_at_end
+                                                 else new_token_ids, None, "stop", None, request.token_times,
+                                                 prompt_logprobs=_prompt_logprobs(request)))
+                    continue
             if not request.send_at_end:  # (a send_at_end request is heard of only at its end)
-                updates.append(RequestUpdate(request_id, [token_id], logprobs, None,
+                updates.append(RequestUpdate(request_id, new_token_ids, logprobs, None,
                                              prompt_logprobs=_prompt_logprobs(request)))
         return updates
+
+    @staticmethod
+    def _fast_forward(request: Request) -> list[int]:
+        """Append the tokens the request's grammar forces next (its matcher takes each),
+        leaving room for a sampled token before its length limit; they are computed with
+        the token before them in its next step, which samples after them. A stop token
+        is left to be sampled, so it ends the request as usual."""
+        matcher, forced = request.matcher, []
+        room = request.length_limit - len(request.token_ids) - 1
+        while len(forced) < room:
+            more = matcher.forced_tokens()[:room - len(forced)]
+            taken = 0
+            for token_id in more:
+                if token_id in request.stop_ids or not matcher.accept(token_id):
+                    break  # (a refused token leaves the matcher in error: the next step says so)
+                taken += 1
+            forced += more[:taken]
+            if not more or taken < len(more):
+                break
+        request.token_ids.extend(forced)
+        return forced
 
 
     def _resolve_pooled(self, sampled: StepTokens) -> list[RequestUpdate]:

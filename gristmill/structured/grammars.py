@@ -69,6 +69,12 @@ class Matcher:
         when the engine cannot tell cheaply (xgrammar): the caller then fills the mask."""
         return False
 
+    def forced_tokens(self) -> list[int]:
+        """Tokens that spell text the grammar allows no alternative to from here (none
+        where the engine cannot tell: xgrammar). The engine appends them without sampling
+        (`EngineConfig.fast_forward`), then `accept`s each."""
+        return []
+
     @property
     def constrains_next(self) -> bool:
         """Whether the next token is constrained at all (False: any token may come, and
@@ -108,6 +114,11 @@ class _LLGuidanceMatcher(Matcher):
 
     def allows(self, token_id: int) -> bool:
         return self._matcher.validate_tokens([token_id]) == 1
+
+    def forced_tokens(self) -> list[int]:
+        # (llguidance tokenizes the forced bytes and leaves out a last token that the
+        # text after them could merge into a longer one)
+        return self._matcher.compute_ff_tokens()
 
     def restart(self, token_ids: list[int]) -> bool:
         """Back to the grammar's start, then take `token_ids`; False (and back at the start)

@@ -125,6 +125,9 @@ class LazyMatcher:
     def allows(self, token_id: int) -> bool:
         return self.grammar.allows(token_id) if self._state == HELD else True
 
+    def forced_tokens(self) -> list[int]:
+        return self.grammar.forced_tokens() if self._state == HELD else []
+
     @property
     def constrains_next(self) -> bool:
         return self._state == HELD

@@ -120,6 +120,15 @@ class GatedMatcher:
             return True
         return self.inner.allows(token_id) if self.inner is not None else True
 
+    def forced_tokens(self) -> list[int]:
+        """The end marker's remaining tokens once the budget is spent; the answer's
+        constraint's forced tokens once it applies."""
+        if self._state == REASONING:
+            return list(self.gate.end_token_ids[self._matched:]) if self._forced is not None else []
+        if self._state == ANSWER and self.inner is not None:
+            return self.inner.forced_tokens()
+        return []
+
     @property
     def constrains_next(self) -> bool:
         if self._state == ANSWER:
