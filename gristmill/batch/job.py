@@ -25,7 +25,7 @@ from gristmill.batch import EngineProcessorConfig, HttpProcessorConfig, UserFunc
 from gristmill.batch.io import (CsvWriter, InputError, InputFile, JsonlWriter, ParquetWriter, check_writable,
                                 cut_at, file_format)
 from gristmill.batch.openai_batch import batch_output_line, batch_task, check_batch_line, is_batch_file
-from gristmill.batch.job_rows import INPUT_COLUMN, input_slots, merged
+from gristmill.batch.job_rows import INPUT_COLUMN, input_slots, merged, whole_lines
 from gristmill.batch.resume import ROW_ID, RowIds, skip_written, written_rows
 from gristmill.batch.rows import (ERROR_COLUMN, PROMPT_LOGPROBS_COLUMN, REASONING_COLUMN, TOOL_CALLS_COLUMN,
                                   output_columns)
@@ -261,7 +261,7 @@ class Job:
                 processor = self._processor()
                 slots = input_slots(rows, self.skipped, self.ids, self.batch_file, args.prompt_column,
                                     args.messages_column, self.task)
-                self._write_all(processor, merged(processor, slots, self.task), open_outputs)
+                self._write_all(processor, whole_lines(merged(processor, slots, self.task)), open_outputs)
             else:  # nothing is left: no engine to start
                 open_outputs()
         except KeyboardInterrupt as exc:

@@ -9,10 +9,10 @@ from collections.abc import Iterable, Iterator
 from contextlib import closing
 from dataclasses import dataclass
 
-from gristmill.batch.openai_batch import batch_request_row
+from gristmill.batch.openai_batch import PARTS_COLUMN, batch_request_row, embedding_inputs
 from gristmill.batch.resume import RowIds
 from gristmill.batch.row_tools import TOOL_FIELDS
-from gristmill.batch.rows import error_columns
+from gristmill.batch.rows import ERROR_COLUMN, error_columns
 from gristmill.errors import RequestError
 
 #: Rides with each row through the processor: the input row as read, for the output and
@@ -35,6 +35,17 @@ def input_slots(rows: Iterable[dict], start: int, ids: RowIds, batch_file: bool,
     for position, original in enumerate(rows, start=start):
         row_id = ids.claim(original, position)
         row = {ids.id_column: row_id, INPUT_COLUMN: original}
+        inputs = embedding_inputs(original) if batch_file and task == "embed" else None
+        if inputs is not None:  # a row per input; `whole_lines` makes the line's output of them
+            for part in range(len(inputs)):
+                each = {**row, PARTS_COLUMN: [part, len(inputs)]}
+                try:
+                    each.update(batch_request_row(original, task, part))
+                except RequestError as exc:
+                    yield Slot(each, exc)
+                    continue
+                yield Slot(each)
+            continue
         try:
             row.update(batch_request_row(original, task) if batch_file
                        else request_columns(original, prompt_column, messages_column, task))
@@ -101,6 +112,30 @@ def merged(processor, slots: Iterable[Slot], task: str = "generate") -> Iterator
             waiting.popleft()  # `out`'s own slot: the feeder read it before the processor ran it
             yield out
     yield from failed_early()
+
+
+def whole_lines(outputs: Iterable[dict]) -> Iterator[dict]:
+    """Output rows in input order, the rows of a batch line of several embedding inputs
+    (`PARTS_COLUMN`) made one: its vectors in a list, its tokens summed, or the first
+    error of its inputs (the line fails whole, as the endpoint would)."""
+    parts: list[dict] = []
+    for out in outputs:
+        part = out.get(PARTS_COLUMN)
+        if part is None:
+            yield out
+            continue
+        parts.append(out)
+        if part[0] == part[1] - 1:
+            yield _line_of(parts)
+            parts = []
+
+
+def _line_of(parts: list[dict]) -> dict:
+    for out in parts:
+        if out.get(ERROR_COLUMN):
+            return {**out, PARTS_COLUMN: None}
+    return {**parts[0], "embeddings": [out["embeddings"] for out in parts],
+            "num_input_tokens": sum(out["num_input_tokens"] for out in parts)}
 
 
 def decoded(value):

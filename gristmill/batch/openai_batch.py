@@ -1,8 +1,10 @@
 """OpenAI Batch API files, as `vllm run-batch` reads them: each line a request
 (`custom_id`, `method`, `url`, `body`) made into a processor row, and each output row made
 into the line OpenAI's batch output holds. Lines to /v1/chat/completions and
-/v1/completions make a generating job; lines to /v1/embeddings an embedding job (one
-input per line), whose output lines hold /v1/embeddings responses."""
+/v1/completions make a generating job; lines to /v1/embeddings an embedding job, whose
+output lines hold /v1/embeddings responses. A /v1/embeddings line with several inputs is
+a row per input (`embedding_inputs`), whose results make its one output line again
+(`job_rows.whole_lines`)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ from gristmill.errors import GristmillError, RequestError
 from gristmill.structured.grammars import check_constraint
 from gristmill.structured.spec import openai_constraint
 
+#: Rides with the rows of a line of several inputs: (the input's index, how many).
+PARTS_COLUMN = "__gristmill_batch_part__"
 BATCH_URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/embeddings": "embeddings"}
 # Embeddings body fields copied into pooling_params (vLLM's extras beside OpenAI's dimensions).
 _EMBEDDING_PARAMS = ("dimensions", "normalize", "truncate_prompt_tokens")
@@ -54,9 +58,24 @@ def batch_task(first_line: dict) -> str:
     return "embed" if BATCH_URLS.get(first_line.get("url")) == "embeddings" else "generate"
 
 
-def batch_request_row(line: dict, task: str = "generate") -> dict:
-    """A batch line as a processor row of a job running `task`; raises RequestError for a
-    request this line cannot make (it becomes a 400 line of the output)."""
+def embedding_inputs(line: dict) -> list | None:
+    """The inputs of a /v1/embeddings line that has several (texts, or lists of token
+    ids), each a request of its own; None for a line of one input, or of no valid list."""
+    body = line.get("body")
+    if BATCH_URLS.get(line.get("url")) != "embeddings" or not isinstance(body, dict):
+        return None
+    given = body.get("input")
+    if (isinstance(given, list) and len(given) > 1 and not all(isinstance(t, int) for t in given)
+            and all(isinstance(each, str) or (isinstance(each, list) and each and all(isinstance(t, int) for t in each))
+                    for each in given)):
+        return given
+    return None
+
+
+def batch_request_row(line: dict, task: str = "generate", part: int | None = None) -> dict:
+    """A batch line as a processor row of a job running `task` (`part`: the row of the
+    line's input `part`, for a line of several, `embedding_inputs`); raises RequestError for
+    a request this line cannot make (it becomes a 400 line of the output)."""
     url, body = line["url"], line["body"]
     if url not in BATCH_URLS:
         raise RequestError(f"url {url!r} is not supported; use one of {sorted(BATCH_URLS)}", param="url")
@@ -68,7 +87,7 @@ def batch_request_row(line: dict, task: str = "generate") -> dict:
                            f"or the file's first line); put the lines of each task in a file of their own",
                            param="url")
     if wanted == "embed":
-        return _embedding_row(line["custom_id"], body)
+        return _embedding_row(line["custom_id"], body if part is None else {**body, "input": body["input"][part]})
     known = {*_BODY_PARAMS, *_BODY_IGNORED, *_BODY_CONSTRAINTS,
              *(_CHAT_TOOL_FIELDS if BATCH_URLS[url] == "chat" else ())}
     unsupported = sorted(k for k, v in body.items() if k not in known and v)
@@ -119,9 +138,9 @@ def _embedding_row(custom_id, body: dict) -> dict:
     row = {"custom_id": custom_id, "pooling_params": {k: body[k] for k in _EMBEDDING_PARAMS if body.get(k) is not None}}
     if isinstance(given, list) and given and all(isinstance(t, int) for t in given):
         return {**row, "tokenized_prompt": given}
-    if isinstance(given, list):
-        raise RequestError(f"body.input holds {len(given)} inputs; a batch line makes one embedding, so give each "
-                           f"input a line (and a custom_id) of its own", param="input")
+    if not isinstance(given, str):
+        raise RequestError("body.input must be a string, a list of token ids, or a list of either (a string, or a "
+                           "non-empty list of token ids, each)", param="input")
     return {**row, "prompt": given}
 
 
@@ -170,15 +189,16 @@ def _completion_body(kind: str, out: dict, model: str) -> dict:
 
 
 def _embedding_body(out: dict, model: str, encoding_format: str) -> dict:
-    """The /v1/embeddings response of one input ("base64": OpenAI's, the float32 values'
+    """The /v1/embeddings response of a line's inputs (`out["embeddings"]`: one vector, or
+    a list of them for a line of several; "base64": OpenAI's, the float32 values'
     little-endian bytes)."""
-    vector = out["embeddings"]
+    vectors = out["embeddings"] if out.get(PARTS_COLUMN) else [out["embeddings"]]
     if encoding_format == "base64":
         import numpy as np
-        vector = base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
+        vectors = [base64.b64encode(np.asarray(v, dtype="<f4").tobytes()).decode("ascii") for v in vectors]
     tokens = out["num_input_tokens"]
     return {"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": model,
-            "data": [{"object": "embedding", "index": 0, "embedding": vector}],
+            "data": [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)],
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 

@@ -160,21 +160,31 @@ def test_an_openai_batch_file_of_embeddings_lines_gets_embeddings_responses(tmp_
 
     lines = [line("text", {"input": TEXTS[0]}),
              line("in-a-list", {"input": [TEXTS[2]], "encoding_format": "base64"}),
-             line("two", {"input": ["a", "b"]}),
+             line("two", {"input": [TEXTS[0], TEXTS[1]], "encoding_format": "base64"}),
+             line("two-one-too-long", {"input": [TEXTS[1], "word " * 400]}),
+             line("bad-input", {"input": [TEXTS[1], 7]}),
              line("chat", {"messages": [{"role": "user", "content": "hi"}]}, url="/v1/chat/completions"),
              line("cut", {"input": "word " * 400, "truncate_prompt_tokens": 10})]
     result = batch_main(write_jsonl(tmp_path / "batch.jsonl", lines), "-o", tmp_path / "out.jsonl",
                         *model_flags(tiny_embedder()))
     assert result.returncode == 0, result.stderr
     out = {row["custom_id"]: row["response"] for row in read_jsonl(tmp_path / "out.jsonl")}
-    assert list(out) == ["text", "in-a-list", "two", "chat", "cut"]
+    assert list(out) == ["text", "in-a-list", "two", "two-one-too-long", "bad-input", "chat", "cut"]
     body = out["text"]["body"]
     assert out["text"]["status_code"] == 200 and body["object"] == "list" and body["model"] == "tiny"
     assert body["data"][0]["object"] == "embedding" and body["usage"]["prompt_tokens"] > 0
     assert cosine(body["data"][0]["embedding"], reference[TEXTS[0]]) >= 0.99999
     packed = np.frombuffer(base64.b64decode(out["in-a-list"]["body"]["data"][0]["embedding"]), dtype="<f4")
     assert cosine(packed, reference[TEXTS[2]]) >= 0.99999
-    assert out["two"]["status_code"] == 400 and "a custom_id) of its own" in out["two"]["body"]["error"]["message"]
+    # A line of several inputs: one response with a vector each, in order; one bad input fails the line.
+    two = out["two"]["body"]
+    assert out["two"]["status_code"] == 200 and [d["index"] for d in two["data"]] == [0, 1]
+    for d, text in zip(two["data"], TEXTS):
+        assert cosine(np.frombuffer(base64.b64decode(d["embedding"]), dtype="<f4"), reference[text]) >= 0.99999
+    assert two["usage"]["prompt_tokens"] > body["usage"]["prompt_tokens"]
+    assert out["two-one-too-long"]["status_code"] == 400
+    assert "PromptTooLongError" == out["two-one-too-long"]["body"]["error"]["code"]
+    assert out["bad-input"]["status_code"] == 400 and "body.input must be" in out["bad-input"]["body"]["error"]["message"]
     assert out["chat"]["status_code"] == 400 and "task 'generate'" in out["chat"]["body"]["error"]["message"]
     assert out["cut"]["status_code"] == 200 and out["cut"]["body"]["usage"]["prompt_tokens"] == 10
 
