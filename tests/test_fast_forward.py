@@ -113,3 +113,28 @@ def test_streamed_forced_text_arrives_whole(tiny_model):
     assert "".join(o.outputs[0].text for o in outs) == LONG_CHOICE
     assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "stop"
     assert len([o for o in outs if o.outputs[0].text]) <= 2  # the sampled token, then the rest at once
+
+
+def test_a_spent_reasoning_budget_forces_the_end_marker_and_the_answers_fixed_start():
+    # The reasoning gate (structured/reasoning_gate.py): once max_reasoning_tokens are out,
+    # </think> is forced, then the JSON answer's fixed start; both written without steps.
+    from tests.chat.reasoning_models import cache_dir, tiny_reasoning_model, token_id
+
+    schema = {"type": "object", "properties": {"answer": {"enum": ["four", "five"]}}, "required": ["answer"]}
+    params = SamplingParams(max_tokens=48, temperature=0, structured_output={"json": schema}, max_reasoning_tokens=4)
+    runs = {}
+    for on in (True, False):
+        llm = LLM(model=tiny_reasoning_model("qwen3_opened"), device="cpu", cache_dir=cache_dir(),
+                  quantization=None, fast_forward=on)
+        before = llm.core.num_steps
+        [out] = llm.chat([{"role": "user", "content": "What is 2+2?"}], params, use_tqdm=False)
+        runs[on] = (out.outputs[0], llm.core.num_steps - before)
+        end = token_id(llm.get_tokenizer(), "</think>")
+    for completion, _ in runs.values():
+        assert completion.finish_reason == "stop", completion.error
+        assert completion.token_ids[4] == end  # four reasoning tokens, then the marker
+        jsonschema.validate(json.loads(completion.text), schema)
+    # Without fast-forward a step per token; with it, the marker and '{"answer": "' (and
+    # the rest of the enum value once it is decided) come with the tokens before them.
+    assert runs[False][1] == len(runs[False][0].token_ids)
+    assert runs[True][1] <= runs[False][1] - 4

@@ -210,31 +210,26 @@ class Scheduler:
             if request.token_times is not None:
                 request.token_times.append(now)
             logprobs = None if logprobs is None else [logprobs]
+            new_token_ids, reason, error = [token_id], None, None
             if token_id in request.stop_ids or request.last_pending or request.matcher is not None:
                 reason = request.stop_reason_after(token_id, request.last_pending)
                 request.last_pending = False
-                error = None
                 if request.matcher is not None:
                     reason, error = _constrained(request, token_id, reason)
-                if reason is not None:
-                    self.finish_request(request_id, reason)
-                    updates.append(RequestUpdate(request_id, request.output_token_ids if request.send_at_end
-                                                 else [token_id], logprobs, reason, error, request.token_times,
-                                                 prompt_logprobs=_prompt_logprobs(request)))
-                    continue
-            new_token_ids = [token_id]
-            if self.fast_forward and request.may_fast_forward:
+            if reason is None and self.fast_forward and request.may_fast_forward:
                 forced = self._fast_forward(request)
-                new_token_ids += forced
-                if forced and request.token_times is not None:
-                    request.token_times.extend([now] * len(forced))
-                if forced and request.matcher.finished:
-                    self.finish_request(request_id, "stop")
-                    updates.append(RequestUpdate(request_id, request.output_token_ids if request.send_at_end
-                                                 else new_token_ids, None, "stop", None, request.token_times,
-                                                 prompt_logprobs=_prompt_logprobs(request)))
-                    continue
-            if not request.send_at_end:  # (a send_at_end request is heard of only at its end)
+                if forced:
+                    new_token_ids += forced
+                    if request.token_times is not None:
+                        request.token_times.extend([now] * len(forced))
+                    if request.matcher.finished:  # (the forced text completed the grammar)
+                        reason = "stop"
+            if reason is not None:
+                self.finish_request(request_id, reason)
+                updates.append(RequestUpdate(request_id, request.output_token_ids if request.send_at_end
+                                             else new_token_ids, logprobs, reason, error, request.token_times,
+                                             prompt_logprobs=_prompt_logprobs(request)))
+            elif not request.send_at_end:  # (a send_at_end request is heard of only at its end)
                 updates.append(RequestUpdate(request_id, new_token_ids, logprobs, None,
                                              prompt_logprobs=_prompt_logprobs(request)))
         return updates
