@@ -35,24 +35,17 @@ def input_slots(rows: Iterable[dict], start: int, ids: RowIds, batch_file: bool,
     for position, original in enumerate(rows, start=start):
         row_id = ids.claim(original, position)
         row = {ids.id_column: row_id, INPUT_COLUMN: original}
+        # (a batch line of several embedding inputs: a row each, made one line by `whole_lines`)
         inputs = embedding_inputs(original) if batch_file and task == "embed" else None
-        if inputs is not None:  # a row per input; `whole_lines` makes the line's output of them
-            for part in range(len(inputs)):
-                each = {**row, PARTS_COLUMN: [part, len(inputs)]}
-                try:
-                    each.update(batch_request_row(original, task, part))
-                except RequestError as exc:
-                    yield Slot(each, exc)
-                    continue
-                yield Slot(each)
-            continue
-        try:
-            row.update(batch_request_row(original, task) if batch_file
-                       else request_columns(original, prompt_column, messages_column, task))
-        except RequestError as exc:
-            yield Slot(row, exc)
-            continue
-        yield Slot(row)
+        for part in [None] if inputs is None else range(len(inputs)):
+            each = row if part is None else {**row, PARTS_COLUMN: [part, len(inputs)]}
+            try:
+                each.update(batch_request_row(original, task, part) if batch_file
+                            else request_columns(original, prompt_column, messages_column, task))
+            except RequestError as exc:
+                yield Slot(each, exc)
+                continue
+            yield Slot(each)
 
 
 def request_columns(original: dict, prompt_column: str | None, messages_column: str | None,
