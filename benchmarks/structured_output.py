@@ -158,29 +158,28 @@ def tool_workload(llm: LLM, args, sampled: LLM | None = None) -> None:
         print(f"{name:>24}: {tokens:5d} tokens in {elapsed:6.2f} s = {tokens / elapsed:8.1f} tok/s{note}", flush=True)
         return tokens / elapsed
 
-    elapsed, calls = run_chats(llm, chats, forced, tool_choice="required")
-    valid = sum(bool(o.tool_calls) for o in calls)
-    required = report("required", elapsed, calls, f"; {valid} of {len(calls)} rows parsed into one call "
-                                                   f"({sum(len(o.token_ids) for o in calls) / len(calls):.0f} "
-                                                   f"tokens a call)")
-    # The plain twin: each row as many tokens as its forced call took.
-    twins = [free.clone(max_tokens=max(1, len(o.token_ids))) for o in calls]
-    plain_required = report("plain, same counts", *run_chats(llm, chats, twins, tool_choice="none"))
+    def forced_calls(engine: LLM, name: str) -> float:
+        """Forced calls' throughput over their plain twin's: each row as many tokens as its call took."""
+        elapsed, calls = run_chats(engine, chats, forced, tool_choice="required")
+        valid = sum(bool(o.tool_calls) for o in calls)
+        speed = report(name, elapsed, calls, f"; {valid} of {len(calls)} rows parsed into one call "
+                                             f"({sum(len(o.token_ids) for o in calls) / len(calls):.0f} tokens a call)")
+        twins = [free.clone(max_tokens=max(1, len(o.token_ids))) for o in calls]
+        return speed / report("plain, same counts", *run_chats(engine, chats, twins, tool_choice="none"))
+
+    required = forced_calls(llm, "required")
     if sampled is not None:  # the same calls with every token sampled under the mask
         run_chats(sampled, chats[:2], forced, tool_choice="required")
-        elapsed, slow_calls = run_chats(sampled, chats, forced, tool_choice="required")
-        slow = report("required, no fast-forward", elapsed, slow_calls)
-        slow_twins = [free.clone(max_tokens=max(1, len(o.token_ids))) for o in slow_calls]
-        slow_plain = report("plain, same counts", *run_chats(sampled, chats, slow_twins, tool_choice="none"))
-        print(f"required / plain (same counts), every token sampled: {slow / slow_plain:.3f}x")
+        print(f"required / plain (same counts), every token sampled: "
+              f"{forced_calls(sampled, 'required, no fast-forward'):.3f}x")
     plain = report("plain", *run_chats(llm, chats, free, tool_choice="none"))
     elapsed, outs = run_chats(llm, chats, free, tool_choice="auto")
     started = sum(bool(o.tool_calls) or o.finish_reason == "tool_calls" for o in outs)
     auto = report("auto (no call starts)" if not started else "auto", elapsed, outs,
                   f"; {started} of {len(outs)} rows made a call")
     plain_again = report("plain again", *run_chats(llm, chats, free, tool_choice="none"))
-    print(f"required / plain (same counts): {required / plain_required:.3f}x "
-          f"(forced calls cost {100 * (1 - required / plain_required):.1f}% of throughput)")
+    print(f"required / plain (same counts): {required:.3f}x "
+          f"(forced calls cost {100 * (1 - required):.1f}% of throughput)")
     plain_speed = (plain + plain_again) / 2
     print(f"auto / plain: {auto / plain_speed:.3f}x (the idle lazy grammar costs "
           f"{100 * (1 - auto / plain_speed):.1f}% of throughput)")
