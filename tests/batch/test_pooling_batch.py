@@ -187,6 +187,19 @@ def test_an_openai_batch_file_of_embeddings_lines_gets_embeddings_responses(tmp_
     assert out["bad-input"]["status_code"] == 400 and "body.input must be" in out["bad-input"]["body"]["error"]["message"]
     assert out["chat"]["status_code"] == 400 and "task 'generate'" in out["chat"]["body"]["error"]["message"]
     assert out["cut"]["status_code"] == 200 and out["cut"]["body"]["usage"]["prompt_tokens"] == 10
+    # Resumed after the first three lines (the line of two inputs among them): each line
+    # once more, in order, the lines of several inputs whole.
+    whole = read_jsonl(tmp_path / "out.jsonl")
+    (tmp_path / "out.jsonl").write_text("".join(json.dumps(line) + "\n" for line in whole[:3]))
+    again = batch_main(write_jsonl(tmp_path / "batch.jsonl", lines), "-o", tmp_path / "out.jsonl",
+                       *model_flags(tiny_embedder()), "--resume")
+    assert again.returncode == 0, again.stderr
+    assert "(3 of them kept from before --resume)" in again.stderr
+    resumed = read_jsonl(tmp_path / "out.jsonl")
+    assert resumed[:3] == whole[:3]
+    assert [(r["custom_id"], r["response"]["status_code"], len(r["response"]["body"].get("data", ())))
+            for r in resumed] == [(r["custom_id"], r["response"]["status_code"], len(r["response"]["body"].get("data", ())))
+                                  for r in whole]
 
 
 def test_http_processor_task_embed_against_a_served_embedder_matches_the_local_rows(reference):
