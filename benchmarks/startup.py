@@ -1,8 +1,9 @@
 """Start-up, side by side in one run: `python -c "import torch"` (the floor: every start
 imports torch), a warm `gristmill generate` of one short prompt on the bundled model
 (kernels, converted model and int8 weights cached), and, with --cold, a first start on an
-empty cache (GGUF conversion, int8 quantization and the kernels' compile). Each is a
-fresh process, timed from its launch to its exit; `engine ready` is what the engine
+empty cache (GGUF conversion, int8 quantization and the kernels' compile), and the GGUF
+conversion alone (nothing compiling beside it), its files checked byte for byte against the
+warm cache's. Each is a fresh process, timed from its launch to its exit; `engine ready` is what the engine
 itself reports. Prints the median of --runs and warm - import torch. With --before DIR,
 also a warm `gristmill generate` of the checkout in DIR (another worktree: its code is
 imported there), alternating with this one's, so drift on a shared machine hits both.
@@ -22,6 +23,13 @@ import tempfile
 import time
 
 GENERATE = [sys.executable, "-m", "gristmill.cli", "generate", "Hello", "--max-tokens", "4"]
+# The bundled model's GGUF conversion alone, into the directory it is given; prints its seconds.
+CONVERT = [sys.executable, "-c", "import pathlib, sys, time\n"
+           "from gristmill.model.loader import convert_gguf\n"
+           "from gristmill.paths import default_model_path\n"
+           "start = time.perf_counter()\n"
+           "convert_gguf(default_model_path(), pathlib.Path(sys.argv[1]))\n"
+           "print(time.perf_counter() - start)"]
 
 
 def timed(command: list[str], env: dict | None = None, cwd: str | None = None) -> tuple[float, str]:
@@ -40,6 +48,28 @@ def phases(stderr: str) -> dict[str, float]:
     if ready:
         found["engine ready"] = float(ready.group(1))
     return found
+
+
+def conversion_alone() -> list[tuple[str, float]]:
+    """The GGUF conversion in a process of its own, nothing else starting; its files must
+    be the warm cache's, byte for byte."""
+    import hashlib
+    from pathlib import Path
+
+    from gristmill.paths import converted_gguf_dir, default_model_path
+
+    warm = converted_gguf_dir(default_model_path())
+    with tempfile.TemporaryDirectory() as out:
+        start = time.perf_counter()
+        done = subprocess.run([*CONVERT, out], capture_output=True, text=True, check=True, timeout=900)
+        elapsed, seconds = time.perf_counter() - start, float(done.stdout.split()[-1])
+        files = sorted(p.name for p in Path(out).iterdir())
+        differ = [name for name in files if hashlib.sha256((warm / name).read_bytes()).digest()
+                  != hashlib.sha256(Path(out, name).read_bytes()).digest()]
+    if differ:
+        raise RuntimeError(f"the conversion's {differ} differ from the warm cache's ({warm})")
+    return [("GGUF conversion alone, process", elapsed),
+            (f"  of which converting ({len(files)} files, = cache's)", seconds)]
 
 
 def main() -> None:
@@ -68,6 +98,7 @@ def main() -> None:
             elapsed, stderr = timed(GENERATE, env={**os.environ, "GRISTMILL_CACHE": cache})
         rows.append(("gristmill generate, empty cache", elapsed))
         rows += [(f"  {name}", seconds) for name, seconds in phases(stderr).items()]
+        rows += conversion_alone()
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
     flags = sorted({f for line in open("/proc/cpuinfo") if line.startswith("flags")
                     for f in line.split() if f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16")})
