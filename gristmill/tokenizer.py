@@ -18,6 +18,10 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 # Gemma's turn format, for Gemma checkpoints that ship no chat template (the base 270M).
+# Gemma's turns are only user and model: as Google's function-calling guide has it, an
+# assistant's tool calls are written in the model turn as a pythonic list,
+# `[get_weather(city="Paris", hot=True)]` (what the `pythonic` parser reads), and tool
+# results go in a user turn, each in a ```tool_output block (results in a row share it).
 GEMMA_CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{%- if messages[0]['role'] == 'system' -%}"
@@ -30,14 +34,38 @@ GEMMA_CHAT_TEMPLATE = (
     "{%- if not loop_messages -%}"
     "{{ raise_exception('a system message must be followed by a user message') }}"
     "{%- endif -%}"
+    "{%- set ns = namespace(turns=0) -%}"
     "{%- for message in loop_messages -%}"
-    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{%- set result = message['role'] == 'tool' -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else ('user' if result else message['role']) -%}"
+    "{%- if not (result and loop.previtem is defined and loop.previtem['role'] == 'tool') -%}"
+    "{%- if (role == 'user') != (ns.turns % 2 == 0) -%}"
     "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
     "{%- endif -%}"
-    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
-    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if ns.turns == 0 else '') }}"
+    "{%- set ns.turns = ns.turns + 1 -%}"
+    "{%- endif -%}"
+    "{%- if result -%}"
+    "{{ '```tool_output\n' + message['content'] | trim + '\n```' }}"
+    "{%- else -%}"
     "{{ message['content'] | trim }}"
+    "{%- endif -%}"
+    "{%- if message.tool_calls -%}"
+    "{{ '\n' if message['content'] | trim else '' }}["
+    "{%- for call in message.tool_calls -%}"
+    "{{ ', ' if not loop.first else '' }}{{ call['function']['name'] }}("
+    "{%- for key, value in call['function']['arguments'].items() -%}"
+    "{{ ', ' if not loop.first else '' }}{{ key }}="
+    "{%- if value is sameas true -%}True{%- elif value is sameas false -%}False"
+    "{%- elif value is none -%}None{%- else -%}{{ value | tojson }}{%- endif -%}"
+    "{%- endfor -%})"
+    "{%- endfor -%}]"
+    "{%- endif -%}"
+    "{%- if result and loop.nextitem is defined and loop.nextitem['role'] == 'tool' -%}"
+    "{{ '\n' }}"
+    "{%- else -%}"
     "{{ '<end_of_turn>\n' }}"
+    "{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
 )
