@@ -39,47 +39,52 @@ __attribute__((target("avx2,fma"))) float exp_shifted_avx2(float* s, int64_t n, 
   return sum;
 }
 
-// scores[j] = scale * q . k_j for j < lp (kt: (dim, lp)): 4 vector sums in registers.
-__attribute__((target("avx2,fma"))) void scores_avx2(const float* q, const float* kt, int64_t lp, int64_t dim,
-                                                     float scale, float* scores) {
-  for (int64_t j0 = 0; j0 < lp; j0 += 32) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+// Queries go kQueries at a time: each key or value vector loaded serves all of them, and
+// their kQueries x 2 vector sums are independent chains (one alone waits on its FMA).
+constexpr int64_t kQueries = 4;
+
+// scores[r * lp + j] = qs_r . k_j for r < kQueries, j < lp (qs: (kQueries, dim), already
+// scaled; kt: (dim, lp), lp a multiple of 16).
+__attribute__((target("avx2,fma"))) void scores_avx2(const float* qs, const float* kt, int64_t lp, int64_t dim,
+                                                     float* scores) {
+  for (int64_t j0 = 0; j0 < lp; j0 += 16) {
+    __m256 acc[kQueries][2];
+    for (auto& a : acc) a[0] = a[1] = _mm256_setzero_ps();
     for (int64_t d = 0; d < dim; ++d) {
-      const __m256 qd = _mm256_set1_ps(q[d] * scale);
-      const float* kd = kt + d * lp + j0;
-      a0 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kd), a0);
-      a1 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kd + 8), a1);
-      a2 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kd + 16), a2);
-      a3 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kd + 24), a3);
+      const __m256 k0 = _mm256_loadu_ps(kt + d * lp + j0), k1 = _mm256_loadu_ps(kt + d * lp + j0 + 8);
+      for (int r = 0; r < kQueries; ++r) {
+        const __m256 qd = _mm256_broadcast_ss(qs + r * dim + d);
+        acc[r][0] = _mm256_fmadd_ps(qd, k0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(qd, k1, acc[r][1]);
+      }
     }
-    _mm256_storeu_ps(scores + j0, a0);
-    _mm256_storeu_ps(scores + j0 + 8, a1);
-    _mm256_storeu_ps(scores + j0 + 16, a2);
-    _mm256_storeu_ps(scores + j0 + 24, a3);
+    for (int r = 0; r < kQueries; ++r) {
+      _mm256_storeu_ps(scores + r * lp + j0, acc[r][0]);
+      _mm256_storeu_ps(scores + r * lp + j0 + 8, acc[r][1]);
+    }
   }
 }
 
-// out[c] = inv * sum_j p[j] v[j][d0 + c] for c < 32 (vb: (len, dp)), even and odd keys
-// summed apart (half the dependency chain).
-__attribute__((target("avx2,fma"))) void weighted_sum_avx2(const float* p, const float* vb, int64_t len,
-                                                           int64_t dp, int64_t d0, float inv, float* out) {
-  __m256 e[4], o[4];
-  for (int c = 0; c < 4; ++c) e[c] = o[c] = _mm256_setzero_ps();
-  int64_t j = 0;
-  for (; j + 1 < len; j += 2) {
-    const __m256 p0 = _mm256_set1_ps(p[j]), p1 = _mm256_set1_ps(p[j + 1]);
-    const float* v0 = vb + j * dp + d0;
-    for (int c = 0; c < 4; ++c) {
-      e[c] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0 + 8 * c), e[c]);
-      o[c] = _mm256_fmadd_ps(p1, _mm256_loadu_ps(v0 + dp + 8 * c), o[c]);
+// out[r][c] = inv[r] * sum_j p[r * lp + j] v[j][d0 + c] for r < rows, c < 16 (vb: (len,
+// dp)); out rows `ld_out` apart.
+__attribute__((target("avx2,fma"))) void weighted_sum_avx2(const float* p, int64_t lp, const float* vb, int64_t len,
+                                                           int64_t dp, int64_t d0, const float* inv, int rows,
+                                                           float* out, int64_t ld_out) {
+  __m256 acc[kQueries][2];
+  for (auto& a : acc) a[0] = a[1] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < len; ++j) {
+    const __m256 v0 = _mm256_loadu_ps(vb + j * dp + d0), v1 = _mm256_loadu_ps(vb + j * dp + d0 + 8);
+    for (int r = 0; r < kQueries; ++r) {
+      const __m256 pj = _mm256_broadcast_ss(p + r * lp + j);
+      acc[r][0] = _mm256_fmadd_ps(pj, v0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(pj, v1, acc[r][1]);
     }
   }
-  if (j < len) {
-    const __m256 p0 = _mm256_set1_ps(p[j]);
-    for (int c = 0; c < 4; ++c) e[c] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(vb + j * dp + d0 + 8 * c), e[c]);
+  for (int r = 0; r < rows; ++r) {
+    const __m256 scale = _mm256_set1_ps(inv[r]);
+    _mm256_storeu_ps(out + r * ld_out, _mm256_mul_ps(acc[r][0], scale));
+    _mm256_storeu_ps(out + r * ld_out + 8, _mm256_mul_ps(acc[r][1], scale));
   }
-  const __m256 scale = _mm256_set1_ps(inv);
-  for (int c = 0; c < 4; ++c) _mm256_storeu_ps(out + 8 * c, _mm256_mul_ps(_mm256_add_ps(e[c], o[c]), scale));
 }
 #endif
 
@@ -104,6 +109,38 @@ struct Head {
 constexpr int64_t kKeys = 32;  // keys a query scores at once (4 independent vector sums)
 constexpr int64_t kDims = 32;  // output dims a query sums at once
 
+#if defined(__x86_64__) || defined(__i386__)
+// attend()'s queries on AVX2, kQueries at a time (kt, vb as attend() makes them).
+void attend_avx2(const Head& h, int64_t dim, float scale, const float* kt, const float* vb, int64_t lp, int64_t dp,
+                 std::vector<float>& s) {
+  const int64_t len = h.len;
+  s.resize(kQueries * (lp + dim + 16));
+  float* scores = s.data();                 // (kQueries, lp)
+  float* qs = scores + kQueries * lp;       // (kQueries, dim): the queries times scale
+  float* part = qs + kQueries * dim;        // (kQueries, 16): the last, partial dims
+  for (int64_t i0 = 0; i0 < len; i0 += kQueries) {
+    const int rows = int(std::min(kQueries, len - i0));
+    for (int r = 0; r < kQueries; ++r)
+      for (int64_t d = 0; d < dim; ++d) qs[r * dim + d] = r < rows ? h.q[(i0 + r) * h.ld_q + d] * scale : 0.f;
+    scores_avx2(qs, kt, lp, dim, scores);
+    float inv[kQueries];
+    for (int r = 0; r < rows; ++r) {
+      float* sr = scores + r * lp;
+      inv[r] = 1.f / exp_shifted(sr, len, *std::max_element(sr, sr + len), true);
+    }
+    float* out = h.out + i0 * h.ld_out;
+    for (int64_t d0 = 0; d0 < dim; d0 += 16) {  // (dp, a multiple of 32, holds d0 + 16)
+      if (d0 + 16 <= dim) {
+        weighted_sum_avx2(scores, lp, vb, len, dp, d0, inv, rows, out + d0, h.ld_out);
+        continue;
+      }
+      weighted_sum_avx2(scores, lp, vb, len, dp, d0, inv, rows, part, 16);
+      for (int r = 0; r < rows; ++r) std::copy_n(part + r * 16, dim - d0, out + r * h.ld_out + d0);
+    }
+  }
+}
+#endif
+
 void attend(const Head& h, int64_t dim, float scale, bool avx2, std::vector<float>& kt, std::vector<float>& vb,
             std::vector<float>& s) {
   const int64_t len = h.len, lp = (len + kKeys - 1) / kKeys * kKeys, dp = (dim + kDims - 1) / kDims * kDims;
@@ -116,23 +153,12 @@ void attend(const Head& h, int64_t dim, float scale, bool avx2, std::vector<floa
     for (int64_t d = 0; d < dim; ++d) kt[d * lp + j] = h.k[j * h.ld_k + d];
     std::copy_n(h.v + j * h.ld_v, dim, vb.data() + j * dp);
   }
+#if defined(__x86_64__) || defined(__i386__)
+  if (avx2) return attend_avx2(h, dim, scale, kt.data(), vb.data(), lp, dp, s);
+#endif
   for (int64_t i = 0; i < len; ++i) {
     const float* qi = h.q + i * h.ld_q;
     float* si = s.data();
-#if defined(__x86_64__) || defined(__i386__)
-    if (avx2) {
-      scores_avx2(qi, kt.data(), lp, dim, scale, si);
-      const float max = *std::max_element(si, si + len);
-      const float inv = 1.f / exp_shifted(si, len, max, avx2);
-      float* oi = h.out + i * h.ld_out;
-      for (int64_t d0 = 0; d0 < dp; d0 += kDims) {
-        alignas(32) float part[kDims];
-        weighted_sum_avx2(si, vb.data(), len, dp, d0, inv, part);
-        std::copy_n(part, std::min(kDims, dim - d0), oi + d0);
-      }
-      continue;
-    }
-#endif
     for (int64_t j0 = 0; j0 < lp; j0 += kKeys) {
       float acc[kKeys] = {0.f};
       for (int64_t d = 0; d < dim; ++d) {

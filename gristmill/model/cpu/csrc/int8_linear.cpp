@@ -129,17 +129,18 @@ void tile_avx2(const Tile& t, int mb, float* out) {
   }
 }
 
-// MB rows x one block (16 channels), 7-bit activations stored as x + 64. The int32 sums
-// of a quantization block stay in registers (8 for 4 rows); the float accumulators are
-// `out`'s rows (L1), updated once per block.
+// MB rows x one block (16 channels), 7-bit activations stored as x + 64. A quantization
+// block's int32 sums stay in registers (8 for 4 rows), its 8 groups unrolled; the empty
+// asm after each add pins every row's sums to their own registers, so GCC adds each
+// product into them in turn instead of summing the products as a tree, which spilled
+// (and, not unrolled, copied every sum once a group). The float accumulators are
+// updated once per block and written once.
 template <int MB>
 __attribute__((target("avx2,fma,f16c"))) void tile_avx2_u7_m(const Tile& t, const int8_t* w, const uint16_t* ws,
                                                            const int16_t* wsum, float* out) {
   const __m256i ones = _mm256_set1_epi16(1);
-  for (int i = 0; i < MB; ++i) {
-    _mm256_storeu_ps(out + i * kTileN, _mm256_setzero_ps());
-    _mm256_storeu_ps(out + i * kTileN + 8, _mm256_setzero_ps());
-  }
+  __m256 acc[MB][2];
+  for (int i = 0; i < MB; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < t.qblocks; ++b) {
     const __m256i wsum0 = _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i*)(wsum + b * kBlock)));
     const __m256i wsum1 = _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i*)(wsum + b * kBlock + 8)));
@@ -149,8 +150,7 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2_u7_m(const Tile& t, cons
     for (int i = 0; i < MB; ++i) sums[i][0] = start0, sums[i][1] = start1;
     const int8_t* wb = w + b * (kQ / 4) * kGroupBytes;
     const int8_t* xb = t.x + b * kQ;
-    // Not unrolled: unrolled, GCC sums the products as a tree and spills them.
-#pragma GCC unroll 1
+#pragma GCC unroll 8
     for (int g = 0; g < kQ / 4; ++g) {
       const __m256i w0 = _mm256_loadu_si256((const __m256i*)(wb + g * kGroupBytes));
       const __m256i w1 = _mm256_loadu_si256((const __m256i*)(wb + g * kGroupBytes + 32));
@@ -158,17 +158,20 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2_u7_m(const Tile& t, cons
         const __m256i xv = _mm256_set1_epi32(load4(xb + i * t.ldx + 4 * g));
         sums[i][0] = _mm256_add_epi32(sums[i][0], _mm256_madd_epi16(_mm256_maddubs_epi16(xv, w0), ones));
         sums[i][1] = _mm256_add_epi32(sums[i][1], _mm256_madd_epi16(_mm256_maddubs_epi16(xv, w1), ones));
+        __asm__("" : "+x"(sums[i][0]), "+x"(sums[i][1]));
       }
     }
     const __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(ws + b * kBlock)));
     const __m256 s1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(ws + b * kBlock + 8)));
     for (int i = 0; i < MB; ++i) {
       const __m256 sx = _mm256_set1_ps(t.xs[i * t.ldxs + b]);
-      float* o = out + i * kTileN;
-      _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[i][0]), _mm256_mul_ps(s0, sx), _mm256_loadu_ps(o)));
-      _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[i][1]), _mm256_mul_ps(s1, sx),
-                                              _mm256_loadu_ps(o + 8)));
+      acc[i][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[i][0]), _mm256_mul_ps(s0, sx), acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[i][1]), _mm256_mul_ps(s1, sx), acc[i][1]);
     }
+  }
+  for (int i = 0; i < MB; ++i) {
+    _mm256_storeu_ps(out + i * kTileN, acc[i][0]);
+    _mm256_storeu_ps(out + i * kTileN + 8, acc[i][1]);
   }
 }
 

@@ -207,11 +207,12 @@ void run_tiles(int64_t m0, int64_t m1, int64_t t0, int64_t t1, int64_t n_out, in
       for (int64_t m = c0; m < c1; m += kMaxM) {
         const int mb = int(std::min<int64_t>(kMaxM, c1 - m));
         tile(m, mb, n0 / kBlock, acc);
-        for (int i = 0; i < mb; ++i) {
-          float* row = out + (m + i) * n_out + n0;
-          for (int64_t c = 0; c < width; ++c) row[c] = bias ? acc[i * kTileN + c] + bias[n0 + c] : acc[i * kTileN + c];
-          if (activation == kGelu) vmath::gelu_inplace(row, width, avx2);
-        }
+        if (bias)
+          for (int i = 0; i < mb; ++i)
+            for (int64_t c = 0; c < width; ++c) acc[i * kTileN + c] += bias[n0 + c];
+        // the whole tile at once, padded columns too (zero weights: finite, never written)
+        if (activation == kGelu) vmath::gelu_inplace(acc, mb * kTileN, avx2);
+        for (int i = 0; i < mb; ++i) std::memcpy(out + (m + i) * n_out + n0, acc + i * kTileN, width * sizeof(float));
       }
     }
   }
