@@ -222,24 +222,28 @@ void run_tiles(int64_t m0, int64_t m1, int64_t t0, int64_t t1, int64_t n_out, in
 constexpr int64_t kRowsPerThread = 32;
 // Rows a thread takes at a time when the rows are split (parallel_items): small enough
 // that a thread that loses its core holds the others up little, large enough that each
-// pass of the weights (from L3: 0.6 MB for 1536 x 384) serves many rows.
+// pass of the weights (from L3: 0.6 MB for 1536 x 384) serves many rows. Fewer where
+// that would leave a thread without an item (64 rows on 2 threads ran on one).
 constexpr int64_t kRowsPerItem = 64;
 
 // x (M, K) quantized into `rows` (made by make_rows) and through every tile (run_tiles).
-// Many rows (prefill, encoders): the rows go in items of kRowsPerItem, which the threads
-// take as they finish one; each item is quantized and passed through every weight tile
-// by the thread that took it, so no thread waits for another between the two. Few rows
-// (decode): the output tiles are split between threads instead, so each reads only its
-// share of the weights.
+// Many rows (prefill, encoders): the rows go in items of up to kRowsPerItem, which the
+// threads take as they finish one; each item is quantized and passed through every
+// weight tile by the thread that took it, so no thread waits for another between the
+// two. Few rows (decode): the output tiles are split between threads instead, so each
+// reads only its share of the weights.
 template <typename TileCall>
 void quantize_and_run_tiles(const at::Tensor& x, RowFormat format, Rows& rows, int64_t n_out, const float* bias,
                             int64_t activation, float* out, const TileCall& tile) {
   const int64_t m_total = x.size(0), kp = rows.kp;
   const int64_t n_tiles = (n_out + kTileN - 1) / kTileN;
-  if (m_total >= kRowsPerThread * at::get_num_threads()) {
+  const int64_t threads = at::get_num_threads();
+  if (m_total >= kRowsPerThread * threads) {
     static_assert(kRowsPerItem % kMaxM == 0, "items hold whole runs of kMaxM rows");
-    parallel_items((m_total + kRowsPerItem - 1) / kRowsPerItem, [&](int64_t item) {
-      const int64_t m0 = item * kRowsPerItem, m1 = std::min(m_total, m0 + kRowsPerItem);
+    const int64_t per_thread = (m_total + threads - 1) / threads;
+    const int64_t item_rows = std::min(kRowsPerItem, (per_thread + kMaxM - 1) / kMaxM * kMaxM);
+    parallel_items((m_total + item_rows - 1) / item_rows, [&](int64_t item) {
+      const int64_t m0 = item * item_rows, m1 = std::min(m_total, m0 + item_rows);
       quantize_rows(x, format, rows, m0, m1);
       run_tiles(m0, m1, 0, n_tiles, n_out, kp, bias, activation, out, tile);
     });
