@@ -84,9 +84,10 @@ def fetch() -> None:
                 raise ValueError(f"{archive.filename} has sha256 {digest}, expected {archive.sha256}")
             for member, text in _read(path, set(members)).items():
                 members[member].parent.mkdir(parents=True, exist_ok=True)
-                staged = members[member].with_suffix(".part")
-                staged.write_bytes(text)
-                staged.replace(members[member])
+                # (staged under a name of its own: two processes may fetch at once)
+                with tempfile.NamedTemporaryFile(dir=members[member].parent, delete=False) as staged:
+                    staged.write(text)
+                Path(staged.name).replace(members[member])
         missing = [member for member, path in members.items() if not path.exists()]
         if missing:
             raise ValueError(f"{archive.filename} holds no {', '.join(missing)}")
