@@ -43,6 +43,17 @@ __attribute__((target("avx2,fma"))) float exp_shifted_avx2(float* s, int64_t n, 
 // their kQueries x 2 vector sums are independent chains (one alone waits on its FMA).
 constexpr int64_t kQueries = 4;
 
+// acc[r] += a[r * stride] * (b0 | b1) for r < kQueries: each query's 16 sums take one
+// term (a key's dimension, or a value weighted by its probability).
+__attribute__((target("avx2,fma"), always_inline)) inline void add_outer(__m256 (&acc)[kQueries][2], const float* a,
+                                                                       int64_t stride, __m256 b0, __m256 b1) {
+  for (int r = 0; r < kQueries; ++r) {
+    const __m256 ar = _mm256_broadcast_ss(a + r * stride);
+    acc[r][0] = _mm256_fmadd_ps(ar, b0, acc[r][0]);
+    acc[r][1] = _mm256_fmadd_ps(ar, b1, acc[r][1]);
+  }
+}
+
 // scores[r * lp + j] = qs_r . k_j for r < kQueries, j < lp (qs: (kQueries, dim), already
 // scaled; kt: (dim, lp), lp a multiple of 16).
 __attribute__((target("avx2,fma"))) void scores_avx2(const float* qs, const float* kt, int64_t lp, int64_t dim,
@@ -50,14 +61,8 @@ __attribute__((target("avx2,fma"))) void scores_avx2(const float* qs, const floa
   for (int64_t j0 = 0; j0 < lp; j0 += 16) {
     __m256 acc[kQueries][2];
     for (auto& a : acc) a[0] = a[1] = _mm256_setzero_ps();
-    for (int64_t d = 0; d < dim; ++d) {
-      const __m256 k0 = _mm256_loadu_ps(kt + d * lp + j0), k1 = _mm256_loadu_ps(kt + d * lp + j0 + 8);
-      for (int r = 0; r < kQueries; ++r) {
-        const __m256 qd = _mm256_broadcast_ss(qs + r * dim + d);
-        acc[r][0] = _mm256_fmadd_ps(qd, k0, acc[r][0]);
-        acc[r][1] = _mm256_fmadd_ps(qd, k1, acc[r][1]);
-      }
-    }
+    for (int64_t d = 0; d < dim; ++d)
+      add_outer(acc, qs + d, dim, _mm256_loadu_ps(kt + d * lp + j0), _mm256_loadu_ps(kt + d * lp + j0 + 8));
     for (int r = 0; r < kQueries; ++r) {
       _mm256_storeu_ps(scores + r * lp + j0, acc[r][0]);
       _mm256_storeu_ps(scores + r * lp + j0 + 8, acc[r][1]);
@@ -72,14 +77,8 @@ __attribute__((target("avx2,fma"))) void weighted_sum_avx2(const float* p, int64
                                                            float* out, int64_t ld_out) {
   __m256 acc[kQueries][2];
   for (auto& a : acc) a[0] = a[1] = _mm256_setzero_ps();
-  for (int64_t j = 0; j < len; ++j) {
-    const __m256 v0 = _mm256_loadu_ps(vb + j * dp + d0), v1 = _mm256_loadu_ps(vb + j * dp + d0 + 8);
-    for (int r = 0; r < kQueries; ++r) {
-      const __m256 pj = _mm256_broadcast_ss(p + r * lp + j);
-      acc[r][0] = _mm256_fmadd_ps(pj, v0, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(pj, v1, acc[r][1]);
-    }
-  }
+  for (int64_t j = 0; j < len; ++j)
+    add_outer(acc, p + j, lp, _mm256_loadu_ps(vb + j * dp + d0), _mm256_loadu_ps(vb + j * dp + d0 + 8));
   for (int r = 0; r < rows; ++r) {
     const __m256 scale = _mm256_set1_ps(inv[r]);
     _mm256_storeu_ps(out + r * ld_out, _mm256_mul_ps(acc[r][0], scale));
