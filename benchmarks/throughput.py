@@ -11,6 +11,7 @@ this machine. Prints generated tokens per second per peer and the ratios.
     python benchmarks/throughput.py --batch-sizes 64 --workloads short
     python benchmarks/throughput.py --device cuda --model DIR   # on a GPU: benchmarks/throughput_cuda.py
     python benchmarks/throughput.py --before HEAD~3 --workloads short   # gristmill int8, then vs now
+    python benchmarks/throughput.py --before HEAD~3 --workloads short --rounds 8 --runs 1  # taking turns
 
 `--before REV` measures gristmill (int8) as it was at git revision REV and as it is, each
 side in its own process (benchmarks/revisions.py), and prints both with their ratios.
@@ -78,11 +79,17 @@ def cpu_flags() -> str:
     return " ".join(f for f in wanted if f in flags)
 
 
+_LOADED: dict = {}
+
+
 def measure_int8(args) -> dict:
     """gristmill's default engine (int8 on CPU): {"<workload> batch <n>": generated tok/s},
-    each the best of `args.runs` runs."""
-    llm = LLM(args.model, device="cpu", max_num_seqs=args.max_num_seqs)
-    bench_gristmill(llm, make_prompts(2), 4)  # warm up
+    each the best of `args.runs` runs. The engine is loaded on the first call only (a
+    side of `--rounds` measures many times)."""
+    if "llm" not in _LOADED:
+        _LOADED["llm"] = LLM(args.model, device="cpu", max_num_seqs=args.max_num_seqs)
+        bench_gristmill(_LOADED["llm"], make_prompts(2), 4)  # warm up
+    llm = _LOADED["llm"]
     figures = {}
     for workload in args.workloads.split(","):
         for batch_size in [int(b) for b in args.batch_sizes.split(",")]:
