@@ -220,11 +220,21 @@ void run_tiles(int64_t m0, int64_t m1, int64_t t0, int64_t t1, int64_t n_out, in
 
 // Rows a thread must have before the rows, not the output tiles, are split between threads.
 constexpr int64_t kRowsPerThread = 32;
-// Rows a thread takes at a time when the rows are split (parallel_items): small enough
-// that a thread that loses its core holds the others up little, large enough that each
-// pass of the weights (from L3: 0.6 MB for 1536 x 384) serves many rows. Fewer where
-// that would leave a thread without an item (64 rows on 2 threads ran on one).
+// Rows a thread takes at most at a time when the rows are split (parallel_items): small
+// enough that a thread that loses its core holds the others up little, large enough that
+// each pass of the weights (from L3: 0.6 MB for 1536 x 384) serves many rows. The items
+// are as many per thread, and of one size: 64 rows on 2 threads make 2 items of 32 (one
+// item of 64 ran on one thread), 192 rows make 4 of 48 (3 of 64 gave one thread twice
+// the other's rows).
 constexpr int64_t kRowsPerItem = 64;
+
+// The rows of one item when m_total rows are split between `threads` threads.
+inline int64_t item_rows(int64_t m_total, int64_t threads) {
+  const int64_t per_thread = (m_total + threads - 1) / threads;
+  const int64_t items = (per_thread + kRowsPerItem - 1) / kRowsPerItem * threads;
+  const int64_t rows = (m_total + items - 1) / items;
+  return (rows + kMaxM - 1) / kMaxM * kMaxM;
+}
 
 // x (M, K) quantized into `rows` (made by make_rows) and through every tile (run_tiles).
 // Many rows (prefill, encoders): the rows go in items of up to kRowsPerItem, which the
@@ -240,10 +250,9 @@ void quantize_and_run_tiles(const at::Tensor& x, RowFormat format, Rows& rows, i
   const int64_t threads = at::get_num_threads();
   if (m_total >= kRowsPerThread * threads) {
     static_assert(kRowsPerItem % kMaxM == 0, "items hold whole runs of kMaxM rows");
-    const int64_t per_thread = (m_total + threads - 1) / threads;
-    const int64_t item_rows = std::min(kRowsPerItem, (per_thread + kMaxM - 1) / kMaxM * kMaxM);
-    parallel_items((m_total + item_rows - 1) / item_rows, [&](int64_t item) {
-      const int64_t m0 = item * item_rows, m1 = std::min(m_total, m0 + item_rows);
+    const int64_t rows_per_item = item_rows(m_total, threads);
+    parallel_items((m_total + rows_per_item - 1) / rows_per_item, [&](int64_t item) {
+      const int64_t m0 = item * rows_per_item, m1 = std::min(m_total, m0 + rows_per_item);
       quantize_rows(x, format, rows, m0, m1);
       run_tiles(m0, m1, 0, n_tiles, n_out, kp, bias, activation, out, tile);
     });
