@@ -215,6 +215,9 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda (gristmill int8 is CPU only)")
     args = parser.parse_args()
     peers = args.peers.split(",")
+    unknown = [p for p in peers if p not in PEERS]
+    if unknown:
+        parser.error(f"unknown peers {unknown}: --peers takes {','.join(PEERS)}")
     if args.device.startswith("cuda"):
         peers = [p for p in peers if p != "int8"]
 
