@@ -45,7 +45,7 @@ def revision_tree(rev: str) -> Path:
     return tree
 
 
-def _side(script: str | Path, rev: str | None, argv: list[str], serve: bool = False, **popen) -> dict | subprocess.Popen:
+def _side(script: str | Path, rev: str | None, argv: list[str], serve: bool = False) -> dict | subprocess.Popen:
     """`script argv --json` in a child process, on the package at git revision `rev`
     (None: this tree): the dict it printed last; with `serve`, the process itself, which
     prints one such dict per line it reads."""
