@@ -45,25 +45,29 @@ def revision_tree(rev: str) -> Path:
     return tree
 
 
-def _side(script: str | Path, rev: str | None, argv: list[str], serve: bool = False) -> dict | subprocess.Popen:
-    """`script argv --json` in a child process, on the package at git revision `rev`
-    (None: this tree): the dict it printed last; with `serve`, the process itself, which
-    prints one such dict per line it reads."""
+def _side(script: str | Path, rev: str | None, argv: list[str]) -> tuple[list[str], dict, Path]:
+    """(command, environment, working directory) of `script argv --json` run on the
+    package at git revision `rev` (None: this tree)."""
     tree = revision_tree(rev) if rev is not None else ROOT
-    env = dict(os.environ, PYTHONPATH=str(tree))
     # Run from inside that tree: an older core process appended its package root to
     # sys.path after the working directory, and would import this tree's package.
-    command = [sys.executable, str(Path(script).resolve()), *argv, "--json", *(["--serve"] if serve else [])]
-    if serve:
-        return subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=tree)
-    out = subprocess.run(command, env=env, check=True, stdout=subprocess.PIPE, text=True, cwd=tree).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    return [sys.executable, str(Path(script).resolve()), *argv, "--json"], dict(os.environ, PYTHONPATH=str(tree)), tree
 
 
 def measure_at(script: str | Path, rev: str | None, argv: list[str]) -> dict:
     """`script argv --json` in a child process, on the package at git revision `rev`
     (None: this tree); the dict it printed last."""
-    return _side(script, rev, argv)
+    command, env, cwd = _side(script, rev, argv)
+    out = subprocess.run(command, env=env, check=True, stdout=subprocess.PIPE, text=True, cwd=cwd).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _serving(script: str | Path, rev: str | None, argv: list[str]) -> subprocess.Popen:
+    """`script argv --json --serve` started as measure_at runs it: a process that prints
+    one dict of figures per line it reads."""
+    command, env, cwd = _side(script, rev, argv)
+    return subprocess.Popen([*command, "--serve"], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, cwd=cwd)
 
 
 def _ask(process: subprocess.Popen) -> dict:
@@ -84,7 +88,7 @@ def _median(values: list[float]) -> float:
 
 def _interleaved(script: str | Path, rev: str, argv: list[str], rounds: int) -> tuple[list[dict], list[dict]]:
     """`rounds` measurements of each side, the two processes taking turns."""
-    sides = [_side(script, rev, argv, serve=True), _side(script, None, argv, serve=True)]
+    sides = [_serving(script, rev, argv), _serving(script, None, argv)]
     before, after = [], []
     try:
         for i in range(rounds):

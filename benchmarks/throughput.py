@@ -20,6 +20,7 @@ side in its own process (benchmarks/revisions.py), and prints both with their ra
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 
 import torch
@@ -79,17 +80,19 @@ def cpu_flags() -> str:
     return " ".join(f for f in wanted if f in flags)
 
 
-_LOADED: dict = {}
+@functools.cache
+def _int8_engine(model: str | None, max_num_seqs: int) -> LLM:
+    """gristmill's default engine, loaded and warmed up once per process (a side of
+    `--rounds` measures many times)."""
+    llm = LLM(model, device="cpu", max_num_seqs=max_num_seqs)
+    bench_gristmill(llm, make_prompts(2), 4)  # warm up
+    return llm
 
 
 def measure_int8(args) -> dict:
     """gristmill's default engine (int8 on CPU): {"<workload> batch <n>": generated tok/s},
-    each the best of `args.runs` runs. The engine is loaded on the first call only (a
-    side of `--rounds` measures many times)."""
-    if "llm" not in _LOADED:
-        _LOADED["llm"] = LLM(args.model, device="cpu", max_num_seqs=args.max_num_seqs)
-        bench_gristmill(_LOADED["llm"], make_prompts(2), 4)  # warm up
-    llm = _LOADED["llm"]
+    each the best of `args.runs` runs."""
+    llm = _int8_engine(args.model, args.max_num_seqs)
     figures = {}
     for workload in args.workloads.split(","):
         for batch_size in [int(b) for b in args.batch_sizes.split(",")]:
