@@ -1,8 +1,8 @@
 """gristmill: LLM batch inference and serving over one engine of our own."""
 
 from gristmill.config import EngineConfig
-from gristmill.errors import (EngineDeadError, EngineOverloadedError, GenerationError,
-                              GristmillError, PromptTooLongError, RequestError, is_fatal)
+from gristmill.errors import (EngineDeadError, EngineOverloadedError, GenerationError, GristmillError,
+                              InsufficientMemoryError, PromptTooLongError, RequestError, is_fatal)
 from gristmill.outputs import (ClassificationOutput, ClassificationRequestOutput, CompletionOutput, EmbeddingOutput,
                                EmbeddingRequestOutput, Logprob, PoolingOutput, PoolingRequestOutput, RequestOutput,
                                ScoringOutput, ScoringRequestOutput)
@@ -13,7 +13,7 @@ __all__ = ["LLM", "AsyncEngine", "EngineConfig", "SamplingParams", "RequestOutpu
            "PoolingParams", "PoolingRequestOutput", "PoolingOutput", "EmbeddingRequestOutput", "EmbeddingOutput",
            "ClassificationRequestOutput", "ClassificationOutput", "ScoringRequestOutput", "ScoringOutput",
            "GristmillError", "RequestError", "PromptTooLongError", "GenerationError",
-           "EngineOverloadedError", "EngineDeadError", "is_fatal"]
+           "EngineOverloadedError", "EngineDeadError", "InsufficientMemoryError", "is_fatal"]
 
 
 def __getattr__(name):

@@ -9,7 +9,7 @@ import typing
 from pathlib import Path
 
 from gristmill.config import EngineConfig, field_doc
-from gristmill.errors import RequestError, error_string
+from gristmill.errors import InsufficientMemoryError, RequestError, error_string
 
 # `generate` has a sampling --seed already; the engine's seed needs a name of its own.
 _FLAG_NAMES = {"seed": "engine-seed"}
@@ -85,5 +85,12 @@ def model_load_error(model: str | None, exc: BaseException) -> str:
         return str(exc)  # the loader's own "model ... not found: pass ..."
     # A core process that failed to start: its own error, not "restart the engine".
     why = getattr(exc, "fields", {}).get("core_error") or error_string(exc)
-    return (f"the model could not be loaded from {model or 'the bundled default'}: {why}; "
-            f"check that the model directory or file is complete (re-download or re-convert it)")
+    where = f"the model could not be loaded from {model or 'the bundled default'}"
+    if _out_of_memory(exc, why):  # the figures and what to change are in `why`: the file is fine
+        return f"{where}: {why}"
+    return f"{where}: {why}; check that the model directory or file is complete (re-download or re-convert it)"
+
+
+def _out_of_memory(exc: BaseException, why: str) -> bool:
+    return isinstance(exc, InsufficientMemoryError) or InsufficientMemoryError.__name__ in why \
+        or "ran out of memory" in why

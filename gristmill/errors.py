@@ -81,6 +81,15 @@ class EngineDeadError(GristmillError):
     fatal = True
 
 
+class InsufficientMemoryError(GristmillError, MemoryError):
+    """The model cannot fit in the memory available (refused before it loads), or its
+    engine core was killed for running out of memory. The message gives the figures:
+    weights, KV cache, memory available, and what to change."""
+
+    http_status = 503
+    error_type = "insufficient_memory_error"
+
+
 # Exception class names from other libraries that mean the engine is gone: a Ray actor
 # or Serve replica died, a deployment is unavailable or keeps refusing work.
 _FATAL_FOREIGN_NAMES = frozenset({"RayActorError", "ActorDiedError", "ActorUnavailableError",

@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass
 
 POINTS = ("tokenize", "detokenize_init", "detokenize", "output_batch", "forward", "device_error",
-          "grammar", "core_exit", "core_hang")
+          "grammar", "core_exit", "core_hang", "load_killed")
 
 
 class InjectedFault(RuntimeError):

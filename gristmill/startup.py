@@ -37,6 +37,12 @@ def cached(what: str, where: Path) -> None:
     logger.info("%s: cached in %s", what, where)
 
 
+def warn(what: str) -> None:
+    """Something the start does that the user should know of (at WARNING: shown even
+    where INFO messages are not)."""
+    logger.warning("%s", what)
+
+
 def show_messages() -> None:
     """Print start-up messages on stderr, in this process and in engine cores it starts."""
     os.environ[_ENV] = "1"

@@ -30,6 +30,7 @@ from collections.abc import Callable, Mapping
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
+from gristmill import memory
 from gristmill.config import EngineConfig
 from gristmill.engine import core_launcher, wire
 from gristmill.engine.heartbeat import Heartbeat
@@ -62,6 +63,7 @@ class CoreClient:
         self._stopping = False
         self._failure_message: str | None = None
         self.dead_error: EngineDeadError | None = None
+        self._oom_kills_at_start = memory.oom_kills()
         self.heartbeat = Heartbeat.create()
         inbox_read, inbox_write = os.pipe()
         outbox_read, outbox_write = os.pipe()
@@ -221,6 +223,8 @@ class CoreClient:
         code = self.process.returncode
         if code is None:
             how = "stopped responding"
+        elif code == -signal.SIGKILL:
+            how = f"was killed by signal SIGKILL: {self._killed_for_memory()}"
         elif code < 0:
             how = f"was killed by signal {signal.Signals(-code).name}"
         else:
@@ -229,6 +233,16 @@ class CoreClient:
         if self._failure_message:
             reason += f": {self._failure_message}"
         return reason + "; restart the engine"
+
+    def _killed_for_memory(self) -> str:
+        """Why a core gets SIGKILL unasked: the kernel's OOM killer (certain where the
+        container counts its kills), with the figures of what the engine needs."""
+        kills = memory.oom_kills()
+        said = ("it ran out of memory (the kernel's OOM killer ended it)"
+                if kills is not None and self._oom_kills_at_start is not None and kills > self._oom_kills_at_start
+                else "most likely it ran out of memory (the kernel's OOM killer sends SIGKILL)")
+        need = memory.memory_need_of(self.config)
+        return said if need is None else f"{said}; {need.figures()}; {need.advice()}"
 
     def _die(self, reason: str) -> None:
         if self.dead_error is not None:

@@ -44,6 +44,8 @@ def main(argv: list[str]) -> None:
     try:
         start = wire.decode(inbox.recv_bytes())
         faults.load()
+        if faults.fires("load_killed"):  # as the kernel's OOM killer ends a core loading too large a model
+            os.kill(os.getpid(), signal.SIGKILL)
         from gristmill.engine.builder import build_core
         core = build_core(start.config)
         core.process_fault = lambda point: _process_fault(point, heartbeat)

@@ -8,6 +8,7 @@ controls (model/logits.py), the structured-output masks (model/masking.py), the 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from dataclasses import dataclass
@@ -20,13 +21,15 @@ from gristmill import startup
 from gristmill.config import EngineConfig
 from gristmill.errors import RequestError
 from gristmill.faults import InjectedFault
+from gristmill.memory import cpu_memory_need
 from gristmill.model.backends import pick_backend
 from gristmill.model.context import forward_context
 from gristmill.model.cpu import kernels, quant
 from gristmill.model.layers import PagedAttention, RotaryEmbedding, clear_rotary_cache
 from gristmill.model.logits import LogitsControls
 from gristmill.model.masking import GrammarMasks
-from gristmill.model.loader import load_config, load_weights, resolve_model
+from gristmill.model.loader import GGUF_LINK, load_config, load_weights, resolve_model, trained_length
+from gristmill.model.loader.tensors import open_checkpoint
 from gristmill.model.metadata import HostStep, StepMetadata, build_host_step
 from gristmill.outputs import Logprob
 from gristmill.model.models import model_class
@@ -74,7 +77,8 @@ def _materialize(model: torch.nn.Module, dtype: torch.dtype, device: torch.devic
 
 def _tie_weights(model: torch.nn.Module) -> None:
     # Moving parameters between devices can replace them; tied ones must stay one tensor.
-    if model.config.tie_word_embeddings and hasattr(model, "lm_head"):
+    # (A quantized head is the embedding's source instead: quant.embed_from_head.)
+    if model.config.tie_word_embeddings and isinstance(getattr(model, "lm_head", None), torch.nn.Linear):
         model.lm_head.weight = model.model.embed_tokens.weight
 
 
@@ -124,18 +128,24 @@ class ModelRunner:
             kernels.build_in_background(q4=config.quantization == "q4")
         self.model_dir = model_dir or resolve_model(config.model, config.cache_dir)
         self.hf_config = load_config(self.model_dir)
-        self.max_model_len = config.max_model_len or _trained_length(self.model_dir, self.hf_config)
+        self.max_model_len = config.max_model_len or trained_length(self.model_dir, self.hf_config)
         if self.max_model_len > self.hf_config.max_position_embeddings:  # (positions it was never trained on)
             raise RequestError(f"EngineConfig.max_model_len: {self.max_model_len} is more than the "
                                f"{self.hf_config.max_position_embeddings} positions {self.model_dir.name} "
                                f"supports; lower it or leave it out", param="max_model_len")
         self.vocab_size = self.hf_config.vocab_size
-        self.quantization = quant.resolve_quantization(config.quantization, self.device)
+        gguf = (self.model_dir / GGUF_LINK).exists()
+        if self.device.type == "cpu":  # before anything loads: a model that cannot fit is refused with the figures
+            cpu_memory_need(self.model_dir, self.hf_config, config, self.max_model_len,
+                            quant.planned_quantization(config.quantization, self.device, gguf),
+                            torch.finfo(self.dtype).bits // 8).check()
+        self.quantization = quant.resolve_quantization(config.quantization, self.device, gguf)
         self.backend = pick_backend(self.device, self.dtype)
         if self.device.type == "cuda":  # before the weights: what this engine takes is measured from here
             from gristmill.model.cuda.memory import MemoryAtStart
             self.memory_at_start = MemoryAtStart.read(self.device)
-        weights = self.quantization or str(self.dtype).removeprefix("torch.")
+        weights = {"gguf": "weights as stored"}.get(self.quantization, self.quantization) \
+            or str(self.dtype).removeprefix("torch.")
         with startup.phase(f"loading {self.model_dir.name} ({weights}) on {self.device}"):
             self.model = self._build_model()
         #: "generate", or the pooling task this runner's steps compute (`_pool`).
@@ -180,29 +190,27 @@ class ModelRunner:
 
     def _build_model(self) -> torch.nn.Module:
         clear_rotary_cache()
-        dummy = self.config.load_format == "dummy"
-        cache_file = None
-        if self.quantization is not None and not dummy:
-            cache_file = quant.cache_file_for(self.model_dir, cache_root(self.config.cache_dir), self.quantization)
-            model = self._load_quantized(cache_file)
-            if model is not None:
-                return model
         # Built where it runs, in the dtype it runs in: an 8B model on a GPU never passes
         # through host memory, and random weights are made on the device.
         with torch.device("meta"):
             model = model_class(self.hf_config)(self.hf_config, self.max_model_len)
-        _materialize(model, self.dtype, self.device)
-        _tie_weights(model)
-        if dummy:
+        if self.config.load_format == "dummy":
+            _materialize(model, self.dtype, self.device)
+            _tie_weights(model)
             random_weights(model, self.config.seed)
-        else:
-            load_weights(model, self.model_dir, q8_0=self.quantization is not None)
-        model.eval()
-        if self.quantization is not None:
-            quant.quantize_model(model, self.quantization, cache_file)
-        for param in model.parameters():  # a GGUF's Q8_0 blocks, kept by load_weights for quantizing
-            param.__dict__.pop("q8_0", None)
-        return model
+            if self.quantization is not None:
+                quant.quantize_model(model, "int8" if self.quantization == "gguf" else self.quantization)
+            return model.eval()
+        with contextlib.closing(open_checkpoint(self.model_dir)) as checkpoint:
+            held = set()
+            if self.quantization is not None:  # the linears one by one, never the float model
+                cache_file = None if self.quantization == "gguf" else \
+                    quant.cache_file_for(self.model_dir, cache_root(self.config.cache_dir), self.quantization)
+                held = quant.quantize_from_checkpoint(model, checkpoint, self.quantization, cache_file)
+            _materialize(model, self.dtype, self.device)
+            _tie_weights(model)
+            load_weights(model, checkpoint, skip=held)
+        return model.eval()
 
     def _build_pooler(self):
         """(the model's pooler for this task, what the client is told of it)."""
@@ -215,20 +223,6 @@ class ModelRunner:
         info = PoolerInfo(head, pooler.dimensions, tuple(matryoshka) if matryoshka else None,
                           bool(getattr(pooler, "default_normalize", True)), tuple(labels) if labels else None)
         return pooler, info
-
-    def _load_quantized(self, cache_file: Path) -> torch.nn.Module | None:
-        """The model of a warm start: its linears straight from the quantized cache, and
-        only the other weights (norms; the embedding unless it is read from the int8
-        head) read from the checkpoint, so the float linears are never made. None when
-        the cache lacks a layer (the cold path then quantizes them and fills the cache)."""
-        with torch.device("meta"):
-            model = model_class(self.hf_config)(self.hf_config, self.max_model_len)
-        held = quant.load_quantized(model, self.quantization, cache_file)
-        if held is None:
-            return None
-        _materialize(model, self.dtype, self.device)
-        load_weights(model, self.model_dir, skip=held)
-        return model.eval()
 
     # -- the KV cache ----------------------------------------------------------------
 
@@ -506,18 +500,6 @@ def _host_order(out: SchedulerOutput) -> list[ScheduledRequest]:
     if any(len(s.new_token_ids) != 1 for s in ordered):  # a prefill chunk: decodes first (stable)
         ordered = sorted(ordered, key=lambda s: len(s.new_token_ids) != 1)
     return ordered
-
-
-def _trained_length(model_dir: Path, hf_config) -> int:
-    """The longest sequence the model is meant for: its positions, or, for a
-    sentence-transformers model, the `max_seq_length` it was trained to cut inputs at
-    (all-MiniLM-L6-v2: 256 of 512 positions), as sentence-transformers and vLLM use it."""
-    length = hf_config.max_position_embeddings
-    try:
-        trained = json.loads((model_dir / "sentence_bert_config.json").read_text()).get("max_seq_length")
-    except (OSError, ValueError, AttributeError):
-        return length
-    return min(length, trained) if isinstance(trained, int) and trained > 0 else length
 
 
 def _untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

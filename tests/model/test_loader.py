@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from gristmill.model.loader import Q8_0_FILE, _unpermute_rotary, convert_gguf, resolve_model
+from gristmill.model.loader import _unpermute_rotary, convert_gguf, resolve_model
 
 TEXT = Path(__file__).parent.parent / "data" / "public_domain_english.txt"
 
@@ -306,14 +306,10 @@ def test_convert_gguf_config_and_weights(tmp_path, arch, vocab):
     assert weights["model.embed_tokens.weight"].shape == (n_vocab, HIDDEN)
     assert weights["model.layers.0.mlp.down_proj.weight"].shape == (HIDDEN, FFN)
     assert all(w.dtype == np.float32 for w in weights.values())
-    # Beside it, the Q8_0 embedding as it is: values and scales that dequantize exactly to it.
-    blocks = load_file(str(out / Q8_0_FILE))
-    assert sorted(blocks) == ["model.embed_tokens.weight.q8_0", "model.embed_tokens.weight.q8_0_scale"]
-    values, scales = blocks["model.embed_tokens.weight.q8_0"], blocks["model.embed_tokens.weight.q8_0_scale"]
-    assert (values.dtype, values.shape, scales.dtype, scales.shape) == (
-        np.int8, (n_vocab, HIDDEN), np.float16, (n_vocab, HIDDEN // 32))
-    dequantized = dequantize_q8_0(torch.from_numpy(values), torch.from_numpy(scales)).numpy()
-    assert np.array_equal(dequantized, weights["model.embed_tokens.weight"])
+    # The Q8_0 embedding is gguf's dequantization of it, exactly.
+    reader = gguf.GGUFReader(str(path))
+    blocks = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    assert np.array_equal(gguf.dequantize(blocks.data, blocks.tensor_type), weights["model.embed_tokens.weight"])
     if arch == "qwen2":
         assert weights["model.layers.0.self_attn.q_proj.bias"].shape == (HEADS * HEAD_DIM,)
 

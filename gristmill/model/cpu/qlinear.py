@@ -171,13 +171,16 @@ class QuantizedLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "QuantizedLinear":
-        layer = cls(linear.in_features, linear.out_features, linear.bias is not None)
-        q8_0 = getattr(linear.weight, "q8_0", None)  # a GGUF's own Q8_0 blocks (model/loader)
-        packed = pack_q8_0(*q8_0) if q8_0 is not None and cls.pack is quantize_weight else cls.pack(linear.weight)
-        for name, tensor in zip(layer._buffers_of_kernel, packed):
+        return cls.from_weight(linear.weight.detach(), None if linear.bias is None else linear.bias.detach())
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> "QuantizedLinear":
+        """The layer of float `weight` (out, in) quantized, and `bias`."""
+        layer = cls(weight.shape[1], weight.shape[0], bias is not None)
+        for name, tensor in zip(layer._buffers_of_kernel, cls.pack(weight)):
             setattr(layer, name, tensor)
-        if linear.bias is not None:
-            layer.bias = linear.bias.detach().float().clone()
+        if bias is not None:
+            layer.bias = bias.float().clone()
         return layer
 
     def __setattr__(self, name: str, value) -> None:

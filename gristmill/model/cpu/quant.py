@@ -20,7 +20,7 @@ from torch import nn
 
 from gristmill import startup
 from gristmill.model.cpu import kernels
-from gristmill.model.cpu.qlinear import LAYERS, Int8Embedding, Int8Linear
+from gristmill.model.cpu.qlinear import LAYERS, Int8Embedding, Int8Linear, QuantizedLinear
 from gristmill.model.layers.linear import fuse_projections
 
 logger = logging.getLogger(__name__)
@@ -33,105 +33,202 @@ _HEAD_SCHEMES = {"int8": "int8", "q4": "int8"}
 # float 0.9985 against 0.9992 with int8 activations; docs/performance.md, "Embeddings").
 ENCODER_X_LEVELS = 63
 # Bump a scheme's version when its packed layout changes: old cache files are then ignored.
-_FORMATS = {"int8": "int8-v3", "q4": "q4-v1"}
+_FORMATS = {"int8": "int8-v4", "q4": "q4-v2"}
 
 
-def resolve_quantization(quantization: str | None, device: torch.device) -> str | None:
-    """What runs: "auto" is int8 on CPU when the kernel builds, float elsewhere. For a
-    decoder int8 pays in decode steps, which wait on the weights' bytes; for an encoder
-    (every step all prompt tokens, thousands of rows a matmul: compute-bound) it pays
-    because its activations go in 7 bits, which the AVX2 kernel multiplies with fewer
-    instructions than a float GEMM (all-MiniLM-L6-v2: docs/performance.md, "Embeddings")."""
+def planned_quantization(quantization: str | None, device: torch.device, gguf: bool = False) -> str | None:
+    """What `quantization` means on `device` when the kernels build: "auto" is int8 on CPU
+    (for a GGUF file, `gguf`: "gguf", its matrices as stored, int8 for the types no kernel
+    multiplies as stored), float elsewhere. For a decoder int8 pays in decode steps, which
+    wait on the weights' bytes; for an encoder (every step all prompt tokens, thousands of
+    rows a matmul: compute-bound) it pays because its activations go in 7 bits, which the
+    AVX2 kernel multiplies with fewer instructions than a float GEMM (all-MiniLM-L6-v2:
+    docs/performance.md, "Embeddings")."""
     if quantization == "auto":
-        if device.type != "cpu":
-            return None
-        if kernels.int8_extension() is None:
-            logger.warning("quantization='auto': the int8 kernel is unavailable, so weights stay float")
-            return None
-        return "int8"
+        return None if device.type != "cpu" else "gguf" if gguf else "int8"
     if quantization in LAYERS and device.type != "cpu":
         raise ValueError(f"quantization={quantization!r} runs on CPU only; use quantization=None (or 'auto') on CUDA")
     return quantization
 
 
-def quantize_model(model: nn.Module, scheme: str = "int8", cache_file: Path | None = None) -> None:
-    """Fuse projections, then replace every nn.Linear of `model` by a quantized layer of
-    `scheme` ("int8" or "q4"), from `cache_file` when it holds this model's quantized
-    weights, else quantizing them (and writing the cache)."""
-    from safetensors.torch import load_file, save_file
-
-    fuse_projections(model)
-    linears = {name: module for name, module in model.named_modules() if isinstance(module, nn.Linear)}
-    cached = {}
-    if cache_file is not None and cache_file.exists():
-        try:
-            cached = load_file(str(cache_file))
-        except Exception as exc:  # noqa: BLE001 - a damaged cache is rebuilt, not fatal
-            logger.warning("ignoring unreadable quantized cache %s (%s)", cache_file, exc)
-    state, quantized_now = {}, False
-    what = f"quantizing the weights to {scheme}"
-    with contextlib.ExitStack() as saying:
-        for name, linear in linears.items():
-            kind, layer = _empty_layer(scheme, name, linear)
-            stored = {buf: cached.get(f"{name}.{buf}") for buf, _ in layer.named_buffers(recurse=False)}
-            if all(t is not None and t.shape == getattr(layer, buf).shape for buf, t in stored.items()):
-                layer.load_state_dict(stored)
-            else:
-                if not quantized_now:  # the first layer the cache lacks: say so once
-                    saying.enter_context(startup.phase(what, cache_file))
-                layer, quantized_now = kind.from_linear(linear), True
-            state.update({f"{name}.{buf}": tensor for buf, tensor in layer.named_buffers(recurse=False)})
-            _put(model, name, layer, linear)
-        if cache_file is not None and (quantized_now or len(cached) != len(state)):
-            _save_atomically(state, cache_file, save_file)
-    embed_from_head(model)
-    if not quantized_now and cache_file is not None:
-        startup.cached(f"{scheme} weights", cache_file)
-
-
-def load_quantized(model: nn.Module, scheme: str, cache_file: Path) -> set[str] | None:
-    """A warm start without the float weights of the linears: fuse the projections of
-    `model` (on the meta device) and put in each linear the `scheme` layer stored in
-    `cache_file`. Returns the checkpoint tensors the model now holds in quantized form
-    (to skip when loading the rest), or None when the cache lacks a layer (`model` is
-    then unusable)."""
-    from gristmill.model.loader.safetensors_io import SafetensorsReader
-
-    if not cache_file.exists():
+def resolve_quantization(quantization: str | None, device: torch.device, gguf: bool = False) -> str | None:
+    """What runs: `planned_quantization`, but float where "auto" finds no kernels (they
+    could not be built: a warning says so). Waits for the kernels' build."""
+    planned = planned_quantization(quantization, device, gguf)
+    if quantization == "auto" and planned is not None and kernels.int8_extension() is None:
+        logger.warning("quantization='auto': the int8 kernel is unavailable, so weights stay float")
         return None
+    return planned
+
+
+def quantize_model(model: nn.Module, scheme: str = "int8") -> None:
+    """Fuse the projections of a loaded float `model` and replace each nn.Linear by a
+    `scheme` ("int8" or "q4") layer quantized from its weights."""
+    fuse_projections(model)
+    for name, linear in _linears(model).items():
+        bias = None if linear.bias is None else linear.bias.detach()
+        _put(model, name, _quantized(scheme, name, linear, linear.weight.detach(), bias), linear)
+    embed_from_head(model)
+
+
+def quantize_from_checkpoint(model: nn.Module, checkpoint, scheme: str, cache_file: Path | None) -> set[str]:
+    """Fill `model` (built on the meta device) with quantized linears, one at a time from
+    `checkpoint` (loader.tensors): each from `cache_file` where it holds the layer, else
+    as the checkpoint stores it where a kernel multiplies by that (scheme "gguf": a GGUF's
+    blocks), else quantized to `scheme` from its float weights, which are then dropped.
+    At no time is more than one layer's float weights in memory. Writes the cache when it
+    lacked a layer (not for "gguf": the file is the cache). Returns the checkpoint names
+    of the tensors the model now holds, to skip when the rest is loaded."""
     held = {f"{name}.{kind}" for name, module in model.named_modules()
             if isinstance(module, nn.Linear) for kind in ("weight", "bias")}
     fuse_projections(model)
-    linears = {name: module for name, module in model.named_modules() if isinstance(module, nn.Linear)}
-    layers = {}
+    sources = _checkpoint_names(model, checkpoint)
+    cached = _open_cache(cache_file) if scheme != "gguf" else None
+    built_now, fallbacks = False, {}
+    what = f"quantizing the weights to {scheme}"
+    with contextlib.ExitStack() as stack:
+        if cached is not None:
+            stack.callback(cached.close)
+        for name, linear in _linears(model).items():
+            layer = _cached_layer(cached, scheme, name, linear)
+            if layer is None:
+                if not built_now and scheme != "gguf":  # the first layer the cache lacks: say so once
+                    stack.enter_context(startup.phase(what, cache_file))
+                layer = _layer_from_checkpoint(checkpoint, scheme, name, linear, sources, fallbacks)
+                built_now = True
+            _put(model, name, layer, linear)
+    for type_name, tensors in fallbacks.items():
+        startup.warn(f"{len(tensors)} matrices are {type_name} (e.g. {tensors[0]}), which no kernel "
+                    f"multiplies as stored yet: quantized to int8 at each start")
+    if cache_file is not None and scheme != "gguf":
+        if built_now:
+            _save_layers(model, cache_file)
+        else:
+            startup.cached(f"{scheme} weights", cache_file)
+    if embed_from_head(model) or (scheme == "gguf" and _embed_from_blocks(model, checkpoint, sources)):
+        held.add("model.embed_tokens.weight")
+    return held
+
+
+def _linears(model: nn.Module) -> dict[str, nn.Linear]:
+    return {name: module for name, module in model.named_modules() if isinstance(module, nn.Linear)}
+
+
+def _checkpoint_names(model: nn.Module, checkpoint) -> dict[str, str]:
+    """The model's parameter names -> the checkpoint's names of them (a family may name
+    its checkpoint's tensors otherwise: its `checkpoint_name`)."""
+    rename = getattr(model, "checkpoint_name", None) or (lambda name: name.removeprefix("language_model."))
+    sources = {}
+    for name in checkpoint.names():
+        ours = rename(name)
+        if ours is not None:
+            sources[ours] = name
+    if model.config.tie_word_embeddings and "model.embed_tokens.weight" in sources:
+        sources.setdefault("lm_head.weight", sources["model.embed_tokens.weight"])
+    return sources
+
+
+def _parts(name: str, linear: nn.Linear, kind: str) -> list[str]:
+    """The model's parameter names of a linear's `kind` ("weight" or "bias"), one per fused part."""
+    parts = getattr(linear, "part_names", None)
+    if parts is None:
+        return [f"{name}.{kind}"]
+    parent = name.rpartition(".")[0]
+    return [f"{parent}.{part}.{kind}" for part in parts]
+
+
+def _layer_from_checkpoint(checkpoint, scheme: str, name: str, linear: nn.Linear, sources: dict[str, str],
+                           fallbacks: dict[str, list[str]]) -> nn.Module:
+    def source(param: str) -> str:
+        if param not in sources:
+            raise ValueError(f"the checkpoint lacks {param!r} (for layer {name})")
+        return sources[param]
+
+    weights = [source(p) for p in _parts(name, linear, "weight")]
+    bias = None
+    if linear.bias is not None:
+        bias = torch.cat([checkpoint.get(source(p)).float() for p in _parts(name, linear, "bias")])
+    if scheme == "gguf":
+        from gristmill.model.cpu.gguf_linear import GGUFLinear
+
+        stored = [checkpoint.stored(w) for w in weights]
+        if all(s is not None and GGUFLinear.supports(s[0]) for s in stored):
+            return GGUFLinear(stored, linear.in_features, bias)
+        for w, s in zip(weights, stored):
+            type_name = _type_name(checkpoint.tensor_type(w))
+            fallbacks.setdefault(type_name, []).append(checkpoint.gguf_name(w))
+    weight = torch.cat([checkpoint.get(w) for w in weights]) if len(weights) > 1 else checkpoint.get(weights[0])
+    return _quantized("int8" if scheme == "gguf" else scheme, name, linear, weight, bias)
+
+
+def _type_name(ggml_type: int) -> str:
+    import gguf
+
+    return gguf.GGMLQuantizationType(ggml_type).name
+
+
+def _quantized(scheme: str, name: str, linear: nn.Linear, weight: torch.Tensor, bias: torch.Tensor | None):
+    """A `scheme` layer for `linear` (named `name`) quantized from float `weight`."""
+    return LAYERS[_HEAD_SCHEMES[scheme] if name == "lm_head" else scheme].from_weight(weight, bias)
+
+
+def _open_cache(cache_file: Path | None):
+    from gristmill.model.loader.safetensors_io import SafetensorsReader
+
+    if cache_file is None or not cache_file.exists():
+        return None
     try:
-        with SafetensorsReader(cache_file) as f:
-            stored_names = set(f.keys())
-            for name, linear in linears.items():
-                # Built on the meta device, then given the stored tensors, each read into
-                # memory of its own: no zero-filled buffers for the weights to be copied
-                # into, and nothing of the file mapped (a cache file overwritten or
-                # truncated in place would then crash the engine with SIGBUS).
-                with torch.device("meta"):
-                    _, layer = _empty_layer(scheme, name, linear)
-                buffers = dict(layer.named_buffers(recurse=False))
-                if any(f"{name}.{buf}" not in stored_names for buf in buffers):
-                    return None
-                stored = {buf: f.read(f"{name}.{buf}") for buf in buffers}
-                if any(t.shape != buffers[buf].shape for buf, t in stored.items()):
-                    return None
-                for buf, tensor in stored.items():  # (a dtype the file differs in: cast, as load_state_dict did)
-                    setattr(layer, buf, tensor.to(buffers[buf].dtype))
-                layers[name] = layer
-    except Exception as exc:  # noqa: BLE001 - a damaged cache: the cold path rebuilds it
+        return SafetensorsReader(cache_file)
+    except Exception as exc:  # noqa: BLE001 - a damaged cache is rebuilt, not fatal
         logger.warning("ignoring unreadable quantized cache %s (%s)", cache_file, exc)
         return None
-    for name, layer in layers.items():
-        _put(model, name, layer, linears[name])
-    if embed_from_head(model):
-        held.add("model.embed_tokens.weight")
-    startup.cached(f"{scheme} weights", cache_file)
-    return held
+
+
+def _cached_layer(cached, scheme: str, name: str, linear: nn.Linear) -> nn.Module | None:
+    """`linear`'s quantized layer as the cache holds it, or None where it does not (whole)."""
+    if cached is None:
+        return None
+    # Built on the meta device, then given the stored tensors, each read into memory of
+    # its own: nothing of the file stays mapped (a cache file rewritten in place would
+    # crash the engine with SIGBUS).
+    with torch.device("meta"):
+        _, layer = _empty_layer(scheme, name, linear)
+    buffers = dict(layer.named_buffers(recurse=False))
+    stored_names = set(cached.keys())
+    if any(f"{name}.{buf}" not in stored_names for buf in buffers):
+        return None
+    try:
+        stored = {buf: cached.read(f"{name}.{buf}") for buf in buffers}
+    except ValueError as exc:
+        logger.warning("ignoring unreadable quantized cache %s (%s)", cached.path, exc)
+        return None
+    if any(t.shape != buffers[buf].shape for buf, t in stored.items()):
+        return None
+    for buf, tensor in stored.items():  # (a dtype the file differs in: cast, as load_state_dict did)
+        setattr(layer, buf, tensor.to(buffers[buf].dtype))
+    return layer
+
+
+def _save_layers(model: nn.Module, cache_file: Path) -> None:
+    """Every quantized layer's buffers into `cache_file`, tensor by tensor (no second copy
+    of the model in memory), atomically."""
+    from gristmill.model.loader.safetensors_io import TensorSource, write_safetensors
+
+    sources = []
+    for name, module in model.named_modules():
+        if isinstance(module, QuantizedLinear):
+            for buf, tensor in module.named_buffers(recurse=False):
+                array = tensor.contiguous().numpy()
+                sources.append(TensorSource(f"{name}.{buf}", array.dtype, array.shape, lambda a=array: [a]))
+    cache_file.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=cache_file.parent, prefix=".tmp-", suffix=".safetensors")
+    os.close(fd)
+    try:
+        write_safetensors(Path(tmp), sources)
+        os.replace(tmp, cache_file)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def embed_from_head(model: nn.Module) -> bool:
@@ -141,6 +238,23 @@ def embed_from_head(model: nn.Module) -> bool:
     if not (model.config.tie_word_embeddings and isinstance(head, Int8Linear)):
         return False
     model.model.embed_tokens = Int8Embedding(head)
+    return True
+
+
+def _embed_from_blocks(model: nn.Module, checkpoint, sources: dict[str, str]) -> bool:
+    """A GGUF's embedding read from its blocks where a kernel reads their type: the tied
+    LM head's (`GGUFEmbedding`), or an untied table's own. True when so."""
+    from gristmill.model.cpu.gguf_linear import GGUFEmbedding, GGUFLinear
+
+    head = getattr(model, "lm_head", None)
+    if model.config.tie_word_embeddings and isinstance(head, GGUFLinear):
+        model.model.embed_tokens = GGUFEmbedding(head)
+        return True
+    name = sources.get("model.embed_tokens.weight")
+    stored = None if name is None else checkpoint.stored(name)
+    if model.config.tie_word_embeddings or stored is None or not GGUFLinear.supports(stored[0]):
+        return False
+    model.model.embed_tokens = GGUFEmbedding(GGUFLinear([stored], checkpoint.shape(name)[1], None))
     return True
 
 
@@ -161,22 +275,15 @@ def _put(model: nn.Module, name: str, layer: nn.Module, linear: nn.Linear) -> No
     setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
 
 
-def _save_atomically(state: dict, path: Path, save_file) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".safetensors")
-    os.close(fd)
-    try:
-        save_file({k: v.contiguous() for k, v in state.items()}, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def cache_file_for(model_dir: Path, root: Path, scheme: str = "int8") -> Path:
     """Where the `scheme` weights of `model_dir` are cached: keyed by its checkpoint files'
-    paths, sizes and modification times, so a changed checkpoint is quantized afresh."""
+    paths, sizes and modification times (a GGUF's through its link), so a changed
+    checkpoint is quantized afresh."""
+    from gristmill.model.loader.tensors import GGUF_LINK
+
     files = sorted(model_dir.glob("*.safetensors"))
+    if (model_dir / GGUF_LINK).exists():
+        files.append((model_dir / GGUF_LINK).resolve())
     parts = [_FORMATS[scheme], str(model_dir.resolve())]
     parts += [f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files]
     key = hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]

@@ -40,6 +40,7 @@ def fuse_projections(model: nn.Module) -> None:
                 delattr(module, name)
             setattr(module, fused, layer)
             layer.split_sizes = [lin.out_features for lin in linears]
+            layer.part_names = parts  # (what the checkpoint calls its parts: model/cpu/quant.py)
 
 
 def _cat(tensors: list[torch.Tensor]) -> nn.Parameter:
@@ -48,8 +49,4 @@ def _cat(tensors: list[torch.Tensor]) -> nn.Parameter:
         # (torch.cat of meta tensors runs a Python reference that imports torch._dynamo: 2 s)
         return nn.Parameter(torch.empty((sum(t.shape[0] for t in tensors), *tensors[0].shape[1:]), device="meta",
                                         dtype=tensors[0].dtype), requires_grad=False)
-    fused = nn.Parameter(torch.cat([t.detach() for t in tensors]), requires_grad=False)
-    q8_0 = [getattr(t, "q8_0", None) for t in tensors]  # a GGUF's Q8_0 blocks (model/loader): rows stack too
-    if all(blocks is not None for blocks in q8_0):
-        fused.q8_0 = tuple(torch.cat(parts) for parts in zip(*q8_0))
-    return fused
+    return nn.Parameter(torch.cat([t.detach() for t in tensors]), requires_grad=False)

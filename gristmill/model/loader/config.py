@@ -205,3 +205,15 @@ def _gemma3_rope(raw: dict, max_positions: int) -> dict:
             layer.setdefault("original_max_position_embeddings", max_positions)
     return params
 
+
+
+def trained_length(model_dir: Path, config: ModelConfig) -> int:
+    """The longest sequence the model is meant for: its positions, or, for a
+    sentence-transformers model, the `max_seq_length` it was trained to cut inputs at
+    (all-MiniLM-L6-v2: 256 of 512 positions), as sentence-transformers and vLLM use it."""
+    length = config.max_position_embeddings
+    try:
+        trained = json.loads((model_dir / "sentence_bert_config.json").read_text()).get("max_seq_length")
+    except (OSError, ValueError, AttributeError):
+        return length
+    return min(length, trained) if isinstance(trained, int) and trained > 0 else length

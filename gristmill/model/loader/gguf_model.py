@@ -8,6 +8,12 @@ from __future__ import annotations
 import numpy as np
 
 # GGUF architecture -> HF model_type, and config keys read from the GGUF metadata.
+# In a GGUF's directory in the cache: a link to the GGUF file its weights are read from.
+GGUF_LINK = "model.gguf"
+
+# The block types CPU kernels multiply by as stored (model/cpu/gguf_linear.py).
+KERNEL_TYPES = frozenset({"Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K"})
+
 MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
 _CONFIG_KEYS = {
     "context_length": "max_position_embeddings",
@@ -37,11 +43,24 @@ _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.nor
 
 def hf_transform(arch: str, name: str, config: dict):
     """What a tensor needs beyond its dequantization to be the HF checkpoint's, or None."""
-    if arch == "gemma3" and name.endswith("norm.weight"):  # (never Q8_0: vectors)
+    if arch == "gemma3" and name.endswith("norm.weight"):  # (never quantized: vectors)
         return lambda weights: weights - 1.0  # llama.cpp stores Gemma norms as (1 + w)
-    if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
-        heads = config["num_attention_heads"] if ".q_proj." in name else config["num_key_value_heads"]
+    heads = _rotary_heads(arch, name, config)
+    if heads is not None:
         return lambda weights: unpermute_rotary(weights, heads)
+    return None
+
+
+def rotary_rows(arch: str, name: str, config: dict, num_rows: int) -> np.ndarray | None:
+    """For a llama q/k projection (or bias), the file's row of each HF row: llama.cpp
+    interleaves each head's two rotary halves; None for every other tensor."""
+    heads = _rotary_heads(arch, name, config)
+    return None if heads is None else unpermute_rotary(np.arange(num_rows), heads)
+
+
+def _rotary_heads(arch: str, name: str, config: dict) -> int | None:
+    if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+        return config["num_attention_heads"] if ".q_proj." in name else config["num_key_value_heads"]
     return None
 
 

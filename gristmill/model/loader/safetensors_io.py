@@ -28,7 +28,8 @@ import numpy as np
 
 # safetensors' names of the dtypes written here, in the order its files list them (it
 # sorts tensors by dtype, the wider first, then by name).
-_DTYPE_NAMES = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(np.int8): "I8"}
+_DTYPE_NAMES = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(np.int16): "I16",
+                np.dtype(np.int8): "I8", np.dtype(np.uint8): "U8"}
 
 
 class TensorSource(NamedTuple):
@@ -103,6 +104,10 @@ class SafetensorsReader:
 
     def keys(self) -> list[str]:
         return list(self._entries)
+
+    def entry(self, name: str) -> dict:
+        """Tensor `name`'s header entry: its "dtype", "shape" and "data_offsets"."""
+        return self._entries[name]
 
     def read(self, name: str):
         """Tensor `name`, as stored, in new memory."""
