@@ -72,3 +72,26 @@ def run_script(tmp_path: Path, source: str, timeout: float = 300,
     script.write_text(textwrap.dedent(source))
     return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=timeout,
                           cwd=tmp_path, env=env)
+
+
+def transformers_dir(model_dir: Path) -> Path:
+    """An HF directory transformers loads with the same weights as `model_dir`: itself,
+    or for a GGUF's directory (whose weights stay in the GGUF file) the file converted to
+    float32 safetensors beside it, once (two workers may convert at once: each into its
+    own directory, the first rename wins)."""
+    import shutil
+    import tempfile
+
+    from gristmill.model.loader import GGUF_LINK, convert_gguf
+
+    if not (model_dir / GGUF_LINK).exists():
+        return model_dir
+    target = model_dir.parent / f"{model_dir.name}-transformers"
+    if not (target / "config.json").exists():
+        tmp = Path(tempfile.mkdtemp(dir=model_dir.parent, prefix=".tmp-"))
+        convert_gguf((model_dir / GGUF_LINK).resolve(), tmp)
+        try:
+            tmp.rename(target)
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target

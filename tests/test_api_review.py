@@ -200,7 +200,7 @@ def test_generate_cli_with_a_corrupt_model_says_what_to_do(default_llm, tmp_path
     from gristmill.cli import main
 
     for f in default_llm.model_dir.iterdir():
-        if f.is_file() and not f.name.endswith(".safetensors"):
+        if f.is_file() and not f.name.endswith((".safetensors", ".gguf")):  # the tokenizer and config
             shutil.copy(f, tmp_path / f.name)
     (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{")  # truncated
     with pytest.raises(SystemExit) as caught:

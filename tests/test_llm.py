@@ -14,7 +14,9 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at",
 @pytest.fixture(scope="module")
 def hf_model(float_llm):
     from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(str(float_llm.model_dir),
+
+    from tests.harness import transformers_dir
+    return AutoModelForCausalLM.from_pretrained(str(transformers_dir(float_llm.model_dir)),
                                                 dtype=torch.float32).eval()
 
 

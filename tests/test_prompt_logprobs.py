@@ -10,6 +10,7 @@ import pytest
 
 from gristmill import LLM, SamplingParams
 from tests.batch.inprocess import tiny_model
+from tests.harness import transformers_dir
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -20,7 +21,7 @@ PROMPTS = ["The cat sat on the mat because it was warm there.", "ab", "Numbers: 
 @pytest.fixture(scope="module")
 def reference():
     llm = LLM(str(tiny_model()), device="cpu", quantization=None)
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(llm.model_dir)).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(transformers_dir(llm.model_dir))).eval()
 
     def logprobs(token_ids: list[int]) -> torch.Tensor:
         with torch.no_grad():
