@@ -13,15 +13,27 @@ _EMPTY = torch.empty(0)
 _STACK_ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu": 2}
 
 
+def _slot(linear) -> list[torch.Tensor]:
+    """A linear's four tensors in the stack (csrc/decode_stack.cpp): its kernel's weights
+    (a GGUF layer's layout, then two empty), then its bias."""
+    if linear.kernel == "gguf_linear":
+        weights = [linear.layout, _EMPTY, _EMPTY]
+    else:
+        weights = [getattr(linear, name) for name in linear._buffers_of_kernel]
+    return weights + [linear.bias.float() if linear.bias is not None else _EMPTY]
+
+
 class DecodeStack:
-    """Applies where activations are float32 and q/k/v and gate/up are fused into int8 or
-    q4 layers (as quantization makes them). Each decoder layer names its norms with
+    """Applies where activations are float32 and q/k/v and gate/up are fused into int8,
+    q4 or GGUF layers (as quantization and the GGUF loader make them; one layer's linears
+    may be of different kinds). Each decoder layer names its norms with
     `stack_norms()`: (in, attn_out, mlp_in, mlp_out), None for those its family lacks."""
 
     def __init__(self, layers: nn.ModuleList):
         from gristmill.model.cpu import qlinear
+        from gristmill.model.cpu.gguf_linear import GGUFLinear
 
-        kinds = {qlinear.Int8Linear: 1, qlinear.Q4Linear: 2}
+        kinds = {qlinear.Int8Linear: 1, qlinear.Q4Linear: 2, GGUFLinear: 3}
         q4 = any(isinstance(m, qlinear.Q4Linear) for layer in layers for m in layer.modules())
         self.ops = ext = kernels.q4_extension() if q4 else kernels.int8_extension()
         if ext is None:
@@ -33,13 +45,12 @@ class DecodeStack:
             linears = [getattr(attn_module, "qkv_proj", None), getattr(attn_module, "o_proj", None),
                        getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None)]
             if any(type(lin) not in kinds for lin in linears) or mlp.activation not in _STACK_ACTIVATIONS:
-                raise ValueError("the decode stack needs fused int8 or q4 projections")
+                raise ValueError("the decode stack needs fused int8, q4 or GGUF projections")
             norms = list(layer.stack_norms()) + [getattr(attn_module, "q_norm", None),
                                                  getattr(attn_module, "k_norm", None)]
             tensors += [n.float_weight() if n is not None else _EMPTY for n in norms]
             for lin in linears:
-                tensors += [getattr(lin, name) for name in lin._buffers_of_kernel]
-                tensors.append(lin.bias if lin.bias is not None else _EMPTY)
+                tensors += _slot(lin)
             rotary, attn = attn_module.rotary, attn_module.attn
             tensors += [rotary.cos, rotary.sin, attn.k_cache, attn.v_cache]
             isa = {lin.isa for lin in linears} - {None}

@@ -20,6 +20,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qkv_rotary", &qkv_rotary, "split fused qkv into heads, q/k norm, rotary");
   m.def("decode_stack", &decode_stack, "a decode-only step's decoder layers in one call");
   m.def("int8_linear", &int8_linear, "int8 linear layer: block-quantized weights and activations");
+  m.def("gguf_linear", &gguf_linear, "linear layer over GGUF quantized blocks as they lie, int8 activations");
+  m.def("gguf_dequantize", &gguf_dequantize, "the float32 weights of GGUF quantized blocks, as gguf_linear sees them");
 #if GRISTMILL_Q4
   m.def("q4_linear", &q4_linear, "4-bit weight linear layer: block scales and minimums, int8 activations");
 #endif

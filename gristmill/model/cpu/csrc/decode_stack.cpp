@@ -7,10 +7,11 @@
 // Per layer, `tensors` holds kTensorsPerLayer entries (an empty tensor for what the
 // family lacks): the norms in, attn_out, mlp_in, mlp_out, q, k (Llama: in and mlp_in
 // only); the qkv, o, gate_up and down linears, 4 tensors each (for int8 / q4: packed
-// weight, scales, sums / minimums, bias; for float: weight, -, -, bias); the rotary cos
-// and sin tables; the layer's k and v cache. `ints` holds kIntsPerLayer: each linear's
-// kind (0 float, 1 int8, 2 q4) and out_features, the sliding window (0: none), and the
-// code path of the quantized kernels. `scales`: each layer's attention scale.
+// weight, scales, sums / minimums, bias; for GGUF blocks: layout, -, -, bias; for float:
+// weight, -, -, bias); the rotary cos and sin tables; the layer's k and v cache. `ints`
+// holds kIntsPerLayer: each linear's kind (0 float, 1 int8, 2 q4, 3 gguf: each linear
+// its own) and out_features, the sliding window (0: none), and the code path of the
+// quantized kernels. `scales`: each layer's attention scale.
 #include "cpu_ops.h"
 #include "linear_common.h"
 
@@ -22,7 +23,7 @@ namespace {
 
 constexpr int64_t kTensorsPerLayer = 26;
 constexpr int64_t kIntsPerLayer = 10;
-enum Kind : int64_t { kFloat = 0, kInt8 = 1, kQ4 = 2 };
+enum Kind : int64_t { kFloat = 0, kInt8 = 1, kQ4 = 2, kGGUF = 3 };
 
 at::Tensor linear_of(const at::Tensor& x, const at::Tensor* t, int64_t kind, int64_t out_features,
                         int64_t isa) {
@@ -36,6 +37,7 @@ at::Tensor linear_of(const at::Tensor& x, const at::Tensor* t, int64_t kind, int
 #else
     case kQ4: TORCH_CHECK(false, "decode_stack: these kernels were built without q4_linear");
 #endif
+    case kGGUF: return gguf_linear(x, t[0], t[3], x.size(1), isa, linear::kNoActivation, x.new_empty({0}));
     default: return at::linear(x, t[0], t[3].numel() ? c10::optional<at::Tensor>(t[3]) : c10::nullopt);
   }
 }

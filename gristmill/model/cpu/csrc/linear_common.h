@@ -25,6 +25,11 @@ at::Tensor int8_linear(at::Tensor x, at::Tensor qweight, at::Tensor wscale, at::
                           int64_t activation, at::Tensor out);
 at::Tensor q4_linear(at::Tensor x, at::Tensor qweight, at::Tensor wscale, at::Tensor wmin,
                         at::Tensor bias, int64_t out_features, int64_t isa, int64_t activation, at::Tensor out);
+// GGUF blocks as they lie in the file (gguf_linear.cpp): layout (P, 3) int64, one row
+// [ggml_type, rows, data_ptr] per part of the output dimension.
+at::Tensor gguf_linear(at::Tensor x, at::Tensor layout, at::Tensor bias, int64_t in_features, int64_t isa,
+                       int64_t activation, at::Tensor out);
+at::Tensor gguf_dequantize(at::Tensor layout, int64_t in_features);
 
 namespace linear {
 
@@ -65,12 +70,14 @@ inline float half_to_float(uint16_t h) {
 
 // x's rows quantized: `kp` bytes a row (zero padded), `qblocks` block scales a row, and
 // when asked, each block's scale x (sum of its quantized values), which q4's block
-// minimum meets. The memory is the calling thread's, kept between calls (make_rows): a
+// minimum meets, and the sum of each 16 quantized values (GGUF's offsets and 16-wide
+// sub-blocks meet them; exact integers, the format's offset taken out). The memory is the calling thread's, kept between calls (make_rows): a
 // fresh megabyte-sized buffer a call costs page faults.
 struct Rows {
   int8_t* q = nullptr;
   float* scale = nullptr;
   float* scaled_sum = nullptr;  // null unless asked for
+  int16_t* sum16 = nullptr;     // kp / 16 a row; null unless asked for
   int64_t kp = 0, qblocks = 0;
 };
 
@@ -138,10 +145,12 @@ __attribute__((target("avx2"))) inline float quantize_block_avx2(const float* x,
 #endif
 
 // Room for x's rows quantized; with `with_sums`, each block's scale x (sum of its
-// values) too (q4's minimums meet it). Valid until this thread's next make_rows.
-inline Rows make_rows(int64_t m_total, int64_t kp, bool with_sums) {
+// values) too (q4's minimums meet it); with `with_sums16`, the sums of each 16 values.
+// Valid until this thread's next make_rows.
+inline Rows make_rows(int64_t m_total, int64_t kp, bool with_sums, bool with_sums16 = false) {
   thread_local std::vector<int8_t> q;
   thread_local std::vector<float> scale, scaled_sum;
+  thread_local std::vector<int16_t> sum16;
   auto room = [](auto& v, int64_t n) {
     if (static_cast<int64_t>(v.size()) < n) v.resize(n);
     return v.data();
@@ -152,6 +161,7 @@ inline Rows make_rows(int64_t m_total, int64_t kp, bool with_sums) {
   rows.q = room(q, m_total * kp);
   rows.scale = room(scale, m_total * rows.qblocks);
   if (with_sums) rows.scaled_sum = room(scaled_sum, m_total * rows.qblocks);
+  if (with_sums16) rows.sum16 = room(sum16, m_total * (kp / 16));
   return rows;
 }
 
@@ -175,6 +185,13 @@ inline void quantize_rows(const at::Tensor& x, RowFormat format, Rows& rows, int
         scale = quantize_block(xr + b0, n, format, q + b0, &sum);
       rows.scale[m * qblocks + b0 / kQ] = scale;
       if (with_sums) rows.scaled_sum[m * qblocks + b0 / kQ] = scale * float(sum);
+      if (rows.sum16)
+        for (int half = 0; half < 2; ++half) {
+          int32_t s16 = 0;  // |s16| <= 16 * 127
+          for (int i = 16 * half; i < 16 * half + 16; ++i)
+            s16 += format.offset ? int(uint8_t(q[b0 + i])) - format.offset : int(q[b0 + i]);
+          rows.sum16[m * (kp / 16) + b0 / 16 + half] = int16_t(s16);
+        }
     }
   }
 }

@@ -1,0 +1,166 @@
+// GGUF's quantized block formats (ggml's, as the `gguf` package's quants.py defines
+// them), decoded into one form that the portable kernel and the dequantization share.
+//
+// A *group* is 256 weights of one row: one super-block of a K type (Q4_K, Q5_K, Q6_K),
+// or 8 blocks of a 32-wide type (Q8_0, Q4_0, Q5_0; a row's last group may hold fewer,
+// the rest zeros). Decoded, every format reads
+//   w[k] = (d[k / 32] * scale[k / 16]) * q[k] - min[k / 32]
+// with integer codes q (offsets taken out: Q4_0's 8, Q5_0's 16, Q6_K's 32) and integer
+// scales, which is the order of operations of gguf.dequantize: d * scale and d * q are
+// exact in float32 (at most 11 + 7 + 6 bits), so the only rounding is the subtraction
+// of the minimum (Q4_K, Q5_K), made once, as gguf makes it.
+//
+// A linear layer meets activations quantized per 32 values (linear_common.h): per
+// 32-wide block j of a group, the kernels take the exact integer
+//   S_j = sum over its two halves h of scale[2j + h] * sum_k q[k] * x_q[k]
+// and add float(S_j) * (d[j] * x_scale[j]) - min[j] * (x_scale[j] * sum_k x_q[k]).
+// |S_j| < 2^24 for every format (Q6_K: 32 * 32 * 127 * 128), so float(S_j) is exact.
+#pragma once
+
+#include "linear_common.h"
+
+namespace gguf {
+
+// ggml's numbering (gguf.GGMLQuantizationType).
+enum Type : int64_t { kQ4_0 = 2, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+
+constexpr int kGroup = 256;      // weights a group
+constexpr int kGroupBlocks = 8;  // 32-wide blocks a group
+
+struct Format {
+  int block_size = 0;  // weights a block
+  int type_size = 0;   // bytes a block
+  bool has_min = false;
+};
+
+// The format of a ggml type; block_size 0 for a type these kernels do not take.
+inline Format format_of(int64_t type) {
+  switch (type) {
+    case kQ4_0: return {32, 18, false};
+    case kQ5_0: return {32, 22, false};
+    case kQ8_0: return {32, 34, false};
+    case kQ4_K: return {256, 144, true};
+    case kQ5_K: return {256, 176, true};
+    case kQ6_K: return {256, 210, false};
+    default: return {};
+  }
+}
+
+// The bytes of one group.
+inline int64_t group_bytes(const Format& f) { return f.type_size * (kGroup / f.block_size); }
+
+struct Group {
+  int8_t q[kGroup];
+  int16_t scale[16];
+  float d[kGroupBlocks];
+  float min[kGroupBlocks];
+};
+
+inline float fp16_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return linear::half_to_float(h);
+}
+
+inline uint32_t u32_at(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// Q4_K's and Q5_K's 12 bytes of 6-bit scales and minimums: sc[0..7] then m[0..7].
+// Bytes 0-3 hold sc 0-3 (and the top bits of sc 4-7), 4-7 hold m 0-3 (and the top bits
+// of m 4-7), 8-11 the low 4 bits of sc 4-7 and of m 4-7; done four bytes at a time.
+inline void k_scales(const uint8_t* s, uint8_t out[16]) {
+  const uint32_t lo = u32_at(s), mid = u32_at(s + 4), hi = u32_at(s + 8);
+  const uint32_t words[4] = {lo & 0x3f3f3f3fu, (hi & 0x0f0f0f0fu) | ((lo >> 2) & 0x30303030u),
+                             mid & 0x3f3f3f3fu, ((hi >> 4) & 0x0f0f0f0fu) | ((mid >> 2) & 0x30303030u)};
+  std::memcpy(out, words, 16);
+}
+
+// One group of a 32-wide type from `blocks` (<= 8) blocks at `p`; the rest are zeros.
+inline void decode_32(int64_t type, const uint8_t* p, int blocks, Group& g) {
+  const Format f = format_of(type);
+  for (int s = 0; s < 16; ++s) g.scale[s] = 1;
+  for (int j = 0; j < kGroupBlocks; ++j) {
+    int8_t* q = g.q + 32 * j;
+    g.min[j] = 0.f;
+    if (j >= blocks) {
+      g.d[j] = 0.f;
+      std::memset(q, 0, 32);
+      continue;
+    }
+    const uint8_t* b = p + j * f.type_size;
+    g.d[j] = fp16_at(b);
+    if (type == kQ8_0) {
+      std::memcpy(q, b + 2, 32);
+    } else if (type == kQ4_0) {
+      for (int k = 0; k < 16; ++k) {
+        q[k] = int8_t((b[2 + k] & 15) - 8);
+        q[k + 16] = int8_t((b[2 + k] >> 4) - 8);
+      }
+    } else {  // Q5_0: bit k of the 32-bit qh is value k's fifth bit
+      const uint32_t qh = u32_at(b + 2);
+      for (int k = 0; k < 16; ++k) {
+        q[k] = int8_t(((b[6 + k] & 15) | (((qh >> k) & 1) << 4)) - 16);
+        q[k + 16] = int8_t(((b[6 + k] >> 4) | (((qh >> (k + 16)) & 1) << 4)) - 16);
+      }
+    }
+  }
+}
+
+// Q4_K: d, dmin, 12 bytes of scales, then 128 bytes: 32-blocks 2i and 2i + 1 are the low
+// and high nibbles of bytes 32i..32i+31. Q5_K adds 32 bytes before those: bit j of byte l
+// is value l's fifth bit in 32-block j.
+inline void decode_k4(int64_t type, const uint8_t* b, Group& g) {
+  const float d = fp16_at(b), dmin = fp16_at(b + 2);
+  uint8_t sm[16];
+  k_scales(b + 4, sm);
+  const uint8_t* qh = b + 16;
+  const uint8_t* qs = type == kQ5_K ? b + 48 : b + 16;
+  for (int j = 0; j < kGroupBlocks; ++j) {
+    g.d[j] = d;
+    g.min[j] = dmin * float(sm[8 + j]);
+    g.scale[2 * j] = g.scale[2 * j + 1] = sm[j];
+    for (int l = 0; l < 32; ++l) {
+      int v = (qs[32 * (j / 2) + l] >> (4 * (j % 2))) & 15;
+      if (type == kQ5_K) v |= ((qh[l] >> j) & 1) << 4;
+      g.q[32 * j + l] = int8_t(v);
+    }
+  }
+}
+
+// Q6_K: 128 bytes of low 4 bits, 64 of high 2 bits, 16 int8 scales (one per 16 values),
+// d. 32-block j = 4h + t (h: which half of the 256, t < 4) takes value l's low bits from
+// nibble t / 2 of low byte 64h + 32(t % 2) + l, its high bits from bits 2t, 2t + 1 of
+// high byte 32h + l.
+inline void decode_q6_k(const uint8_t* b, Group& g) {
+  const float d = fp16_at(b + 208);
+  for (int s = 0; s < 16; ++s) g.scale[s] = int8_t(b[192 + s]);
+  for (int j = 0; j < kGroupBlocks; ++j) {
+    const int h = j / 4, t = j % 4;
+    g.d[j] = d;
+    g.min[j] = 0.f;
+    for (int l = 0; l < 32; ++l) {
+      const int low = (b[64 * h + 32 * (t % 2) + l] >> (4 * (t / 2))) & 15;
+      const int high = (b[128 + 32 * h + l] >> (2 * t)) & 3;
+      g.q[32 * j + l] = int8_t((low | (high << 4)) - 32);
+    }
+  }
+}
+
+// Group `index` of a row of `k` weights at `row`.
+inline void decode_group(int64_t type, const uint8_t* row, int64_t k, int64_t index, Group& g) {
+  const Format f = format_of(type);
+  const uint8_t* p = row + index * group_bytes(f);
+  if (f.block_size == 32) {
+    const int64_t blocks = std::min<int64_t>(kGroupBlocks, k / 32 - index * kGroupBlocks);
+    decode_32(type, p, int(blocks), g);
+  } else if (type == kQ6_K) {
+    decode_q6_k(p, g);
+  } else {
+    decode_k4(type, p, g);
+  }
+}
+
+}  // namespace gguf

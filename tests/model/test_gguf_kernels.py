@@ -1,0 +1,394 @@
+"""GGUF blocks multiplied as they lie (cpu/gguf_linear.py, csrc/gguf_linear.cpp): the
+weights the kernel multiplies by are gguf.dequantize's bit for bit, and its outputs are
+x @ W^T within what rounding the activations to int8 can move them, on every code path.
+
+Tensors come from the bundled Gemma 3 270M GGUF (Q4_K, Q5_0, Q6_K, Q8_0) and are made
+here for the rest: gguf.quantize where it can, random block bytes with finite fp16
+scales where it cannot (Q5_K, and the K types at the shapes the file lacks)."""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from gristmill.model.cpu import kernels
+from gristmill.model.cpu.gguf_linear import SUPPORTED_TYPES, GGUFEmbedding, GGUFLinear
+from gristmill.model.loader.gguf_file import GGUFFile
+from gristmill.paths import default_model_path
+from tests.model.gelu_bound import assert_gelu_of
+
+T = gguf.GGMLQuantizationType
+EXT = kernels.int8_extension()
+BEST = EXT.best_isa() if EXT is not None else -1
+# The kernel's two code paths (an AVX-512 machine runs the avx2 one); each skipped, saying
+# so, on a CPU that lacks it.
+PATHS = [pytest.param(isa, id=kernels.ISA_NAMES[isa], marks=pytest.mark.skipif(
+    BEST < isa, reason=f"this CPU has no {kernels.ISA_NAMES[isa]}")) for isa in (0, 1)]
+TYPES = [pytest.param(t, id=t.name) for t in (T.Q8_0, T.Q4_0, T.Q5_0, T.Q4_K, T.Q5_K, T.Q6_K)]
+ROWS = [1, 3, 4, 5, 17, 64, 130]  # one tile row, partial and whole 4-row tiles, rows split between threads
+# The file's tensor of each type (ggml's "rows, inputs": Q4_K attn_output is 640 x 1024).
+REAL = {T.Q4_K: "blk.0.attn_output.weight", T.Q5_0: "blk.0.attn_q.weight",
+        T.Q6_K: "blk.0.ffn_down.weight", T.Q8_0: "blk.0.attn_v.weight"}
+_U = 2.0 ** -24  # float32's unit roundoff
+
+
+def setup_module():
+    assert EXT is not None, "the kernels did not build: is a C++ compiler installed?"
+
+
+def _tensor(array: np.ndarray) -> torch.Tensor:
+    with warnings.catch_warnings():  # a read-only mapping: the kernels only read it
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(array)
+
+
+@functools.cache
+def _file_tensors() -> dict:
+    return {t.name: t for t in GGUFFile(default_model_path()).tensors}
+
+
+def _real(ggml_type) -> tuple[torch.Tensor, int]:
+    """(blocks as they lie in the mapped file, in_features)."""
+    tensor = _file_tensors()[REAL[ggml_type]]
+    assert tensor.tensor_type == ggml_type
+    return _tensor(tensor.data), tensor.shape[0]
+
+
+def _made(ggml_type, rows: int, in_features: int, seed: int = 0) -> torch.Tensor:
+    rng = np.random.default_rng(seed)
+    if ggml_type in (T.Q8_0, T.Q4_0, T.Q5_0):
+        weight = rng.standard_normal((rows, in_features)).astype(np.float32) / math.sqrt(in_features)
+        return torch.from_numpy(gguf.quantize(weight, ggml_type))
+    block_size, type_size = gguf.GGML_QUANT_SIZES[ggml_type]
+    blocks = rng.integers(0, 256, size=(rows, in_features // block_size, type_size), dtype=np.uint8)
+    scales = (rng.standard_normal((rows, in_features // block_size, 2)) * 3e-3).astype(np.float16)
+    if ggml_type == T.Q6_K:
+        blocks[:, :, 208:210] = scales[:, :, :1].view(np.uint8)
+    else:  # Q4_K, Q5_K: d, then dmin
+        blocks[:, :, 0:4] = scales.view(np.uint8)
+    return torch.from_numpy(blocks.reshape(rows, -1))
+
+
+def _dequantize(ggml_type, blocks: torch.Tensor) -> torch.Tensor:
+    return torch.from_numpy(gguf.dequantize(blocks.numpy(), ggml_type))
+
+
+def _magnitude(ggml_type, blocks: torch.Tensor) -> torch.Tensor:
+    """Per weight, |scale * q| + |min|: with the minimum's sign flipped, gguf.dequantize
+    gives scale * q + min, and |a| + |b| is the larger of |a - b| and |a + b|."""
+    w = _dequantize(ggml_type, blocks).abs()
+    if ggml_type not in (T.Q4_K, T.Q5_K):
+        return w
+    _, type_size = gguf.GGML_QUANT_SIZES[ggml_type]
+    flipped = blocks.clone().view(blocks.shape[0], -1, type_size)
+    flipped[:, :, 3] ^= 0x80  # dmin's sign bit
+    return torch.maximum(w, _dequantize(ggml_type, flipped.view(blocks.shape)).abs())
+
+
+def _inputs(rows: int, in_features: int, seed: int = 0) -> torch.Tensor:
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(seed)) * 2
+    x[0, : min(3, in_features)] = 30.0  # an outlier drives its blocks' scales
+    return x
+
+
+def _half_steps(x: torch.Tensor) -> torch.Tensor:
+    """(m, K / 32): half the rounding step of each block of x, absmax / 254 (times 1 + 4u
+    for the float scale and product): the most rounding x to int8 moves a value."""
+    m, k = x.shape
+    return x.double().view(m, k // 32, 32).abs().amax(dim=2) / 254 * (1 + 4 * _U)
+
+
+def _float_step_bound(x: torch.Tensor, magnitude: torch.Tensor) -> torch.Tensor:
+    """The kernel's float step adds (d * x_scale) * S and subtracts min * (x_scale * sum x_q)
+    per block, a few roundings each, into accumulators of at most K / 32 terms: under
+    (K / 32 + 8) u times the sum of |rounded x| (|scale q| + |min|). This also covers the
+    kernel taking scale q - min exactly where gguf rounds it once."""
+    k = x.shape[1]
+    x_abs = x.double().abs() + _half_steps(x).repeat_interleave(32, dim=1)
+    return (k / 32 + 8) * _U * (x_abs @ magnitude.double().T)
+
+
+def _error_bound(x: torch.Tensor, w: torch.Tensor, magnitude: torch.Tensor, bias: torch.Tensor | None):
+    """(bound, exact): per output, the most the kernel's y may differ from the exact
+    x @ w^T + bias (float64): rounding x moves block b's part by at most
+    half_step_b * sum_(k in b) |w_k|; then the float step; then one rounding of the output."""
+    w_abs = w.double().abs().view(w.shape[0], -1, 32).sum(dim=2)  # (N, K / 32)
+    exact = x.double() @ w.double().T + (0 if bias is None else bias.double())
+    return _half_steps(x) @ w_abs.T + _float_step_bound(x, magnitude) + 2 * _U * exact.abs(), exact
+
+
+def _assert_within_bound(y: torch.Tensor, x, w, magnitude, bias=None):
+    bound, exact = _error_bound(x, w, magnitude, bias)
+    excess = (y.double() - exact).abs() - bound
+    worst = int(excess.argmax())
+    assert excess.max() <= 0, (f"output {worst} off by {float((y.double() - exact).flatten()[worst]):.3g}, "
+                               f"beyond its bound {float(bound.flatten()[worst]):.3g}")
+
+
+def _layer(parts, in_features, bias=None, isa=None) -> GGUFLinear:
+    layer = GGUFLinear(parts, in_features, bias)
+    layer.isa = isa
+    return layer
+
+
+# ---- the weights ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("ggml_type", [pytest.param(t, id=t.name) for t in REAL])
+def test_weights_of_the_files_blocks_equal_gguf_dequantize(ggml_type):
+    blocks, k = _real(ggml_type)
+    layer = _layer([(ggml_type, blocks)], k)
+    assert layer.parts[0][1].data_ptr() == blocks.data_ptr()  # the file's bytes, not a copy
+    assert torch.equal(layer.dequantized(), _dequantize(ggml_type, blocks))
+
+
+@pytest.mark.parametrize("ggml_type", TYPES)
+@pytest.mark.parametrize("rows,in_features", [(37, 512), (5, 1024)])
+def test_weights_of_made_blocks_equal_gguf_dequantize(ggml_type, rows, in_features):
+    blocks = _made(ggml_type, rows, in_features, seed=rows)
+    expected = _dequantize(ggml_type, blocks)
+    assert torch.isfinite(expected).all() and expected.abs().max() > 0
+    assert torch.equal(_layer([(ggml_type, blocks)], in_features).dequantized(), expected)
+
+
+def test_weights_of_mixed_parts_are_the_parts_stacked():
+    parts = [(T.Q4_K, _made(T.Q4_K, 33, 256)), (T.Q6_K, _made(T.Q6_K, 7, 256)), (T.Q5_0, _made(T.Q5_0, 20, 256))]
+    layer = _layer(parts, 256)
+    assert layer.out_features == 60 and layer.split_sizes == [33, 7, 20]
+    assert torch.equal(layer.dequantized(), torch.cat([_dequantize(t, b) for t, b in parts]))
+
+
+# ---- the kernel against x @ W^T -------------------------------------------------------
+
+@pytest.mark.parametrize("isa", PATHS)
+@pytest.mark.parametrize("ggml_type", [pytest.param(t, id=t.name) for t in REAL])
+@pytest.mark.parametrize("rows", ROWS)
+def test_kernel_on_the_files_blocks_within_the_activation_rounding_bound(isa, ggml_type, rows):
+    blocks, k = _real(ggml_type)
+    layer = _layer([(ggml_type, blocks)], k, isa=isa)
+    x = _inputs(rows, k, seed=rows)
+    _assert_within_bound(layer(x), x, _dequantize(ggml_type, blocks), _magnitude(ggml_type, blocks))
+
+
+# K = 256 k for every type; K = 96 and 672 (a short last group of 3 and 5 blocks) for the
+# 32-wide ones. N = 45: not a multiple of the 16- and 32-row tiles.
+MADE = [pytest.param(t, 45, k, id=f"{t.name}-45x{k}") for t in SUPPORTED_TYPES for k in (256, 768, 96, 672)
+        if k % gguf.GGML_QUANT_SIZES[t][0] == 0]
+
+
+@pytest.mark.parametrize("isa", PATHS)
+@pytest.mark.parametrize("ggml_type,out_features,in_features", MADE)
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_kernel_on_made_blocks_within_the_activation_rounding_bound(isa, ggml_type, out_features, in_features,
+                                                                     rows):
+    blocks = _made(ggml_type, out_features, in_features, seed=in_features)
+    bias = torch.randn(out_features)
+    layer = _layer([(ggml_type, blocks)], in_features, bias, isa=isa)
+    x = _inputs(rows, in_features)
+    _assert_within_bound(layer(x), x, _dequantize(ggml_type, blocks), _magnitude(ggml_type, blocks), bias)
+
+
+def _mixed_parts(in_features: int) -> list:
+    """Every type in one layer, parts of odd sizes (a Q4_K_M file mixes Q4_K and Q6_K)."""
+    sizes = {T.Q4_K: 37, T.Q6_K: 29, T.Q8_0: 40, T.Q5_K: 7, T.Q4_0: 3, T.Q5_0: 19}
+    return [(t, _made(t, n, in_features, seed=n)) for t, n in sizes.items()]
+
+
+@pytest.mark.parametrize("isa", PATHS)
+@pytest.mark.parametrize("rows", ROWS)
+def test_kernel_on_mixed_parts_with_bias_within_the_bound(isa, rows):
+    parts = _mixed_parts(512)
+    bias = torch.randn(135)
+    layer = _layer(parts, 512, bias, isa=isa)
+    x = _inputs(rows, 512, seed=rows)
+    w = torch.cat([_dequantize(t, b) for t, b in parts])
+    magnitude = torch.cat([_magnitude(t, b) for t, b in parts])
+    _assert_within_bound(layer(x), x, w, magnitude, bias)
+
+
+@pytest.mark.parametrize("isa", PATHS)
+@pytest.mark.parametrize("rows", [1, 5, 130])
+def test_kernel_equals_its_reference_arithmetic_but_for_float_accumulation(isa, rows):
+    # The reference rounds x as the kernel does and sums exactly (float64): what is left is
+    # the kernel's float step alone, far tighter than the bound against float x.
+    parts = _mixed_parts(512)
+    layer = _layer(parts, 512, torch.randn(135), isa=isa)
+    x = _inputs(rows, 512)
+    magnitude = torch.cat([_magnitude(t, b) for t, b in parts])
+    expected = layer.reference(x)
+    bound = _float_step_bound(x, magnitude) + 2 * _U * expected.double().abs()
+    assert ((layer(x) - expected).double().abs() <= bound).all()
+
+
+@pytest.mark.parametrize("rows", ROWS)
+def test_portable_and_avx2_paths_give_the_same_floats(rows):
+    if BEST < 1:
+        pytest.skip("this CPU has no avx2")
+    parts = _mixed_parts(768)
+    x = _inputs(rows, 768, seed=rows)
+    portable, avx2 = (_layer(parts, 768, torch.randn(135, generator=torch.Generator().manual_seed(1)), isa=isa)
+                      for isa in (0, 1))
+    # the same int32 sums, and a float step that is the same operations in the same order
+    assert torch.equal(portable(x), avx2(x))
+    assert torch.equal(portable(x, "gelu"), avx2(x, "gelu"))
+
+
+@pytest.mark.parametrize("isa", PATHS)
+def test_gelu_in_the_output_step_is_gelu_of_the_output(isa):
+    layer = _layer(_mixed_parts(256), 256, torch.randn(135), isa=isa)
+    x = _inputs(67, 256)
+    x *= 10 / layer(x).abs().max()  # outputs to +-10: both tails of GELU, short of float32's tiny values
+    plain = layer(x)
+    assert plain.min() < -4 and plain.max() > 4
+    assert_gelu_of(layer(x, "gelu"), plain)
+    torch.testing.assert_close(layer(x, "silu"), torch.nn.functional.silu(plain))  # not fused: after the kernel
+
+
+@pytest.mark.parametrize("isa", PATHS)
+def test_rows_do_not_change_with_the_batch_around_them(isa):
+    # 130 rows are split between threads by rows, one row by output tiles: same numbers.
+    blocks, k = _real(T.Q4_K)
+    layer = _layer([(T.Q4_K, blocks)], k, isa=isa)
+    x = _inputs(130, k)
+    together = layer(x)
+    for i in (0, 63, 64, 129):
+        assert torch.equal(layer(x[i:i + 1])[0], together[i])
+
+
+def test_batch_shape_dtype_zero_rows_and_the_reused_output():
+    layer = _layer(_mixed_parts(256), 256, torch.randn(135))
+    x = torch.randn(2, 3, 256)
+    x[0, 1] = 0.0
+    out = layer(x)
+    assert out.shape == (2, 3, 135)
+    assert torch.equal(out[0, 1], layer.bias)  # a zero row gets exactly the bias
+    assert layer(x.to(torch.bfloat16)).dtype == torch.bfloat16
+    assert layer(torch.empty(0, 256)).shape == (0, 135)
+    layer.reuse_output = True
+    first = layer(x[0])
+    assert torch.equal(first, out[0]) and layer(x[1]).data_ptr() == first.data_ptr()
+
+
+def test_without_the_compiled_kernels_the_layer_computes_the_same(monkeypatch):
+    parts = _mixed_parts(256)
+    layer = _layer(parts, 256, torch.randn(135))
+    x = _inputs(5, 256)
+    compiled, weights = layer(x), layer.dequantized()
+    monkeypatch.setattr(kernels, "int8_extension", lambda: None)
+    plain = _layer(parts, 256, layer.bias)
+    assert torch.equal(plain.dequantized(), weights)  # gguf's own dequantization
+    magnitude = torch.cat([_magnitude(t, b) for t, b in parts])
+    bound = _float_step_bound(x, magnitude) + 2 * _U * compiled.double().abs()
+    assert ((plain(x) - compiled).double().abs() <= bound).all()
+
+
+def test_unsupported_blocks_are_refused_saying_why():
+    assert GGUFLinear.supports(T.Q4_K) and GGUFLinear.supports(int(T.Q6_K)) and not GGUFLinear.supports(T.Q4_1)
+    assert {t.name for t in SUPPORTED_TYPES} == {"Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K"}
+    with pytest.raises(ValueError, match="Q4_1"):
+        GGUFLinear([(T.Q4_1, torch.zeros(4, 20, dtype=torch.uint8))], 32)
+    with pytest.raises(ValueError, match="multiple of Q4_K's block of 256"):
+        GGUFLinear([(T.Q4_K, torch.zeros(4, 144, dtype=torch.uint8))], 128)
+    with pytest.raises(ValueError, match=r"\(rows, 34\)"):
+        GGUFLinear([(T.Q8_0, torch.zeros(4, 35, dtype=torch.uint8))], 32)
+    layout = torch.tensor([[int(T.Q4_1), 4, 1]])
+    with pytest.raises(RuntimeError, match="ggml type 3 is not supported"):
+        EXT.gguf_linear(torch.zeros(1, 32), layout, torch.empty(0), 32, 0, 0, torch.empty(0))
+
+
+# ---- embeddings -----------------------------------------------------------------------
+
+def test_embedding_rows_of_the_files_table_equal_gguf_dequantize():
+    table = _file_tensors()["token_embd.weight"]  # Q8_0, 262144 x 640
+    blocks = _tensor(table.data)
+    embedding = GGUFEmbedding(_layer([(table.tensor_type, blocks)], table.shape[0]))
+    ids = torch.tensor([[0, 2, 262143], [17, 17, 100_000]])
+    expected = _dequantize(table.tensor_type, blocks[ids.flatten()]).view(2, 3, 640)
+    assert torch.equal(embedding(ids), expected)
+
+
+def test_embedding_rows_across_mixed_parts_equal_gguf_dequantize():
+    parts = _mixed_parts(256)
+    embedding = GGUFEmbedding(_layer(parts, 256))
+    weights = torch.cat([_dequantize(t, b) for t, b in parts])
+    ids = torch.tensor([0, 36, 37, 65, 66, 105, 112, 115, 134, 3])
+    assert torch.equal(embedding(ids), weights[ids])
+    with pytest.raises(IndexError):
+        embedding(torch.tensor([135]))
+    with pytest.raises(IndexError):
+        embedding(torch.tensor([-1]))
+
+
+# ---- the decode stack -------------------------------------------------------------------
+
+def _gguf_layers(model) -> None:
+    """Layer 0's projections all GGUF (q/k/v and gate/up of mixed types); layer 1's
+    q/k/v and down GGUF, its o and gate/up left int8: the stack takes each linear's kind."""
+    first, second = model.model.layers[0], model.model.layers[1]
+    attn, mlp = first.self_attn, first.mlp
+    attn.qkv_proj = _gguf_like(attn.qkv_proj, [T.Q4_K, T.Q6_K, T.Q8_0])
+    attn.o_proj = _gguf_like(attn.o_proj, [T.Q4_0])
+    mlp.gate_up_proj = _gguf_like(mlp.gate_up_proj, [T.Q4_K, T.Q5_K])
+    mlp.down_proj = _gguf_like(mlp.down_proj, [T.Q6_K])
+    second.self_attn.qkv_proj = _gguf_like(second.self_attn.qkv_proj, [T.Q5_0, T.Q5_0, T.Q8_0])
+    second.mlp.down_proj = _gguf_like(second.mlp.down_proj, [T.Q8_0])
+
+
+def _gguf_like(linear, types) -> GGUFLinear:
+    sizes = linear.split_sizes or [linear.out_features]
+    parts = [(t, _made(t, n, linear.in_features, seed=i)) for i, (t, n) in enumerate(zip(types, sizes))]
+    layer = GGUFLinear(parts, linear.in_features, linear.bias)
+    layer.split_sizes = linear.split_sizes
+    return layer
+
+
+def test_decode_stack_with_gguf_layers_equals_layer_by_layer(tmp_path):
+    """The decode stack (cpu/decode_stack.py) runs GGUF linears as kind 3 beside int8 ones:
+    at every decode-only step its hidden states are bit-identical to the layers run one
+    by one."""
+    transformers = pytest.importorskip("transformers")
+    from gristmill.config import EngineConfig
+    from gristmill.engine.kv_blocks import BlockManager
+    from gristmill.engine.request import Request
+    from gristmill.engine.scheduler import Scheduler
+    from gristmill.model.backends.reference import Backend
+    from gristmill.model.context import forward_context
+    from gristmill.model.cpu.decode_stack import DecodeStack
+    from gristmill.model.runner import ModelRunner
+    from gristmill.sampling import SamplingParams
+    from tests.engine.harness import step_tokens
+
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                      max_position_embeddings=128, attention_bias=True)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    runner = ModelRunner(EngineConfig(model=str(tmp_path), device="cpu", dtype="float32", quantization="int8",
+                                      block_size=4, num_kv_blocks=64, max_model_len=128, max_num_seqs=4,
+                                      max_num_batched_tokens=64))
+    _gguf_layers(runner.model)
+    sched = Scheduler(BlockManager(runner.num_blocks, 4, True), 4, 64, runner.max_model_len)
+    for rid, n in (("a", 3), ("b", 9)):
+        prompt = torch.randint(256, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+        sched.add_request(Request(rid, prompt, SamplingParams(max_tokens=5, temperature=0)))
+    layers, backend = runner.model.model.layers, runner.backend
+    stacked_steps = 0
+    while sched.num_unfinished:
+        out = sched.schedule()
+        host, items = runner.host_step(out)
+        input_ids, positions, md, sample_indices = backend.upload(host)
+        with forward_context(md, backend):
+            x = runner.model.model.embed_tokens(input_ids)
+            stack = DecodeStack.of(layers) if md.num_decodes == md.num_seqs else None
+            one_by_one = Backend.run_layers(backend, layers, positions, x)
+            if stack is not None:
+                stacked_steps += 1
+                assert torch.equal(stack(positions, x, md), one_by_one), f"step {stacked_steps}"
+        logits = runner.model.compute_logits(runner.model.model.norm(one_by_one)[sample_indices])
+        sched.update(out, step_tokens({item.request_id: int(logits[row].argmax()) for row, item in enumerate(items)}))
+    assert stacked_steps >= 3
