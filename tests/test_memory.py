@@ -11,7 +11,7 @@ import json
 import pytest
 
 from gristmill import LLM, InsufficientMemoryError
-from gristmill.memory import AVAILABLE_ENV, available_memory, oom_kills, parse_size
+from gristmill.model.memory import AVAILABLE_ENV, available_memory, oom_kills, parse_size
 from tests.batch.inprocess import run_main, tiny_model, without_faults
 from tests.batch.test_cli_edges import refused_cleanly
 

@@ -30,13 +30,13 @@ from collections.abc import Callable, Mapping
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
-from gristmill import memory
 from gristmill.config import EngineConfig
 from gristmill.engine import core_launcher, wire
 from gristmill.engine.heartbeat import Heartbeat
 from gristmill.engine.messages import (Abort, AddRequest, AddRequests, CoreFailed, Ready, Rejected, Shutdown,
                                        Start, StepOutputs, request_ids_of)
 from gristmill.errors import EngineDeadError, error_string
+from gristmill.model import memory  # (torch-free: the figures of a core killed for memory)
 
 logger = logging.getLogger(__name__)
 
@@ -241,7 +241,12 @@ class CoreClient:
         said = ("it ran out of memory (the kernel's OOM killer ended it)"
                 if kills is not None and self._oom_kills_at_start is not None and kills > self._oom_kills_at_start
                 else "most likely it ran out of memory (the kernel's OOM killer sends SIGKILL)")
-        need = memory.memory_need_of(self.config)
+        from gristmill.engine.builder import resolve_model_dir
+
+        try:
+            need = memory.memory_need_of(self.config, resolve_model_dir(self.config))
+        except Exception:  # noqa: BLE001 - the figures help the message; they never replace it
+            need = None
         return said if need is None else f"{said}; {need.figures()}; {need.advice()}"
 
     def _die(self, reason: str) -> None:

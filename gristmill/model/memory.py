@@ -203,18 +203,16 @@ def cpu_memory_need(model_dir: Path, hf_config, config, max_model_len: int, quan
     return MemoryNeed(name, weights, weights_how, kv, kv_how, available, available_how)
 
 
-def memory_need_of(config) -> MemoryNeed | None:
-    """What a CPU engine of `config` (an EngineConfig) needs, worked out without loading
-    anything: for the figures of a core killed for memory. None where it cannot be (a
-    GPU engine, a model that does not resolve)."""
-    from gristmill.engine.builder import resolve_model_dir
+def memory_need_of(config, model_dir: Path) -> MemoryNeed | None:
+    """What a CPU engine of `config` (an EngineConfig) on the model in `model_dir` needs,
+    worked out without loading anything: for the figures of a core killed for memory.
+    None where it cannot be (a GPU engine, a model directory that does not read)."""
     from gristmill.model.loader.config import load_config, trained_length
     from gristmill.model.loader.gguf_model import GGUF_LINK
 
     if config.device not in ("auto", "cpu"):
         return None
     try:
-        model_dir = resolve_model_dir(config)
         hf_config = load_config(model_dir)
         cpu_config = config.for_device("cpu")
         max_model_len = config.max_model_len or trained_length(model_dir, hf_config)

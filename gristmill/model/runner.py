@@ -21,7 +21,7 @@ from gristmill import startup
 from gristmill.config import EngineConfig
 from gristmill.errors import RequestError
 from gristmill.faults import InjectedFault
-from gristmill.memory import cpu_memory_need
+from gristmill.model.memory import cpu_memory_need
 from gristmill.model.backends import pick_backend
 from gristmill.model.context import forward_context
 from gristmill.model.cpu import kernels, quant
