@@ -203,6 +203,7 @@ def test_quantization_option_is_validated_and_resolved():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert resolve_quantization("auto", cuda) is None
     assert resolve_quantization("auto", cpu) == ("int8" if EXT is not None else None)
+    assert resolve_quantization("auto", cpu, gguf=True) == ("gguf" if EXT is not None else None)  # a GGUF: as stored
     assert resolve_quantization(None, cpu) is None
     for scheme in ("int8", "q4"):
         assert resolve_quantization(scheme, cpu) == scheme
@@ -266,12 +267,12 @@ def _embeddings_equal(a, b, vocab_size: int) -> bool:
                for ids in torch.arange(vocab_size).split(1 << 15))
 
 
-def test_engine_model_is_int8_by_default_and_cached_on_disk(tmp_path, tiny_gemma):
+def test_int8_model_is_quantized_once_and_cached_on_disk(tmp_path, tiny_gemma):
     from tests.model.test_loader import HEAD_DIM, HEADS, KV_HEADS
 
     runner = _runner_factory(tmp_path, tiny_gemma)
 
-    first = runner("auto")  # a cold start: quantized here, and written to the cache
+    first = runner("int8")  # a cold start: quantized here, and written to the cache
     assert first.quantization == "int8"
     assert not any(isinstance(m, nn.Linear) for m in first.model.modules())
     linears = [m for m in first.model.modules() if isinstance(m, Int8Linear)]
@@ -301,7 +302,6 @@ def test_engine_model_is_int8_by_default_and_cached_on_disk(tmp_path, tiny_gemma
     packed = quantize_weight(reference.model.model.embed_tokens.weight)
     assert all(torch.equal(getattr(first.model.lm_head, name), tensor)
                for name, tensor in zip(("qweight", "scale", "qsum"), packed))
-    assert not any(hasattr(p, "q8_0") for r in (first, reference) for p in r.model.parameters())
     assert _embeddings_equal(first, reference, first.vocab_size)
     assert _embeddings_equal(second, reference, first.vocab_size)
     ids = list(range(2, 40))
@@ -341,7 +341,7 @@ def test_the_bundled_model_int8_and_q4_from_the_shared_cache():
     from gristmill.paths import cache_root
 
     runner = _runner_factory()
-    int8, q4, reference = runner("auto"), runner("q4"), runner(None)
+    int8, q4, reference = runner("int8"), runner("q4"), runner(None)
     assert int8.quantization == "int8" and q4.quantization == "q4"
     assert not any(isinstance(m, nn.Linear) for m in int8.model.modules())
     assert sum(isinstance(m, Int8Linear) for m in int8.model.modules()) == 18 * 4 + 1

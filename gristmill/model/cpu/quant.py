@@ -154,9 +154,9 @@ def _layer_from_checkpoint(checkpoint, scheme: str, name: str, linear: nn.Linear
         stored = [checkpoint.stored(w) for w in weights]
         if all(s is not None and GGUFLinear.supports(s[0]) for s in stored):
             return GGUFLinear(stored, linear.in_features, bias)
-        for w, s in zip(weights, stored):
-            type_name = _type_name(checkpoint.tensor_type(w))
-            fallbacks.setdefault(type_name, []).append(checkpoint.gguf_name(w))
+        for w, s in zip(weights, stored):  # (the parts fused beside them go to int8 with them)
+            if s is None or not GGUFLinear.supports(s[0]):
+                fallbacks.setdefault(_type_name(checkpoint.tensor_type(w)), []).append(checkpoint.gguf_name(w))
     weight = torch.cat([checkpoint.get(w) for w in weights]) if len(weights) > 1 else checkpoint.get(weights[0])
     return _quantized("int8" if scheme == "gguf" else scheme, name, linear, weight, bias)
 

@@ -99,6 +99,16 @@ class GGUFFile:
         """The value of metadata `key`, or `default` when the file has no such key."""
         return self.fields.get(key, default)
 
+    def release(self, tensor: GGUFTensor) -> None:
+        """Drop this process's mapping of `tensor`'s pages (the whole pages inside it): once
+        its values have been copied elsewhere, the file's pages need not stay resident
+        beside the copy. Reading the tensor again maps them again."""
+        page = mmap.PAGESIZE
+        start = -(-tensor.data_offset // page) * page
+        stop = (tensor.data_offset + tensor.n_bytes) // page * page
+        if stop > start and hasattr(self._buffer, "madvise"):
+            self._buffer.madvise(mmap.MADV_DONTNEED, start, stop - start)
+
     # -- errors and bounds ---------------------------------------------------------------
 
     def _error(self, what: str) -> ValueError:

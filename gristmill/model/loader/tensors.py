@@ -104,7 +104,9 @@ class GGUFTensors(CheckpointTensors):
         if transform is not None:
             values = transform(values)
         values = np.ascontiguousarray(values, dtype=np.float32)
-        return torch.from_numpy(values if values.flags.writeable else values.copy())  # (F32: a view of the file)
+        values = values if values.flags.writeable else values.copy()  # (F32: a view of the file)
+        self.file.release(tensor)  # (its values are in new memory now)
+        return torch.from_numpy(values)
 
     def stored(self, name: str) -> tuple[int, torch.Tensor] | None:
         """A matrix's (ggml type, (rows, bytes a row) uint8 blocks): a view of the mapped file,
@@ -116,6 +118,7 @@ class GGUFTensors(CheckpointTensors):
         order = rotary_rows(self.arch, name, self.config, len(rows))
         if order is not None:
             rows = rows[order]  # (a copy, in HF's row order)
+            self.file.release(tensor)
         elif hf_transform(self.arch, name, self.config) is not None:
             return None
         with warnings.catch_warnings():  # a read-only mapping: the kernels only read it
