@@ -26,10 +26,10 @@ from tests.model.gelu_bound import assert_gelu_of
 T = gguf.GGMLQuantizationType
 EXT = kernels.int8_extension()
 BEST = EXT.best_isa() if EXT is not None else -1
-# The kernel's two code paths (an AVX-512 machine runs the avx2 one); each skipped, saying
-# so, on a CPU that lacks it.
-PATHS = [pytest.param(isa, id=kernels.ISA_NAMES[isa], marks=pytest.mark.skipif(
-    BEST < isa, reason=f"this CPU has no {kernels.ISA_NAMES[isa]}")) for isa in (0, 1)]
+# Every code path: portable runs anywhere; a vector path is skipped, saying so, on a CPU
+# that lacks it.
+PATHS = [pytest.param(isa, id=name, marks=pytest.mark.skipif(BEST < isa, reason=f"this CPU has no {name}"))
+         for isa, name in kernels.ISA_NAMES.items()]
 TYPES = [pytest.param(t, id=t.name) for t in (T.Q8_0, T.Q4_0, T.Q5_0, T.Q4_K, T.Q5_K, T.Q6_K)]
 ROWS = [1, 3, 4, 5, 17, 64, 130]  # one tile row, partial and whole 4-row tiles, rows split between threads
 # The file's tensor of each type (ggml's "rows, inputs": Q4_K attn_output is 640 x 1024).
@@ -226,16 +226,17 @@ def test_kernel_equals_its_reference_arithmetic_but_for_float_accumulation(isa, 
 
 
 @pytest.mark.parametrize("rows", ROWS)
-def test_portable_and_avx2_paths_give_the_same_floats(rows):
-    if BEST < 1:
-        pytest.skip("this CPU has no avx2")
+def test_every_path_gives_the_same_floats(rows):
     parts = _mixed_parts(768)
     x = _inputs(rows, 768, seed=rows)
-    portable, avx2 = (_layer(parts, 768, torch.randn(135, generator=torch.Generator().manual_seed(1)), isa=isa)
-                      for isa in (0, 1))
-    # the same int32 sums, and a float step that is the same operations in the same order
-    assert torch.equal(portable(x), avx2(x))
-    assert torch.equal(portable(x, "gelu"), avx2(x, "gelu"))
+    bias = torch.randn(135)
+    portable, *vector = (_layer(parts, 768, bias, isa=isa) for isa in range(BEST + 1))
+    if not vector:
+        pytest.skip("this CPU has no vector path")
+    # the same int32 lane sums, and a float step of the same operations in the same order
+    for layer in vector:
+        assert torch.equal(layer(x), portable(x)), kernels.ISA_NAMES[layer.isa]
+        assert torch.equal(layer(x, "gelu"), portable(x, "gelu")), kernels.ISA_NAMES[layer.isa]
 
 
 @pytest.mark.parametrize("isa", PATHS)

@@ -4,17 +4,23 @@
 // A *group* is 256 weights of one row: one super-block of a K type (Q4_K, Q5_K, Q6_K),
 // or 8 blocks of a 32-wide type (Q8_0, Q4_0, Q5_0; a row's last group may hold fewer,
 // the rest zeros). Decoded, every format reads
-//   w[k] = (d[k / 32] * scale[k / 16]) * q[k] - min[k / 32]
-// with integer codes q (offsets taken out: Q4_0's 8, Q5_0's 16, Q6_K's 32) and integer
-// scales, which is the order of operations of gguf.dequantize: d * scale and d * q are
-// exact in float32 (at most 11 + 7 + 6 bits), so the only rounding is the subtraction
-// of the minimum (Q4_K, Q5_K), made once, as gguf makes it.
+//   w[k] = (scale[k / 32] * lane_scale[k / 16]) * (code[k] - offset) - min[k / 32]
+// with integer codes as stored (Q8_0's signed, the others' unsigned: Q4_0's offset is 8,
+// Q5_0's 16, Q6_K's 32), integer 16-wide scales (Q6_K's; else 1), and float scales and
+// minimums (d, times Q4_K's and Q5_K's 6-bit scale, dmin times their 6-bit minimum: both
+// exact in float32). That is gguf.dequantize's order of operations, and every product is
+// exact (at most 11 + 8 + 6 bits), so the only rounding is the subtraction of the
+// minimum, made once, as gguf makes it.
 //
-// A linear layer meets activations quantized per 32 values (linear_common.h): per
-// 32-wide block j of a group, the kernels take the exact integer
-//   S_j = sum over its two halves h of scale[2j + h] * sum_k q[k] * x_q[k]
-// and add float(S_j) * (d[j] * x_scale[j]) - min[j] * (x_scale[j] * sum_k x_q[k]).
-// |S_j| < 2^24 for every format (Q6_K: 32 * 32 * 127 * 128), so float(S_j) is exact.
+// A linear layer meets activations quantized per 32 values (linear_common.h). Its
+// integer parts are what vpmaddubsw + vpmaddwd (or vpdpbusd) leave in a 32-bit lane:
+// for lane l (codes 4l..4l+3) of 32-block j, L = lane_scale * sum code * x_q, and per
+// block O = -offset * sum lane_scale * (x_q's 16-sums). Each lane l adds
+// float(L) * t_j to accumulator (j % 4, l), t_j = scale[j] * x_scale[j]; each block adds
+// float(O) * t_j - min[j] * (x_scale[j] * sum x_q) to accumulator j of a second set.
+// Every one of those integers is under 2^24 (Q6_K's O: 32 * 2 * 128 * 16 * 127), so its
+// float is exact; the portable and x86 paths make the same float operations in the same
+// order, so they give the same floats.
 #pragma once
 
 #include "linear_common.h"
@@ -30,18 +36,19 @@ constexpr int kGroupBlocks = 8;  // 32-wide blocks a group
 struct Format {
   int block_size = 0;  // weights a block
   int type_size = 0;   // bytes a block
+  int offset = 0;      // taken from every code
   bool has_min = false;
 };
 
 // The format of a ggml type; block_size 0 for a type these kernels do not take.
 inline Format format_of(int64_t type) {
   switch (type) {
-    case kQ4_0: return {32, 18, false};
-    case kQ5_0: return {32, 22, false};
-    case kQ8_0: return {32, 34, false};
-    case kQ4_K: return {256, 144, true};
-    case kQ5_K: return {256, 176, true};
-    case kQ6_K: return {256, 210, false};
+    case kQ4_0: return {32, 18, 8, false};
+    case kQ5_0: return {32, 22, 16, false};
+    case kQ8_0: return {32, 34, 0, false};
+    case kQ4_K: return {256, 144, 0, true};
+    case kQ5_K: return {256, 176, 0, true};
+    case kQ6_K: return {256, 210, 32, false};
     default: return {};
   }
 }
@@ -50,9 +57,9 @@ inline Format format_of(int64_t type) {
 inline int64_t group_bytes(const Format& f) { return f.type_size * (kGroup / f.block_size); }
 
 struct Group {
-  int8_t q[kGroup];
-  int16_t scale[16];
-  float d[kGroupBlocks];
+  int16_t code[kGroup];
+  int16_t lane_scale[16];
+  float scale[kGroupBlocks];
   float min[kGroupBlocks];
 };
 
@@ -60,6 +67,12 @@ inline float fp16_at(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
   return linear::half_to_float(h);
+}
+
+inline uint16_t u16_at(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
 }
 
 inline uint32_t u32_at(const uint8_t* p) {
@@ -81,29 +94,29 @@ inline void k_scales(const uint8_t* s, uint8_t out[16]) {
 // One group of a 32-wide type from `blocks` (<= 8) blocks at `p`; the rest are zeros.
 inline void decode_32(int64_t type, const uint8_t* p, int blocks, Group& g) {
   const Format f = format_of(type);
-  for (int s = 0; s < 16; ++s) g.scale[s] = 1;
+  for (int s = 0; s < 16; ++s) g.lane_scale[s] = 1;
   for (int j = 0; j < kGroupBlocks; ++j) {
-    int8_t* q = g.q + 32 * j;
+    int16_t* q = g.code + 32 * j;
     g.min[j] = 0.f;
     if (j >= blocks) {
-      g.d[j] = 0.f;
-      std::memset(q, 0, 32);
+      g.scale[j] = 0.f;
+      std::fill(q, q + 32, int16_t(0));
       continue;
     }
     const uint8_t* b = p + j * f.type_size;
-    g.d[j] = fp16_at(b);
+    g.scale[j] = fp16_at(b);
     if (type == kQ8_0) {
-      std::memcpy(q, b + 2, 32);
-    } else if (type == kQ4_0) {
+      for (int k = 0; k < 32; ++k) q[k] = int8_t(b[2 + k]);
+    } else if (type == kQ4_0) {  // value k < 16: low nibble of byte k; k >= 16: high nibble of byte k - 16
       for (int k = 0; k < 16; ++k) {
-        q[k] = int8_t((b[2 + k] & 15) - 8);
-        q[k + 16] = int8_t((b[2 + k] >> 4) - 8);
+        q[k] = b[2 + k] & 15;
+        q[k + 16] = b[2 + k] >> 4;
       }
-    } else {  // Q5_0: bit k of the 32-bit qh is value k's fifth bit
+    } else {  // Q5_0: as Q4_0, and bit k of the 32-bit qh is value k's fifth bit
       const uint32_t qh = u32_at(b + 2);
       for (int k = 0; k < 16; ++k) {
-        q[k] = int8_t(((b[6 + k] & 15) | (((qh >> k) & 1) << 4)) - 16);
-        q[k + 16] = int8_t(((b[6 + k] >> 4) | (((qh >> (k + 16)) & 1) << 4)) - 16);
+        q[k] = (b[6 + k] & 15) | (((qh >> k) & 1) << 4);
+        q[k + 16] = (b[6 + k] >> 4) | (((qh >> (k + 16)) & 1) << 4);
       }
     }
   }
@@ -118,14 +131,14 @@ inline void decode_k4(int64_t type, const uint8_t* b, Group& g) {
   k_scales(b + 4, sm);
   const uint8_t* qh = b + 16;
   const uint8_t* qs = type == kQ5_K ? b + 48 : b + 16;
+  for (int s = 0; s < 16; ++s) g.lane_scale[s] = 1;
   for (int j = 0; j < kGroupBlocks; ++j) {
-    g.d[j] = d;
+    g.scale[j] = d * float(sm[j]);
     g.min[j] = dmin * float(sm[8 + j]);
-    g.scale[2 * j] = g.scale[2 * j + 1] = sm[j];
     for (int l = 0; l < 32; ++l) {
       int v = (qs[32 * (j / 2) + l] >> (4 * (j % 2))) & 15;
       if (type == kQ5_K) v |= ((qh[l] >> j) & 1) << 4;
-      g.q[32 * j + l] = int8_t(v);
+      g.code[32 * j + l] = int16_t(v);
     }
   }
 }
@@ -136,15 +149,15 @@ inline void decode_k4(int64_t type, const uint8_t* b, Group& g) {
 // high byte 32h + l.
 inline void decode_q6_k(const uint8_t* b, Group& g) {
   const float d = fp16_at(b + 208);
-  for (int s = 0; s < 16; ++s) g.scale[s] = int8_t(b[192 + s]);
+  for (int s = 0; s < 16; ++s) g.lane_scale[s] = int8_t(b[192 + s]);
   for (int j = 0; j < kGroupBlocks; ++j) {
     const int h = j / 4, t = j % 4;
-    g.d[j] = d;
+    g.scale[j] = d;
     g.min[j] = 0.f;
     for (int l = 0; l < 32; ++l) {
       const int low = (b[64 * h + 32 * (t % 2) + l] >> (4 * (t / 2))) & 15;
       const int high = (b[128 + 32 * h + l] >> (2 * t)) & 3;
-      g.q[32 * j + l] = int8_t((low | (high << 4)) - 32);
+      g.code[32 * j + l] = int16_t(low | (high << 4));
     }
   }
 }
@@ -162,5 +175,21 @@ inline void decode_group(int64_t type, const uint8_t* row, int64_t k, int64_t in
     decode_k4(type, p, g);
   }
 }
+
+// A tile's activation rows, quantized (linear_common.h's Rows, from the tile's first row).
+struct Acts {
+  const int8_t* q;
+  int64_t ldq;
+  const float* xs;   // block scales, ldb a row
+  const float* xss;  // block scale x block sum
+  int64_t ldb;
+  const int16_t* sum16;  // sums of each 16, ld16 a row
+  int64_t ld16;
+};
+
+// n_rows weight rows of ggml type `type` from `w` (row_bytes apart, k weights a row)
+// against mb (<= kMaxM) activation rows: out[i * kTileN + r].
+using RowsFn = void (*)(int64_t type, const uint8_t* w, int64_t row_bytes, int64_t n_rows, int64_t k,
+                        const Acts& a, int mb, float* out);
 
 }  // namespace gguf

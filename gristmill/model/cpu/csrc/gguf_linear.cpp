@@ -11,16 +11,30 @@
 //
 // Output tiles of 32 rows, split between threads as the other quantized kernels' are
 // (quantize_and_run_tiles); within a tile each weight row's groups of 256 are loaded
-// once and met by up to 4 activation rows. Code paths: avx2 (AVX-512 machines too) and
-// portable; both give the same floats (gguf_avx2.h).
-#include "gguf_avx2.h"
+// once and met by up to 4 activation rows. Code paths, chosen at run time: avx512_vnni
+// and avx2 (gguf_x86.h), and portable; all give the same floats.
+#include "gguf_blocks.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#define GGUF_NS avx2
+#define GGUF_TARGET __attribute__((target("avx2,fma,f16c")))
+#define GGUF_VNNI 0
+#include "gguf_x86.h"
+#define GGUF_NS avx512_vnni
+#define GGUF_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")))
+#define GGUF_VNNI 1
+#include "gguf_x86.h"
+#endif
 
 namespace {
 
 using namespace linear;
+using gguf::Acts;
 using gguf::Format;
 using gguf::Group;
 using gguf::kGroup;
+using gguf::kGroupBlocks;
+using gguf::RowsFn;
 
 struct Part {
   int64_t type, start, rows, row_bytes;
@@ -57,113 +71,55 @@ const Part& part_at(const std::vector<Part>& parts, int64_t n) {
   return std::upper_bound(parts.begin(), parts.end(), n, [](int64_t v, const Part& p) { return v < p.start; })[-1];
 }
 
-// A tile's activation rows, quantized (Rows, from the tile's first row).
-struct Acts {
-  const int8_t* q;
-  int64_t ldq;
-  const float* xs;
-  const float* xss;
-  int64_t ldb;  // block scales a row
-  const int16_t* sum16;
-  int64_t ld16;
-};
-
-// n_rows weight rows from `w` against mb activation rows: out[i * kTileN + r].
-using RowsFn = void (*)(int64_t type, const uint8_t* w, int64_t row_bytes, int64_t n_rows, int64_t k,
-                        const Acts& a, int mb, float* out);
-
-// The same total as avx2::total, in the same order.
-float row_total(const float acc[gguf::kGroupBlocks]) {
+// The same total as the x86 paths' `total`, in the same order.
+float row_total(const float acc[kGroupBlocks]) {
   const float a0 = acc[0] + acc[4], a1 = acc[1] + acc[5], a2 = acc[2] + acc[6], a3 = acc[3] + acc[7];
   return (a0 + a2) + (a1 + a3);
 }
 
+// The arithmetic of gguf_blocks.h in plain C++: what the x86 paths do lane by lane.
 void rows_portable(int64_t type, const uint8_t* w, int64_t row_bytes, int64_t n_rows, int64_t k, const Acts& a,
                    int mb, float* out) {
   const int64_t groups = (k + kGroup - 1) / kGroup;
-  const bool has_min = gguf::format_of(type).has_min;
+  const Format f = gguf::format_of(type);
   Group g;
   for (int64_t r = 0; r < n_rows; ++r) {
-    float acc[kMaxM][gguf::kGroupBlocks] = {};
+    float acc[kMaxM][4][8] = {}, acc_blocks[kMaxM][kGroupBlocks] = {};
     for (int64_t gi = 0; gi < groups; ++gi) {
       gguf::decode_group(type, w + r * row_bytes, k, gi, g);
       for (int i = 0; i < mb; ++i) {
         const int8_t* x = a.q + i * a.ldq + gi * kGroup;
-        const float* xs = a.xs + i * a.ldb + gi * gguf::kGroupBlocks;
-        const float* xss = a.xss + i * a.ldb + gi * gguf::kGroupBlocks;
-        for (int j = 0; j < gguf::kGroupBlocks; ++j) {
-          int32_t s = 0;
-          for (int h = 0; h < 2; ++h) {
-            int32_t half = 0;
-            for (int l = 32 * j + 16 * h; l < 32 * j + 16 * h + 16; ++l) half += int32_t(g.q[l]) * int32_t(x[l]);
-            s += int32_t(g.scale[2 * j + h]) * half;
+        const float* xs = a.xs + i * a.ldb + gi * kGroupBlocks;
+        const float* xss = a.xss + i * a.ldb + gi * kGroupBlocks;
+        const int16_t* x16 = a.sum16 + i * a.ld16 + gi * 16;
+        for (int j = 0; j < kGroupBlocks; ++j) {
+          const float t = g.scale[j] * xs[j];
+          for (int l = 0; l < 8; ++l) {
+            int32_t lane = 0;
+            for (int e = 32 * j + 4 * l; e < 32 * j + 4 * l + 4; ++e) lane += int32_t(g.code[e]) * int32_t(x[e]);
+            lane *= g.lane_scale[2 * j + l / 4];
+            acc[i][j % 4][l] = std::fma(float(lane), t, acc[i][j % 4][l]);
           }
-          const float t = g.d[j] * xs[j];
-          acc[i][j] = std::fma(float(s), t, acc[i][j]);
-          if (has_min) acc[i][j] = std::fma(-g.min[j], xss[j], acc[i][j]);
+          if (f.offset) {
+            const int32_t o = -f.offset * (g.lane_scale[2 * j] * x16[2 * j] + g.lane_scale[2 * j + 1] * x16[2 * j + 1]);
+            acc_blocks[i][j] = std::fma(float(o), t, acc_blocks[i][j]);
+          }
+          if (f.has_min) acc_blocks[i][j] = std::fma(-g.min[j], xss[j], acc_blocks[i][j]);
         }
       }
     }
-    for (int i = 0; i < mb; ++i) out[i * kTileN + r] = row_total(acc[i]);
-  }
-}
-
-#if defined(__x86_64__) || defined(__i386__)
-
-template <class G, int MB>
-GGUF_AVX2 void rows_avx2_m(const uint8_t* w, int64_t row_bytes, int64_t n_rows, int64_t k, const Acts& a,
-                           float* out) {
-  constexpr int64_t kGroupBytes = G::kBlockBytes * (kGroup / G::kBlockSize);
-  const int64_t groups = (k + kGroup - 1) / kGroup, full = k / kGroup;
-  // A 32-wide type's short last group: its blocks, then zeros (d = 0: they add nothing).
-  alignas(32) uint8_t tail[kGroupBytes] = {};
-  G g;
-  for (int64_t r = 0; r < n_rows; ++r) {
-    const uint8_t* row = w + r * row_bytes;
-    __m256 acc[MB];
-    for (int i = 0; i < MB; ++i) acc[i] = _mm256_setzero_ps();
-    for (int64_t gi = 0; gi < groups; ++gi) {
-      if (gi < full) {
-        g.load_group(row + gi * kGroupBytes);
-      } else {
-        std::memcpy(tail, row + gi * kGroupBytes, row_bytes - gi * kGroupBytes);
-        g.load_group(tail);
-      }
-      for (int i = 0; i < MB; ++i) {
-        const __m256i s = g.sums(a.q + i * a.ldq + gi * kGroup, a.sum16 + i * a.ld16 + gi * 16);
-        const __m256 t = _mm256_mul_ps(g.d, _mm256_loadu_ps(a.xs + i * a.ldb + gi * 8));
-        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), t, acc[i]);
-        if (G::kHasMin) acc[i] = _mm256_fnmadd_ps(g.min, _mm256_loadu_ps(a.xss + i * a.ldb + gi * 8), acc[i]);
-      }
+    for (int i = 0; i < mb; ++i) {
+      float lanes[8];
+      for (int l = 0; l < 8; ++l) lanes[l] = (acc[i][0][l] + acc[i][1][l]) + (acc[i][2][l] + acc[i][3][l]);
+      out[i * kTileN + r] = row_total(lanes) + row_total(acc_blocks[i]);
     }
-    for (int i = 0; i < MB; ++i) out[i * kTileN + r] = gguf::avx2::total(acc[i]);
   }
 }
-
-template <class G>
-void rows_avx2(int64_t, const uint8_t* w, int64_t row_bytes, int64_t n_rows, int64_t k, const Acts& a, int mb,
-               float* out) {
-  switch (mb) {
-    case 1: rows_avx2_m<G, 1>(w, row_bytes, n_rows, k, a, out); break;
-    case 2: rows_avx2_m<G, 2>(w, row_bytes, n_rows, k, a, out); break;
-    case 3: rows_avx2_m<G, 3>(w, row_bytes, n_rows, k, a, out); break;
-    default: rows_avx2_m<G, 4>(w, row_bytes, n_rows, k, a, out); break;
-  }
-}
-
-#endif
 
 RowsFn rows_for(int64_t type, int64_t isa) {
 #if defined(__x86_64__) || defined(__i386__)
-  namespace v = gguf::avx2;
-  if (isa >= kAvx2) switch (type) {
-      case gguf::kQ8_0: return rows_avx2<v::Q8_0>;
-      case gguf::kQ4_0: return rows_avx2<v::Q4_0>;
-      case gguf::kQ5_0: return rows_avx2<v::Q5_0>;
-      case gguf::kQ4_K: return rows_avx2<v::QK4<false>>;
-      case gguf::kQ5_K: return rows_avx2<v::QK4<true>>;
-      case gguf::kQ6_K: return rows_avx2<v::Q6_K>;
-    }
+  if (isa == kAvx512Vnni) return gguf::avx512_vnni::rows_for(type);
+  if (isa == kAvx2) return gguf::avx2::rows_for(type);
 #endif
   return rows_portable;
 }
@@ -221,11 +177,12 @@ at::Tensor gguf_dequantize(at::Tensor layout, int64_t in_features) {
     for (int64_t n = begin; n < end; ++n) {
       const Part& p = part_at(parts, n);
       const uint8_t* row = p.data + (n - p.start) * p.row_bytes;
+      const int offset = gguf::format_of(p.type).offset;
       for (int64_t gi = 0; gi * kGroup < k; ++gi) {
         gguf::decode_group(p.type, row, k, gi, g);
         float* w = o + n * k + gi * kGroup;
         for (int64_t l = 0; l < std::min<int64_t>(kGroup, k - gi * kGroup); ++l)
-          w[l] = (g.d[l / 32] * float(g.scale[l / 16])) * float(g.q[l]) - g.min[l / 32];
+          w[l] = (g.scale[l / 32] * float(g.lane_scale[l / 16])) * float(g.code[l] - offset) - g.min[l / 32];
       }
     }
   });

@@ -1,0 +1,268 @@
+// The x86 kernels of the GGUF formats (gguf_blocks.h), written once and compiled twice
+// by gguf_linear.cpp: GGUF_NS avx2 (AVX2 + FMA + F16C) and avx512_vnni (the same with
+// vpdpbusd in place of vpmaddubsw + vpmaddwd, and 32 vector registers).
+//
+// A group of 256 weights is loaded once into registers, as its codes (unsigned, or
+// Q8_0's signed) and scales, and met by each activation row of a tile: per 32-block, the
+// codes times the int8 activations leave 8 int32 lanes (a 16-bit pair sum of vpmaddubsw
+// is at most 2 * 63 * 127 < 2^15), converted and multiplied by the block's float scale
+// into one of four accumulators (j % 4, so the additions of a row do not wait on each
+// other); offsets and minimums go per block into a fifth. These are the portable path's
+// operations in its order (gguf_linear.cpp, rows_portable), so both give the same floats.
+//
+// Expects GGUF_NS, GGUF_TARGET and GGUF_VNNI (0 or 1) defined; undefines them.
+
+namespace gguf {
+namespace GGUF_NS {
+
+// The codes of 32 values times 32 int8 activations: 8 lanes, each the sum of 4 products.
+GGUF_TARGET inline __m256i dot_u8(__m256i codes, __m256i x) {
+#if GGUF_VNNI
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), codes, x);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(codes, x), _mm256_set1_epi16(1));
+#endif
+}
+
+GGUF_TARGET inline __m256i load(const void* p) { return _mm256_loadu_si256((const __m256i*)p); }
+
+// (a0 + a4) + (a2 + a6) + ((a1 + a5) + (a3 + a7)): row_total's order.
+GGUF_TARGET inline float total(__m256 acc) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
+
+// The fp16 scales of 8 blocks `stride` bytes apart, as floats.
+GGUF_TARGET inline __m256 block_scales(const uint8_t* p, int64_t stride) {
+  __m128i h = _mm_setzero_si128();
+  h = _mm_insert_epi16(h, u16_at(p), 0);
+  h = _mm_insert_epi16(h, u16_at(p + stride), 1);
+  h = _mm_insert_epi16(h, u16_at(p + 2 * stride), 2);
+  h = _mm_insert_epi16(h, u16_at(p + 3 * stride), 3);
+  h = _mm_insert_epi16(h, u16_at(p + 4 * stride), 4);
+  h = _mm_insert_epi16(h, u16_at(p + 5 * stride), 5);
+  h = _mm_insert_epi16(h, u16_at(p + 6 * stride), 6);
+  h = _mm_insert_epi16(h, u16_at(p + 7 * stride), 7);
+  return _mm256_cvtph_ps(h);
+}
+
+// 16 values of 4 bits in 16 bytes (low nibbles, then high nibbles), as 32 bytes.
+GGUF_TARGET inline __m256i nibbles(const uint8_t* p) {
+  const __m128i v = _mm_loadu_si128((const __m128i*)p);
+  const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(v), _mm_srli_epi16(v, 4), 1);
+  return _mm256_and_si256(both, _mm256_set1_epi8(0x0f));
+}
+
+// Byte k: 0x10 where bit k of `bits` is set, else 0.
+GGUF_TARGET inline __m256i bit_bytes(uint32_t bits) {
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(int(bits)),
+      _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+  const __m256i mask = _mm256_set1_epi64x(int64_t(0x8040201008040201ull));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, mask), mask), _mm256_set1_epi8(0x10));
+}
+
+// k_scales (gguf_blocks.h) in registers: bytes sc[0..7], then m[0..7]. `s` is read 16
+// bytes wide (the 12 bytes of scales, then 4 of the block's codes).
+GGUF_TARGET inline __m128i k_scales_x86(const uint8_t* s) {
+  const __m128i v = _mm_loadu_si128((const __m128i*)s);  // 32-bit words lo, mid, hi, -
+  const __m128i low = _mm_srlv_epi32(_mm_shuffle_epi32(v, _MM_SHUFFLE(2, 1, 2, 0)), _mm_setr_epi32(0, 0, 0, 4));
+  const __m128i top = _mm_srli_epi32(_mm_shuffle_epi32(v, _MM_SHUFFLE(1, 1, 0, 0)), 2);
+  return _mm_or_si128(_mm_and_si128(low, _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f)),
+                      _mm_and_si128(top, _mm_setr_epi32(0, 0x30303030, 0, 0x30303030)));
+}
+
+// -offset x each 32-block's activation sum, from the sums of each 16.
+template <int kOffset>
+GGUF_TARGET inline __m256i offset_sums(const int16_t* x16) {
+  const __m256i sums = _mm256_madd_epi16(load(x16), _mm256_set1_epi16(1));
+  return _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_mullo_epi32(sums, _mm256_set1_epi32(kOffset)));
+}
+
+// Each format: load_group(p) (a whole group: 8 blocks, or one super-block); lanes(j, x)
+// (32-block j's 8 int32 lanes against the activations x of that block); and, where the
+// format has them, block_ints(x16) (each block's O) and `min` (float, per block).
+
+struct Q8_0 {
+  static constexpr int kBlockSize = 32, kBlockBytes = 34;
+  static constexpr bool kOffset = false, kHasMin = false;
+  __m256i q[8];
+  __m256 scale, min;
+  GGUF_TARGET void load_group(const uint8_t* p) {
+    for (int j = 0; j < 8; ++j) q[j] = load(p + j * kBlockBytes + 2);
+    scale = block_scales(p, kBlockBytes);
+  }
+  // Signed codes: |q| times x carrying q's sign (2 * 128 * 127 < 2^15).
+  GGUF_TARGET __m256i lanes(int j, const int8_t* x) const {
+    return dot_u8(_mm256_abs_epi8(q[j]), _mm256_sign_epi8(load(x), q[j]));
+  }
+  GGUF_TARGET __m256i block_ints(const int16_t*) const { return _mm256_setzero_si256(); }
+};
+
+template <bool kFifthBit>
+struct Q4_0 {  // and Q5_0
+  static constexpr int kBlockSize = 32, kBlockBytes = kFifthBit ? 22 : 18;
+  static constexpr bool kOffset = true, kHasMin = false;
+  __m256i q[8];
+  __m256 scale, min;
+  GGUF_TARGET void load_group(const uint8_t* p) {
+    for (int j = 0; j < 8; ++j) {
+      const uint8_t* b = p + j * kBlockBytes;
+      q[j] = kFifthBit ? _mm256_or_si256(nibbles(b + 6), bit_bytes(u32_at(b + 2))) : nibbles(b + 2);
+    }
+    scale = block_scales(p, kBlockBytes);
+  }
+  GGUF_TARGET __m256i lanes(int j, const int8_t* x) const { return dot_u8(q[j], load(x)); }
+  GGUF_TARGET __m256i block_ints(const int16_t* x16) const { return offset_sums<kFifthBit ? 16 : 8>(x16); }
+};
+
+template <bool kFifthBit>
+struct Q4_K {  // and Q5_K
+  static constexpr int kBlockSize = 256, kBlockBytes = kFifthBit ? 176 : 144;
+  static constexpr bool kOffset = false, kHasMin = true;
+  __m256i q[8];
+  __m256 scale, min;
+  GGUF_TARGET void load_group(const uint8_t* p) {
+    const __m128i s = k_scales_x86(p + 4);
+    const __m128 d = _mm_cvtph_ps(_mm_cvtsi32_si128(int(u32_at(p))));  // d, dmin
+    scale = _mm256_mul_ps(_mm256_broadcastss_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(s)));
+    min = _mm256_mul_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(d)),
+                        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(s, 8))));
+    const uint8_t* qs = p + (kFifthBit ? 48 : 16);
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    for (int i = 0; i < 4; ++i) {
+      const __m256i v = load(qs + 32 * i);
+      q[2 * i] = _mm256_and_si256(v, low4);
+      q[2 * i + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+    }
+    if (kFifthBit) {
+      // bit j of each byte, moved to bit 4 (16-bit shifts: no byte's bit lands on another's bit 4)
+      const __m256i qh = load(p + 16), bit4 = _mm256_set1_epi8(0x10);
+      q[0] = _mm256_or_si256(q[0], _mm256_and_si256(_mm256_slli_epi16(qh, 4), bit4));
+      q[1] = _mm256_or_si256(q[1], _mm256_and_si256(_mm256_slli_epi16(qh, 3), bit4));
+      q[2] = _mm256_or_si256(q[2], _mm256_and_si256(_mm256_slli_epi16(qh, 2), bit4));
+      q[3] = _mm256_or_si256(q[3], _mm256_and_si256(_mm256_slli_epi16(qh, 1), bit4));
+      q[4] = _mm256_or_si256(q[4], _mm256_and_si256(qh, bit4));
+      q[5] = _mm256_or_si256(q[5], _mm256_and_si256(_mm256_srli_epi16(qh, 1), bit4));
+      q[6] = _mm256_or_si256(q[6], _mm256_and_si256(_mm256_srli_epi16(qh, 2), bit4));
+      q[7] = _mm256_or_si256(q[7], _mm256_and_si256(_mm256_srli_epi16(qh, 3), bit4));
+    }
+  }
+  GGUF_TARGET __m256i lanes(int j, const int8_t* x) const { return dot_u8(q[j], load(x)); }
+  GGUF_TARGET __m256i block_ints(const int16_t*) const { return _mm256_setzero_si256(); }
+};
+
+// Q6_K: codes in [0, 63]; each block's lanes widened by its two 16-wide scales (low 128
+// bits: scale 2j, high: 2j + 1), which vpmaddwd applies as it widens.
+struct Q6_K {
+  static constexpr int kBlockSize = 256, kBlockBytes = 210;
+  static constexpr bool kOffset = true, kHasMin = false;
+  __m256i q[8], lane_scale[8], scale16;
+  __m256 scale, min;
+  GGUF_TARGET void load_group(const uint8_t* p) {
+    const __m256i low4 = _mm256_set1_epi8(0x0f), high2 = _mm256_set1_epi8(0x30);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i l0 = load(p + 64 * h), l1 = load(p + 64 * h + 32), qh = load(p + 128 + 32 * h);
+      __m256i* out = q + 4 * h;
+      out[0] = _mm256_or_si256(_mm256_and_si256(l0, low4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), high2));
+      out[1] = _mm256_or_si256(_mm256_and_si256(l1, low4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), high2));
+      out[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4), _mm256_and_si256(qh, high2));
+      out[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
+                               _mm256_and_si256(_mm256_srli_epi16(qh, 2), high2));
+    }
+    scale16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(p + 192)));
+    const __m256i first = _mm256_permute4x64_epi64(scale16, 0x44), second = _mm256_permute4x64_epi64(scale16, 0xee);
+    for (int j = 0; j < 8; ++j) {
+      const int b = 4 * (j % 4);  // the byte of scale 2j within its 128-bit half
+      const __m256i pick = _mm256_setr_m128i(_mm_set1_epi16(short(b | (b + 1) << 8)),
+                                             _mm_set1_epi16(short((b + 2) | (b + 3) << 8)));
+      lane_scale[j] = _mm256_shuffle_epi8(j < 4 ? first : second, pick);
+    }
+    scale = _mm256_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(u16_at(p + 208))));
+  }
+  GGUF_TARGET __m256i lanes(int j, const int8_t* x) const {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(q[j], load(x)), lane_scale[j]);
+  }
+  GGUF_TARGET __m256i block_ints(const int16_t* x16) const {  // -32 x (scales . 16-sums), per block
+    const __m256i sums = _mm256_madd_epi16(load(x16), scale16);
+    return _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(sums, 5));
+  }
+};
+
+// n_rows weight rows from `w` (row_bytes apart) against MB activation rows (Acts):
+// out[i * kTileN + r].
+template <class G, int MB>
+GGUF_TARGET void rows_m(const uint8_t* w, int64_t row_bytes, int64_t n_rows, int64_t k, const Acts& a,
+                        float* out) {
+  constexpr int64_t kGroupBytes = G::kBlockBytes * (kGroup / G::kBlockSize);
+  const int64_t groups = (k + kGroup - 1) / kGroup, full = k / kGroup;
+  // A 32-wide type's short last group: its blocks, then zeros (scale 0: they add nothing).
+  alignas(32) uint8_t tail[kGroupBytes] = {};
+  G g;
+  for (int64_t r = 0; r < n_rows; ++r) {
+    const uint8_t* row = w + r * row_bytes;
+    __m256 acc[MB][4], acc_blocks[MB];
+    for (int i = 0; i < MB; ++i) {
+      for (int c = 0; c < 4; ++c) acc[i][c] = _mm256_setzero_ps();
+      acc_blocks[i] = _mm256_setzero_ps();
+    }
+    for (int64_t gi = 0; gi < groups; ++gi) {
+      if (gi < full) {
+        g.load_group(row + gi * kGroupBytes);
+      } else {
+        std::memcpy(tail, row + gi * kGroupBytes, row_bytes - gi * kGroupBytes);
+        g.load_group(tail);
+      }
+      for (int i = 0; i < MB; ++i) {
+        const int8_t* x = a.q + i * a.ldq + gi * kGroup;
+        const __m256 t = _mm256_mul_ps(g.scale, _mm256_loadu_ps(a.xs + i * a.ldb + gi * kGroupBlocks));
+        alignas(32) float tj[kGroupBlocks];
+        _mm256_store_ps(tj, t);
+        for (int j = 0; j < kGroupBlocks; ++j)
+          acc[i][j % 4] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(g.lanes(j, x + 32 * j)), _mm256_set1_ps(tj[j]),
+                                          acc[i][j % 4]);
+        if (G::kOffset)
+          acc_blocks[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(g.block_ints(a.sum16 + i * a.ld16 + gi * 16)), t,
+                                          acc_blocks[i]);
+        if (G::kHasMin)
+          acc_blocks[i] =
+              _mm256_fnmadd_ps(g.min, _mm256_loadu_ps(a.xss + i * a.ldb + gi * kGroupBlocks), acc_blocks[i]);
+      }
+    }
+    for (int i = 0; i < MB; ++i) {
+      const __m256 lanes = _mm256_add_ps(_mm256_add_ps(acc[i][0], acc[i][1]), _mm256_add_ps(acc[i][2], acc[i][3]));
+      out[i * linear::kTileN + r] = total(lanes) + total(acc_blocks[i]);
+    }
+  }
+}
+
+template <class G>
+void rows(int64_t, const uint8_t* w, int64_t row_bytes, int64_t n_rows, int64_t k, const Acts& a, int mb,
+          float* out) {
+  switch (mb) {
+    case 1: rows_m<G, 1>(w, row_bytes, n_rows, k, a, out); break;
+    case 2: rows_m<G, 2>(w, row_bytes, n_rows, k, a, out); break;
+    case 3: rows_m<G, 3>(w, row_bytes, n_rows, k, a, out); break;
+    default: rows_m<G, 4>(w, row_bytes, n_rows, k, a, out); break;
+  }
+}
+
+// The kernel of each format on this path.
+inline RowsFn rows_for(int64_t type) {
+  switch (type) {
+    case kQ8_0: return rows<Q8_0>;
+    case kQ4_0: return rows<Q4_0<false>>;
+    case kQ5_0: return rows<Q4_0<true>>;
+    case kQ4_K: return rows<Q4_K<false>>;
+    case kQ5_K: return rows<Q4_K<true>>;
+    default: return rows<Q6_K>;
+  }
+}
+
+}  // namespace GGUF_NS
+}  // namespace gguf
+
+#undef GGUF_NS
+#undef GGUF_TARGET
+#undef GGUF_VNNI
