@@ -1,0 +1,253 @@
+"""gristmill and llama.cpp side by side, on the same GGUF files, at the model sizes people run
+on CPU: random weights at the real shapes of Llama 3.2 1B, Qwen3-4B and Llama 3.1 8B (Q8_0,
+Q4_0, Q4_K_M; benchmarks/sizes_files.py says how they are made) and the bundled Gemma 3 270M.
+
+For each file, each side in processes of its own (every one bounded by --timeout and a
+cap on its resident memory, --max-rss-gb; a side that fails prints the first line of why
+in its cells, and the run goes on):
+
+- first start: gristmill from process launch to `LLM(...)` ready on an empty `cache_dir`
+  (imports, conversion, quantization; the kernels' compile excluded: they are compiled
+  before any measurement, `python -m gristmill.model.cpu.kernels`, and are kept outside
+  `cache_dir`); llama.cpp's own load time (its model load to the end of its first decode).
+  Both read the file from the OS's page cache, as it was just written or read.
+- warm start: the same, a second time (gristmill's cache now filled).
+- peak resident memory (the kernel's count for the process, file pages it mapped
+  included), while starting for the first time and while generating; and the bytes
+  gristmill's cache gained for the file.
+- generated tok/s at each of --batches: gristmill `LLM.generate` on short prompts (greedy,
+  EOS ignored, --tokens each, after a warm-up; prefill included in the time); llama.cpp's
+  `llama-bench -p 0 -n TOKENS` at batch 1 and `llama-batched-bench` (16-token prompts,
+  the same count of generated tokens over its whole time) above it.
+- the bandwidth bound: this machine's memory copy rate (numpy, one slice per thread, the
+  best of 5 over 2 GiB, counted as bytes read + written per second as STREAM's Copy is)
+  over the bytes of weights a batch-1 step reads (the file's tensor bytes, less the
+  embedding table where it is not also the LM head): the tok/s a perfect batch-1 kernel
+  would reach. Each side's batch-1 tok/s is printed as a fraction of it.
+
+gristmill runs with its defaults (quantization="auto": on CPU, a GGUF's matrices multiplied
+as the file stores them). Both sides use os.cpu_count() threads.
+
+    python benchmarks/sizes.py                           # every size and type (hours on 2 cores)
+    python benchmarks/sizes.py --sizes 270m,1b --types q4_k_m
+    python benchmarks/sizes.py --llama-cpp ~/llama.cpp/build/bin --skip-gristmill
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+import sizes_llama_cpp as llama_cpp
+from sizes_files import BUNDLED, SHAPES, TYPES, model_file, weight_bytes_per_token
+from sizes_process import run_measured
+
+CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni")
+SIZES = (BUNDLED, *SHAPES)
+_MARK = "sizes.py figure "  # (the prefix of the gristmill side's lines of figures)
+_GB = 1e9
+_WIDTH = 30  # (a side's column)
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["_gristmill_side"]:  # (the child process of gristmill_side)
+        return _gristmill_child(*sys.argv[2:])
+    args = _parse_args()
+    args.dir.mkdir(parents=True, exist_ok=True)
+    threads = os.cpu_count()
+    bin_dir = Path(args.llama_cpp) if args.llama_cpp else \
+        llama_cpp.built(args.dir) if args.skip_llama_cpp else llama_cpp.build(args.dir)
+    vocab_dir = llama_cpp.source_dir(args.dir) / "models"
+    if not args.skip_gristmill:
+        subprocess.run([sys.executable, "-m", "gristmill.model.cpu.kernels"], check=True, timeout=1800)
+    bandwidth = copy_bandwidth(threads)
+    flags = next((line.split() for line in open("/proc/cpuinfo") if line.startswith("flags")), [])
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
+    print(f"{cpu}; flags: {' '.join(f for f in CPU_FLAGS if f in flags) or 'none of ' + ', '.join(CPU_FLAGS)}; "
+          f"{threads} threads; memory copy {bandwidth / _GB:.1f} GB/s (read + written); "
+          f"load average {os.getloadavg()[0]:.1f}")
+    print(f"{args.tokens} generated tokens a prompt, greedy; gristmill with its defaults (quantization='auto'); "
+          f"ratios are gristmill / llama.cpp", flush=True)
+    for size in args.sizes:
+        for file_type in args.types:
+            try:
+                path = model_file(size, file_type, args.dir, vocab_dir, bin_dir / "llama-quantize" if bin_dir else None)
+            except Exception as error:  # noqa: BLE001 - one file that cannot be made ends no run
+                print(f"\n== {size} {file_type}: the file could not be made: {_first_line(error)}", flush=True)
+                continue
+            total, per_token = weight_bytes_per_token(path)
+            bound = bandwidth / per_token
+            print(f"\n== {size} {file_type}: {path.name}, {total / _GB:.2f} GB of tensors, {per_token / _GB:.2f} GB "
+                  f"read a token at batch 1: bound {bound:.1f} tok/s; load average {os.getloadavg()[0]:.1f}",
+                  flush=True)
+            sides = {"gristmill": {} if args.skip_gristmill else gristmill_side(path, args),
+                     "llama.cpp": {} if args.skip_llama_cpp else llama_cpp_side(path, args, bin_dir, threads)}
+            for figures in sides.values():
+                if 1 in args.batches and figures:
+                    speed = figures[_speed(1)]
+                    figures["batch 1 / bound, %"] = 100 * speed / bound if isinstance(speed, float) else speed
+            print_block(sides, args.batches)
+
+
+def gristmill_side(path: Path, args) -> dict:
+    """gristmill's figures for `path` (a failure's first line where a figure is missing):
+    a first start on an empty cache_dir, then a warm start that also generates."""
+    figures = {}
+    with tempfile.TemporaryDirectory(dir=args.dir, prefix="gristmill-cache-") as cache_dir:
+        first = _gristmill_run(path, cache_dir, [], args)
+        figures["first start, s"] = first.get("start", first.get("failure"))
+        figures["peak RSS starting, GB"] = first["peak_rss"] / _GB
+        figures["cache added, GB"] = sum(f.stat().st_size for f in Path(cache_dir).rglob("*") if f.is_file()) / _GB
+        # (a first start that failed would fail the same way again)
+        warm = first if "failure" in first else _gristmill_run(path, cache_dir, args.batches, args)
+        figures["warm start, s"] = warm.get("start", warm.get("failure"))
+        figures["peak RSS generating, GB"] = warm["peak_rss"] / _GB
+        for batch in args.batches:
+            figures[_speed(batch)] = warm.get(str(batch), warm.get("failure"))
+    return figures
+
+
+def _gristmill_run(path: Path, cache_dir: str, batches: list[int], args) -> dict:
+    """One gristmill process: its figures, `peak_rss`, and `failure` where it failed."""
+    run = run_measured([sys.executable, __file__, "_gristmill_side", str(path), cache_dir,
+                        ",".join(map(str, batches)), str(args.tokens), str(time.time())],
+                       args.timeout, int(args.max_rss_gb * 2**30))
+    figures = {"peak_rss": run.peak_rss_bytes}
+    for line in run.output.splitlines():
+        if line.startswith(_MARK):
+            figures.update(json.loads(line[len(_MARK):]))
+    if run.failure is not None:
+        figures.setdefault("failure", run.failure)
+    return figures
+
+
+def _gristmill_child(model: str, cache_dir: str, batches: str, tokens: str, launched_at: str) -> None:
+    """In a child process: gristmill started on `model`, its seconds from launch to ready,
+    then its tok/s at each batch size, each a line as soon as it is measured; an
+    exception is a `failure` line and exit status 1."""
+    try:
+        from gristmill import LLM
+        from throughput import bench_gristmill, make_prompts
+
+        batch_sizes = [int(b) for b in batches.split(",") if b]
+        llm = LLM(model=model, cache_dir=cache_dir, max_model_len=128 + int(tokens),
+                  max_num_seqs=max([128, *batch_sizes]))
+        print(_MARK + json.dumps({"start": time.time() - float(launched_at)}), flush=True)
+        if batch_sizes:
+            bench_gristmill(llm, make_prompts(2), 4)  # (warm-up)
+        for batch in batch_sizes:
+            speed = bench_gristmill(llm, make_prompts(batch), int(tokens))
+            print(_MARK + json.dumps({str(batch): speed}), flush=True)
+    except Exception as error:  # noqa: BLE001 - reported to the parent, which prints it in the cells
+        print(_MARK + json.dumps({"failure": _first_line(error)}), flush=True)
+        sys.exit(1)
+
+
+def llama_cpp_side(path: Path, args, bin_dir: Path, threads: int) -> dict:
+    """llama.cpp's figures for `path` (a failure's first line where a figure is missing)."""
+    limits = (args.timeout, int(args.max_rss_gb * 2**30))
+    first_s, first = llama_cpp.start_seconds(bin_dir, path, threads, *limits)
+    warm_s, warm = llama_cpp.start_seconds(bin_dir, path, threads, *limits)
+    figures = {"first start, s": first.failure or first_s, "warm start, s": warm.failure or warm_s,
+               "peak RSS starting, GB": first.peak_rss_bytes / _GB}
+    runs = []
+    if 1 in args.batches:
+        speed, run = llama_cpp.batch1_tok_s(bin_dir, path, threads, args.tokens, *limits)
+        figures[_speed(1)] = run.failure or speed
+        runs.append(run)
+    if [b for b in args.batches if b > 1]:
+        speeds, run = llama_cpp.batched_tok_s(bin_dir, path, threads, args.tokens,
+                                              [b for b in args.batches if b > 1], *limits)
+        figures.update({_speed(b): speeds.get(b, run.failure) for b in args.batches if b > 1})
+        runs.append(run)
+    figures["peak RSS generating, GB"] = max((run.peak_rss_bytes for run in runs), default=0) / _GB
+    return figures
+
+
+def copy_bandwidth(threads: int, total_bytes: int = 2**31, runs: int = 5) -> float:
+    """Bytes read + written per second by the best of `runs` copies of `total_bytes`, one
+    slice per thread (numpy releases the GIL while it copies)."""
+    source = np.ones(total_bytes // 8)
+    target = np.empty_like(source)
+    slices = np.array_split(np.arange(len(source)), threads)
+    bounds = [(s[0], s[-1] + 1) for s in slices]
+    best = float("inf")
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        for _ in range(runs):
+            start = time.perf_counter()
+            list(pool.map(lambda b: np.copyto(target[b[0]:b[1]], source[b[0]:b[1]]), bounds))
+            best = min(best, time.perf_counter() - start)
+    return 2 * total_bytes / best
+
+
+def print_block(sides: dict[str, dict], batches: list[int]) -> None:
+    """One row per figure: each side's value (or its failure's first line, cut to fit; in
+    full under the block) and gristmill / llama.cpp."""
+    rows = ["first start, s", "warm start, s", "peak RSS starting, GB", "peak RSS generating, GB",
+            "cache added, GB", *(_speed(b) for b in batches), "batch 1 / bound, %"]
+    print(f"{'':<24}" + "".join(f"{name:>{_WIDTH}}" for name in sides) + f"{'ratio':>10}")
+    failures = {}
+    for row in rows:
+        values = [sides[name].get(row) for name in sides]
+        if all(value is None for value in values):
+            continue
+        failures.update({name: value for name, value in zip(sides, values) if isinstance(value, str)})
+        ratio = values[0] / values[1] if all(isinstance(v, float) and v for v in values) else None
+        print(f"{row:<24}" + "".join(_cell(value) for value in values)
+              + (f"{ratio:>9.2f}x" if ratio is not None else f"{'-':>10}"), flush=True)
+    for name, failure in failures.items():
+        print(f"  {name} failed: {failure}")
+
+
+def _cell(value: float | str | None) -> str:
+    if isinstance(value, float):
+        return f"{value:>{_WIDTH}.{1 if value >= 10 else 2}f}"
+    if isinstance(value, str) and len(value) > _WIDTH - 2:
+        value = value[:_WIDTH - 5] + "..."
+    return f"{'-' if value is None else value:>{_WIDTH}}"
+
+
+def _speed(batch: int) -> str:
+    return f"tok/s batch {batch}"
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def _parse_args():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default=",".join(SIZES), help=f"comma-separated, of {', '.join(SIZES)}")
+    parser.add_argument("--types", default=",".join(TYPES), help=f"comma-separated, of {', '.join(TYPES)}")
+    parser.add_argument("--batches", default="1,16,64", help="batch sizes, comma-separated")
+    parser.add_argument("--tokens", type=int, default=64, help="generated tokens a prompt")
+    parser.add_argument("--dir", type=Path, default=Path.home() / ".cache" / "gristmill-bench",
+                        help="where the files, llama.cpp's build and gristmill's cache while measured go")
+    parser.add_argument("--llama-cpp", metavar="DIR", help="a built llama.cpp bin directory (llama-bench, "
+                        "llama-batched-bench, llama-quantize) to use instead of building one")
+    parser.add_argument("--skip-llama-cpp", action="store_true", help="measure gristmill only")
+    parser.add_argument("--skip-gristmill", action="store_true", help="measure llama.cpp only")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds a side's process may take")
+    parser.add_argument("--max-rss-gb", type=float, default=12, help="a side's process is stopped past this "
+                        "much resident memory (GiB) and reported out of memory")
+    args = parser.parse_args()
+    args.sizes, args.types = args.sizes.split(","), args.types.split(",")
+    args.batches = [int(b) for b in args.batches.split(",")]
+    for name, given, known in (("--sizes", args.sizes, SIZES), ("--types", args.types, TYPES)):
+        if set(given) - set(known):
+            parser.error(f"{name}: unknown {', '.join(sorted(set(given) - set(known)))}; known: {', '.join(known)}")
+    return args
+
+
+if __name__ == "__main__":
+    main()
