@@ -142,5 +142,5 @@ def model_source(model: str | None, cache_dir: str | None = None) -> Path:
 def converted_gguf_dir(gguf_path: Path, cache_dir: str | None = None) -> Path:
     """Where the conversion of `gguf_path` is kept: keyed by the file's path, size and mtime."""
     stat = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:v4".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:v5".encode()).hexdigest()[:16]
     return cache_root(cache_dir) / "gguf" / f"{gguf_path.stem}-{key}"

@@ -133,24 +133,72 @@ def _gguf_config(reader, arch: str, model_type: str) -> dict:
     config["vocab_size"] = len(tokens)
     theta = field(reader, f"{arch}.rope.freq_base")
     if arch == "gemma3":
-        config["architectures"] = ["Gemma3ForCausalLM"]
-        config["query_pre_attn_scalar"] = config.get("head_dim", 256)
-        config["rope_parameters"] = {
-            "full_attention": {"rope_type": "default", "rope_theta": theta or 1_000_000.0},
-            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
-        }
-        scale = field(reader, f"{arch}.rope.scaling.factor")
-        if scale and scale != 1.0:
-            config["rope_parameters"]["full_attention"] = {
-                "rope_type": "linear", "factor": scale, "rope_theta": theta}
+        _gemma3_config(reader, config, theta)
     else:
         config["architectures"] = [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                                     "qwen3": "Qwen3ForCausalLM"}[arch]]
         config["rope_theta"] = theta or 10_000.0
         config["hidden_act"] = "silu"
     config["bos_token_id"] = field(reader, "tokenizer.ggml.bos_token_id")
-    config["eos_token_id"] = field(reader, "tokenizer.ggml.eos_token_id")
+    config["eos_token_id"] = _end_of_generation_ids(reader, tokens)
     return config
+
+
+def _gemma3_config(reader, config: dict, theta: float | None) -> None:
+    """Gemma 3's settings, as llama.cpp reads them (src/models/gemma3.cpp): the global
+    layers' rope (any linear scaling: the 4B and larger), the sliding layers' own base,
+    which layers slide, the attention scale, a final logit softcap where the file has one."""
+    config["architectures"] = ["Gemma3ForCausalLM"]
+    head_dim = config.get("head_dim", 256)
+    # llama.cpp scales attention by 1/sqrt(head_dim) but for the 27B (62 layers), whose
+    # config says hidden / heads (168, not its head_dim of 128).
+    config["query_pre_attn_scalar"] = (config["hidden_size"] // config["num_attention_heads"]
+                                       if config.get("num_hidden_layers") == 62 else head_dim)
+    config["rope_parameters"] = {
+        "full_attention": {"rope_type": "default", "rope_theta": theta or 1_000_000.0},
+        "sliding_attention": {"rope_type": "default",
+                              "rope_theta": field(reader, "gemma3.rope.freq_base_swa") or 10_000.0},
+    }
+    scale = field(reader, "gemma3.rope.scaling.factor")
+    if scale and scale != 1.0:
+        config["rope_parameters"]["full_attention"] = {
+            "rope_type": "linear", "factor": scale, "rope_theta": theta or 1_000_000.0}
+    config["layer_types"] = _gemma3_layer_types(reader, config["num_hidden_layers"])
+    softcap = field(reader, "gemma3.final_logit_softcapping")
+    if softcap:
+        config["final_logit_softcapping"] = softcap
+
+
+def _gemma3_layer_types(reader, num_layers: int) -> list[str]:
+    """Which layers attend through the sliding window, as llama.cpp decides: none in a file
+    without a window; else as the file's sliding_window_pattern says (a flag per layer, or
+    n: each n-th layer global, 0: none), Gemma 3's every sixth layer global when it says
+    nothing (what llama.cpp's converter writes)."""
+    if not field(reader, "gemma3.attention.sliding_window"):
+        return ["full_attention"] * num_layers
+    pattern = field(reader, "gemma3.attention.sliding_window_pattern", 6)
+    if isinstance(pattern, list):
+        sliding = [bool(flag) for flag in pattern[:num_layers]]
+    else:
+        sliding = [pattern == 0 or i % pattern < pattern - 1 for i in range(num_layers)]
+    return ["sliding_attention" if slides else "full_attention" for slides in sliding]
+
+
+# The tokens llama.cpp ends generation at besides the file's eos, eot and eom ids (it finds
+# them by their text: src/llama-vocab.cpp), of those in the supported families'
+# vocabularies: the end-of-sequence ids their HF configs list besides the one a GGUF
+# keeps (Llama 3.x instruct: <|end_of_text|>, <|eom_id|>, <|eot_id|>; Qwen2.5 and Qwen3:
+# <|im_end|>, <|endoftext|>; Gemma 3: <eos>, <end_of_turn>).
+_END_OF_GENERATION_TOKENS = frozenset({"<|end_of_text|>", "<|eom_id|>", "<|eot_id|>", "<|im_end|>",
+                                       "<|endoftext|>", "<eos>", "<end_of_turn>"})
+
+
+def _end_of_generation_ids(reader, tokens: list[str]) -> int | list[int] | None:
+    """config.json's eos_token_id: the ids generation ends at, the file's eos first."""
+    ids = [field(reader, f"tokenizer.ggml.{kind}_token_id") for kind in ("eos", "eot", "eom")]
+    ids += [i for i, token in enumerate(tokens) if token in _END_OF_GENERATION_TOKENS]
+    ids = list(dict.fromkeys(i for i in ids if i is not None))
+    return ids[0] if len(ids) == 1 else ids or None
 
 
 def hf_tensor_name(gguf_name: str, arch: str) -> str | None:

@@ -42,6 +42,14 @@ GGUF_TOKENIZER_MAPPING = {
     },
 }
 
+# The GGUF pre-tokenizers (tokenizer.ggml.pre) whose BPE takes a word that is a token as
+# it is, before any merge: llama.cpp's (src/llama-vocab.cpp), as these models' own
+# tokenizer.json say (Llama 3's "ignore_merges": true). Merged, some words come out as
+# other tokens: Llama 3 splits " Việt" in three where its tokenizer and llama.cpp give one.
+IGNORE_MERGES_PRE_TOKENIZERS = frozenset({
+    "llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2", "jina-v5-nano",
+    "youtu", "glm4", "glm5", "tekken", "granite-embed-multi-97m"})
+
 # The GGUF architectures whose sentencepiece vocabulary transformers builds with its
 # gemma_tokenizer (GGUF_SENTENCEPIECE_BUILDERS; checked in tests/model/test_loader.py).
 GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
@@ -70,6 +78,8 @@ def convert_gguf_tokenizer(metadata: dict, model_type: str, out_dir: Path, gguf_
         AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name).save_pretrained(str(out_dir))
         return
     backend, extra_kwargs = build_backend(architecture, _with_derived_merges(architecture, tokenizer_dict))
+    if tokenizer_dict.get("pre_tokenizer_type") in IGNORE_MERGES_PRE_TOKENIZERS:
+        backend.model.ignore_merges = True  # (transformers' builder leaves it off)
     # is_local / local_files_only: what from_pretrained passes and save_pretrained writes
     # into tokenizer_config.json; given here too so the saved files are the same.
     tokenizer = _tokenizer_class(model_type)(
