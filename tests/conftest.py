@@ -41,7 +41,7 @@ core_launcher.ENABLED = True
 
 # Files of several minutes each (`--durations`), scheduled right after the Ray group.
 LONG_FILES = ("tests/server/test_structured_mixed.py", "tests/test_llm.py", "tests/model/test_quality.py",
-              "tests/test_structured_output.py")
+              "tests/test_structured_output.py", "tests/model/test_families_gguf.py")
 
 
 def work_unit(nodeid: str) -> str:

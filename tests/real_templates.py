@@ -1,6 +1,7 @@
-"""The chat templates Qwen3, Llama 3.1 and Gemma 3 ship with, for tests, read from PyPI
-packages that carry copies of them: llama-cpp-python's source archive (llama.cpp's
-`models/templates/`: Qwen3-0.6B's and Llama-3.1-8B-Instruct's) and axolotl's wheel
+"""The chat templates Qwen3, Qwen2.5, Llama 3.1, Llama 3.2 and Gemma 3 ship with, for
+tests, read from PyPI packages that carry copies of them: llama-cpp-python's source
+archive (llama.cpp's `models/templates/`: Qwen3-0.6B's, Qwen2.5-7B-Instruct's,
+Llama-3.1-8B-Instruct's and Llama-3.2-3B-Instruct's) and axolotl's wheel
 (`utils/chat_templates/templates/gemma3.jinja`: Gemma 3 instruct's; the bundled Gemma 3
 270M is the base model, which has none). Each archive is pinned by version and sha256;
 only the templates are kept, in TEMPLATE_DIR.
@@ -49,10 +50,15 @@ TEMPLATES = {
     "qwen3": (LLAMA_CPP_PYTHON, "llama_cpp_python-0.3.36/vendor/llama.cpp/models/templates/Qwen-Qwen3-0.6B.jinja"),
     "llama3.1": (LLAMA_CPP_PYTHON,
                  "llama_cpp_python-0.3.36/vendor/llama.cpp/models/templates/meta-llama-Llama-3.1-8B-Instruct.jinja"),
+    "llama3.2": (LLAMA_CPP_PYTHON,
+                 "llama_cpp_python-0.3.36/vendor/llama.cpp/models/templates/meta-llama-Llama-3.2-3B-Instruct.jinja"),
+    "qwen2.5": (LLAMA_CPP_PYTHON,
+                "llama_cpp_python-0.3.36/vendor/llama.cpp/models/templates/Qwen-Qwen2.5-7B-Instruct.jinja"),
     "gemma3": (AXOLOTL, "axolotl/utils/chat_templates/templates/gemma3.jinja"),
 }
-TEMPLATE_DIR = Path(os.environ.get("GRISTMILL_TEST_DATA", Path.home() / ".cache" / "gristmill-test-data")) \
-    / "chat-templates"
+#: Where tests keep what they fetch (tests/gguf_converter.py keeps llama.cpp's converter here too).
+TEST_DATA = Path(os.environ.get("GRISTMILL_TEST_DATA", Path.home() / ".cache" / "gristmill-test-data"))
+TEMPLATE_DIR = TEST_DATA / "chat-templates"
 
 
 def _path(name: str) -> Path:
@@ -72,16 +78,12 @@ def template(name: str) -> str:
 
 
 def fetch() -> None:
-    """Each archive a missing template is in: downloaded (straight from PyPI's file host,
-    else through pip and its configured indexes), checked against its sha256, and its
-    templates kept."""
+    """Each archive a missing template is in: downloaded, checked against its sha256, and
+    its templates kept."""
     for archive in {archive for name, (archive, _) in TEMPLATES.items() if not _path(name).exists()}:
         members = {member: _path(name) for name, (held_in, member) in TEMPLATES.items() if held_in == archive}
         with tempfile.TemporaryDirectory() as work:
-            path = _download(archive, Path(work))
-            digest = hashlib.sha256(path.read_bytes()).hexdigest()
-            if digest != archive.sha256:
-                raise ValueError(f"{archive.filename} has sha256 {digest}, expected {archive.sha256}")
+            path = download(archive, Path(work))
             for member, text in _read(path, set(members)).items():
                 members[member].parent.mkdir(parents=True, exist_ok=True)
                 # (staged under a name of its own: two processes may fetch at once)
@@ -93,7 +95,9 @@ def fetch() -> None:
             raise ValueError(f"{archive.filename} holds no {', '.join(missing)}")
 
 
-def _download(archive: Archive, work: Path) -> Path:
+def download(archive: Archive, work: Path) -> Path:
+    """`archive` downloaded into the folder `work` (straight from PyPI's file host, else
+    through pip and its configured indexes); ValueError where its sha256 is not the pinned one."""
     path = work / archive.filename
     try:
         with urllib.request.urlopen(archive.url, timeout=60) as response, open(path, "wb") as out:
@@ -102,6 +106,9 @@ def _download(archive: Archive, work: Path) -> Path:
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-d", str(work),
                         *(["--no-binary", ":all:"] if path.suffix == ".gz" else ["--only-binary", ":all:"]),
                         archive.requirement], check=True, capture_output=True, timeout=600)
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    if digest != archive.sha256:
+        raise ValueError(f"{archive.filename} has sha256 {digest}, expected {archive.sha256}")
     return path
 
 
