@@ -47,13 +47,15 @@ def test_a_fresh_cache_says_what_the_start_does_and_the_figures_leave_it_out(tmp
     first = _batch(tmp_path, model, cache)
     assert first.returncode == 0, first.stderr
     err = first.stderr
-    assert f"gristmill: converting tiny.gguf to safetensors (once; cached in {cache / 'gguf'}" in err
-    assert re.search(r"converting tiny.gguf to safetensors: done in [\d.]+ s", err)
-    assert f"gristmill: quantizing the weights to int8 (once; cached in {cache / 'quantized'}" in err
+    assert f"gristmill: reading tiny.gguf's config and tokenizer (once; cached in {cache / 'gguf'}" in err
+    assert re.search(r"reading tiny.gguf's config and tokenizer: done in [\d.]+ s", err)
+    # Its F32 layers and F16 output have no kernel that reads them as stored: int8, said at start.
+    assert "gristmill: 7 matrices are F32 (e.g. blk.0." in err and "which no kernel multiplies as stored" in err
+    assert "gristmill: 1 matrix is F16 (e.g. output.weight)" in err
     kernels = re.escape(str(cache / "kernels"))  # compiled here unless an earlier test did it
     assert re.search(rf"(compiling the C\+\+ kernels 'cpu_kernels' for this CPU \(once; cached in "
                      rf"|C\+\+ kernels 'cpu_kernels': cached in ){kernels}", err)
-    assert re.search(r"gristmill: loading tiny-[0-9a-f]+ \(int8\) on cpu \.\.\.", err)
+    assert re.search(r"gristmill: loading tiny-[0-9a-f]+ \(weights as stored\) on cpu \.\.\.", err)
     ready = re.search(r"gristmill: engine ready in ([\d.]+) s", err)
     assert ready
     # The bar starts with the rows, after the start-up messages.
@@ -66,8 +68,8 @@ def test_a_fresh_cache_says_what_the_start_does_and_the_figures_leave_it_out(tmp
     again = _batch(tmp_path, model, cache)  # warm: nothing is done again, and it says where each is kept
     assert again.returncode == 0, again.stderr
     assert "(once;" not in again.stderr
-    assert f"converting tiny.gguf to safetensors: cached in {cache / 'gguf'}" in again.stderr
-    assert f"int8 weights: cached in {cache / 'quantized'}" in again.stderr
+    assert f"reading tiny.gguf's config and tokenizer: cached in {cache / 'gguf'}" in again.stderr
+    assert not (cache / "quantized").exists()  # the weights are read from the GGUF file, never cached
     assert len(list((cache / "tokenizers").glob("*.pickle"))) == 1  # the tokenizer, kept by the first run
     assert FIGURES.search(again.stderr.splitlines()[-1])
 

@@ -161,7 +161,7 @@ def test_a_matrix_type_without_a_kernel_runs_in_int8_and_the_start_names_it(tmp_
     with caplog.at_level(logging.WARNING, logger="gristmill.startup"):
         runner = _runner(path, tmp_path / "cache", "auto")
     said = " ".join(r.getMessage() for r in caplog.records)
-    assert "are F32 (e.g. blk.0." in said and "are F16 (e.g. output.weight)" in said and "int8" in said
+    assert "are F32 (e.g. blk.0." in said and "1 matrix is F16 (e.g. output.weight)" in said and "int8" in said
     assert isinstance(runner.model.lm_head, Int8Linear) and isinstance(runner.model.model.layers[0].mlp.down_proj,
                                                                          Int8Linear)
     assert isinstance(runner.model.model.embed_tokens, GGUFEmbedding)  # Q8_0: read as stored

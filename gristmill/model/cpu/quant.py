@@ -98,8 +98,9 @@ def quantize_from_checkpoint(model: nn.Module, checkpoint, scheme: str, cache_fi
                 built_now = True
             _put(model, name, layer, linear)
     for type_name, tensors in fallbacks.items():
-        startup.warn(f"{len(tensors)} matrices are {type_name} (e.g. {tensors[0]}), which no kernel "
-                    f"multiplies as stored yet: quantized to int8 at each start")
+        are = "matrix is" if len(tensors) == 1 else "matrices are"
+        startup.warn(f"{len(tensors)} {are} {type_name} (e.g. {tensors[0]}), which no kernel "
+                     f"multiplies as stored yet: quantized to int8 at each start")
     if cache_file is not None and scheme != "gguf":
         if built_now:
             _save_layers(model, cache_file)
