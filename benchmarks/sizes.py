@@ -106,7 +106,7 @@ def gristmill_side(path: Path, args) -> dict:
         first = _gristmill_run(path, cache_dir, [], args)
         figures["first start, s"] = first.get("start", first.get("failure"))
         figures["peak RSS starting, GB"] = first["peak_rss"] / _GB
-        figures["cache added, GB"] = sum(f.stat().st_size for f in Path(cache_dir).rglob("*") if f.is_file()) / _GB
+        figures["cache added, GB"] = cache_bytes(Path(cache_dir)) / _GB
         # (a first start that failed would fail the same way again)
         warm = first if "failure" in first else _gristmill_run(path, cache_dir, args.batches, args)
         figures["warm start, s"] = warm.get("start", warm.get("failure"))
@@ -114,6 +114,11 @@ def gristmill_side(path: Path, args) -> dict:
         for batch in args.batches:
             figures[_speed(batch)] = warm.get(str(batch), warm.get("failure"))
     return figures
+
+
+def cache_bytes(cache_dir: Path) -> int:
+    """The bytes of the files under `cache_dir`; a link (the cache's link to the GGUF file) counts none."""
+    return sum(f.lstat().st_size for f in cache_dir.rglob("*") if f.is_file() and not f.is_symlink())
 
 
 def _gristmill_run(path: Path, cache_dir: str, batches: list[int], args) -> dict:
