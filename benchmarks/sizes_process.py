@@ -1,8 +1,9 @@
 """A benchmark side's process, measured (benchmarks/sizes.py): its wall time, its peak
 resident memory (the kernel's high-water mark, VmHWM, polled while it runs: `wait4`'s
 ru_maxrss would start from this process's own peak, as a child spawned by vfork inherits
-it across exec), and the first line of why it failed. It is bounded by a timeout and by a cap on its resident memory, so that a side
-that would run out of memory is stopped before the machine's OOM killer picks a victim."""
+it across exec), and the first line of why it failed. It is bounded by a timeout and by
+a cap on its resident memory, so that a side that would run out of memory is stopped
+before the machine's OOM killer picks a victim."""
 
 from __future__ import annotations
 
