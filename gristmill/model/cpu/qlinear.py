@@ -22,6 +22,7 @@ from gristmill.model.layers.mlp import ACTIVATIONS
 
 _BLOCK, _PAD, Q = 16, 32, 32  # packing: 16 output channels a block; N and K padded to 32; blocks of 32
 _EMPTY = torch.empty(0)
+_PACK_ROWS = 1024  # rows packed at a time (a multiple of _PAD: only the last piece is padded)
 # The activations the kernels apply as they write their output (csrc/linear_common.h,
 # `Activation`): name -> the kernels' code.
 FUSED_ACTIVATIONS = {"gelu": 1}
@@ -177,8 +178,11 @@ class QuantizedLinear(nn.Module):
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> "QuantizedLinear":
         """The layer of float `weight` (out, in) quantized, and `bias`."""
         layer = cls(weight.shape[1], weight.shape[0], bias is not None)
-        for name, tensor in zip(layer._buffers_of_kernel, cls.pack(weight)):
-            setattr(layer, name, tensor)
+        # In pieces of rows (each row is quantized alone), so the float temporaries of
+        # packing are a piece's, not a whole (say 28672 x 4096) matrix's several times over.
+        pieces = [cls.pack(rows) for rows in weight.split(_PACK_ROWS)]
+        for i, name in enumerate(layer._buffers_of_kernel):
+            setattr(layer, name, torch.cat([piece[i] for piece in pieces]) if len(pieces) > 1 else pieces[0][i])
         if bias is not None:
             layer.bias = bias.float().clone()
         return layer
