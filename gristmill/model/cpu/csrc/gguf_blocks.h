@@ -12,15 +12,15 @@
 // exact (at most 11 + 8 + 6 bits), so the only rounding is the subtraction of the
 // minimum, made once, as gguf makes it.
 //
-// A linear layer meets activations quantized per 32 values (linear_common.h). Its
-// integer parts are what vpmaddubsw + vpmaddwd (or vpdpbusd) leave in a 32-bit lane:
-// for lane l (codes 4l..4l+3) of 32-block j, L = lane_scale * sum code * x_q, and per
-// block O = -offset * sum lane_scale * (x_q's 16-sums). Each lane l adds
-// float(L) * t_j to accumulator (j % 4, l), t_j = scale[j] * x_scale[j]; each block adds
-// float(O) * t_j - min[j] * (x_scale[j] * sum x_q) to accumulator j of a second set.
-// Every one of those integers is under 2^24 (Q6_K's O: 32 * 2 * 128 * 16 * 127), so its
-// float is exact; the portable and x86 paths make the same float operations in the same
-// order, so they give the same floats.
+// A linear layer meets activations quantized per 32 values (linear_common.h). Per row
+// and 32-block j it takes the exact integer
+//   S_j = sum_k lane_scale[k / 16] * (code[k] - offset) * x_q[k]
+// (under 2^24 for every format, Q6_K's 32 * 128 * 32 * 127 the largest, so float(S_j)
+// is exact) and, with t_j = scale[j] * x_scale[j],
+//   acc[j % 8] = fma(float(S_j), t_j, acc[j % 8]);  acc[j % 8] = fma(-min[j], x_scale[j] * sum x_q, acc[j % 8])
+// then y = ((acc0 + acc4) + (acc2 + acc6)) + ((acc1 + acc5) + (acc3 + acc7)). Every path
+// (portable; x86, from the file's bytes or from packed panels) makes these float
+// operations in this order, so all give the same floats, whatever the batch around a row.
 #pragma once
 
 #include "linear_common.h"
@@ -185,11 +185,50 @@ struct Acts {
   int64_t ldb;
   const int16_t* sum16;  // sums of each 16, ld16 a row
   int64_t ld16;
+
+  // The rows from row i on.
+  Acts from(int i) const { return {q + i * ldq, ldq, xs + i * ldb, xss + i * ldb, ldb, sum16 + i * ld16, ld16}; }
 };
 
 // n_rows weight rows of ggml type `type` from `w` (row_bytes apart, k weights a row)
 // against mb (<= kMaxM) activation rows: out[i * kTileN + r].
 using RowsFn = void (*)(int64_t type, const uint8_t* w, int64_t row_bytes, int64_t n_rows, int64_t k,
                         const Acts& a, int mb, float* out);
+
+// Eight rows of one part laid out for many activation rows: 4 codes of each row side by
+// side, [K / 4][8][4] (what vpdpbusd / vpmaddubsw meet with 4 activations broadcast, each
+// 32-bit lane one output row), and per 32-block the rows' scales and minimums [K / 32][8],
+// per 16 Q6_K's lane scales [K / 16][8]. Rows past the part's are zeros.
+struct Panel {
+  uint8_t* codes;
+  float* scale;
+  float* min;
+  int32_t* lane_scale;
+};
+
+// n_rows (<= 8) weight rows from `w` (row_bytes apart) into a panel.
+using PackFn = void (*)(const uint8_t* w, int64_t row_bytes, int64_t n_rows, int64_t k, const Panel& p);
+// A panel's n_rows rows against mb activation rows: out[i * kTileN + r].
+using PanelFn = void (*)(const Panel& p, int64_t n_rows, int64_t k, const Acts& a, int mb, float* out);
+
+// A code path's kernels of one format; pack and panel null where the path has no panels.
+struct Kernels {
+  RowsFn rows;
+  PackFn pack;
+  PanelFn panel;
+};
+
+// The bytes of a panel of K weights a row.
+inline int64_t panel_bytes(int64_t k) { return 8 * k + 2 * (k / 32) * 8 * 4 + (k / 16) * 8 * 4; }
+
+// A panel's parts in `room` (panel_bytes(k), 32-byte aligned).
+inline Panel panel_in(uint8_t* room, int64_t k) {
+  Panel p;
+  p.codes = room;
+  p.scale = reinterpret_cast<float*>(room + 8 * k);
+  p.min = p.scale + (k / 32) * 8;
+  p.lane_scale = reinterpret_cast<int32_t*>(p.min + (k / 32) * 8);
+  return p;
+}
 
 }  // namespace gguf

@@ -2,35 +2,68 @@
 // by gguf_linear.cpp: GGUF_NS avx2 (AVX2 + FMA + F16C) and avx512_vnni (the same with
 // vpdpbusd in place of vpmaddubsw + vpmaddwd, and 32 vector registers).
 //
-// A group of 256 weights is loaded once into registers, as its codes (unsigned, or
-// Q8_0's signed) and scales, and met by each activation row of a tile: per 32-block, the
-// codes times the int8 activations leave 8 int32 lanes (a 16-bit pair sum of vpmaddubsw
-// is at most 2 * 63 * 127 < 2^15), converted and multiplied by the block's float scale
-// into one of four accumulators (j % 4, so the additions of a row do not wait on each
-// other); offsets and minimums go per block into a fifth. These are the portable path's
-// operations in its order (gguf_linear.cpp, rows_portable), so both give the same floats.
+// Two ways through a tile, giving the same floats (gguf_blocks.h's order):
+// - from the file's bytes (few activation rows: decode): each row's group of 256 weights
+//   is loaded into registers once, as codes (unsigned, or Q8_0's signed) and scales, and
+//   met by each activation row; a 32-bit lane sums 4 products (a 16-bit pair sum of
+//   vpmaddubsw is at most 2 * 63 * 127 < 2^15), and a horizontal-add tree (sum8) leaves
+//   lane j holding block j's S_j.
+// - from panels (many rows): the tile's rows are packed once (pack_m: 8 rows' codes
+//   transposed so that each 32-bit lane is one output row), then each activation row
+//   meets them with 4 activations broadcast at a time and no horizontal sums.
 //
 // Expects GGUF_NS, GGUF_TARGET and GGUF_VNNI (0 or 1) defined; undefines them.
 
 namespace gguf {
 namespace GGUF_NS {
 
-// The codes of 32 values times 32 int8 activations: 8 lanes, each the sum of 4 products.
-GGUF_TARGET inline __m256i dot_u8(__m256i codes, __m256i x) {
+GGUF_TARGET inline __m256i load(const void* p) { return _mm256_loadu_si256((const __m256i*)p); }
+
+// acc + (unsigned codes . signed x), 4 products a 32-bit lane.
+GGUF_TARGET inline __m256i dot_u8(__m256i acc, __m256i codes, __m256i x) {
 #if GGUF_VNNI
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), codes, x);
+  return _mm256_dpbusd_epi32(acc, codes, x);
 #else
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(codes, x), _mm256_set1_epi16(1));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(codes, x), _mm256_set1_epi16(1)));
 #endif
 }
 
-GGUF_TARGET inline __m256i load(const void* p) { return _mm256_loadu_si256((const __m256i*)p); }
+// acc + (signed codes . signed x): |codes| times x carrying their sign (2 * 128 * 127 < 2^15).
+GGUF_TARGET inline __m256i dot_s8(__m256i acc, __m256i codes, __m256i x) {
+  return dot_u8(acc, _mm256_abs_epi8(codes), _mm256_sign_epi8(x, codes));
+}
 
-// (a0 + a4) + (a2 + a6) + ((a1 + a5) + (a3 + a7)): row_total's order.
+// Lane j: the sum of v[j]'s eight lanes.
+GGUF_TARGET inline __m256i sum8(const __m256i v[8]) {
+  const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+  const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+// ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)): gguf_blocks.h's order.
 GGUF_TARGET inline float total(__m256 acc) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
+
+// Rows r[0..7] of 8 dwords into columns: out[c] lane i = r[i] dword c.
+GGUF_TARGET inline void transpose8(const __m256i r[8], __m256i out[8]) {
+  __m256i t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    out[c] = _mm256_permute2x128_si256(u[c], u[c + 4], 0x20);
+    out[c + 4] = _mm256_permute2x128_si256(u[c], u[c + 4], 0x31);
+  }
 }
 
 // The fp16 scales of 8 blocks `stride` bytes apart, as floats.
@@ -73,37 +106,38 @@ GGUF_TARGET inline __m128i k_scales_x86(const uint8_t* s) {
                       _mm_and_si128(top, _mm_setr_epi32(0, 0x30303030, 0, 0x30303030)));
 }
 
-// -offset x each 32-block's activation sum, from the sums of each 16.
+// -offset x each 32-block's activation sum (lane j), from the sums of each 16.
 template <int kOffset>
 GGUF_TARGET inline __m256i offset_sums(const int16_t* x16) {
   const __m256i sums = _mm256_madd_epi16(load(x16), _mm256_set1_epi16(1));
   return _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_mullo_epi32(sums, _mm256_set1_epi32(kOffset)));
 }
 
-// Each format: load_group(p) (a whole group: 8 blocks, or one super-block); lanes(j, x)
-// (32-block j's 8 int32 lanes against the activations x of that block); and, where the
-// format has them, block_ints(x16) (each block's O) and `min` (float, per block).
+// Each format: load_group(p) (a whole group: 8 blocks, or one super-block) into codes
+// q[8] and float `scale` and `min` per block; block_sums(x, x16), each block's S_j (lane
+// j) against the group's activations; kOffset, kSplit16 (lane scales per 16: Q6_K),
+// kSigned (Q8_0's signed codes) for the panels.
 
 struct Q8_0 {
-  static constexpr int kBlockSize = 32, kBlockBytes = 34;
-  static constexpr bool kOffset = false, kHasMin = false;
+  static constexpr int kBlockSize = 32, kBlockBytes = 34, kOffset = 0;
+  static constexpr bool kHasMin = false, kSplit16 = false, kSigned = true;
   __m256i q[8];
   __m256 scale, min;
   GGUF_TARGET void load_group(const uint8_t* p) {
     for (int j = 0; j < 8; ++j) q[j] = load(p + j * kBlockBytes + 2);
     scale = block_scales(p, kBlockBytes);
   }
-  // Signed codes: |q| times x carrying q's sign (2 * 128 * 127 < 2^15).
-  GGUF_TARGET __m256i lanes(int j, const int8_t* x) const {
-    return dot_u8(_mm256_abs_epi8(q[j]), _mm256_sign_epi8(load(x), q[j]));
+  GGUF_TARGET __m256i block_sums(const int8_t* x, const int16_t*) const {
+    __m256i v[8];
+    for (int j = 0; j < 8; ++j) v[j] = dot_s8(_mm256_setzero_si256(), q[j], load(x + 32 * j));
+    return sum8(v);
   }
-  GGUF_TARGET __m256i block_ints(const int16_t*) const { return _mm256_setzero_si256(); }
 };
 
 template <bool kFifthBit>
 struct Q4_0 {  // and Q5_0
-  static constexpr int kBlockSize = 32, kBlockBytes = kFifthBit ? 22 : 18;
-  static constexpr bool kOffset = true, kHasMin = false;
+  static constexpr int kBlockSize = 32, kBlockBytes = kFifthBit ? 22 : 18, kOffset = kFifthBit ? 16 : 8;
+  static constexpr bool kHasMin = false, kSplit16 = false, kSigned = false;
   __m256i q[8];
   __m256 scale, min;
   GGUF_TARGET void load_group(const uint8_t* p) {
@@ -113,14 +147,17 @@ struct Q4_0 {  // and Q5_0
     }
     scale = block_scales(p, kBlockBytes);
   }
-  GGUF_TARGET __m256i lanes(int j, const int8_t* x) const { return dot_u8(q[j], load(x)); }
-  GGUF_TARGET __m256i block_ints(const int16_t* x16) const { return offset_sums<kFifthBit ? 16 : 8>(x16); }
+  GGUF_TARGET __m256i block_sums(const int8_t* x, const int16_t* x16) const {
+    __m256i v[8];
+    for (int j = 0; j < 8; ++j) v[j] = dot_u8(_mm256_setzero_si256(), q[j], load(x + 32 * j));
+    return _mm256_add_epi32(sum8(v), offset_sums<kOffset>(x16));
+  }
 };
 
 template <bool kFifthBit>
 struct Q4_K {  // and Q5_K
-  static constexpr int kBlockSize = 256, kBlockBytes = kFifthBit ? 176 : 144;
-  static constexpr bool kOffset = false, kHasMin = true;
+  static constexpr int kBlockSize = 256, kBlockBytes = kFifthBit ? 176 : 144, kOffset = 0;
+  static constexpr bool kHasMin = true, kSplit16 = false, kSigned = false;
   __m256i q[8];
   __m256 scale, min;
   GGUF_TARGET void load_group(const uint8_t* p) {
@@ -149,17 +186,21 @@ struct Q4_K {  // and Q5_K
       q[7] = _mm256_or_si256(q[7], _mm256_and_si256(_mm256_srli_epi16(qh, 3), bit4));
     }
   }
-  GGUF_TARGET __m256i lanes(int j, const int8_t* x) const { return dot_u8(q[j], load(x)); }
-  GGUF_TARGET __m256i block_ints(const int16_t*) const { return _mm256_setzero_si256(); }
+  GGUF_TARGET __m256i block_sums(const int8_t* x, const int16_t*) const {
+    __m256i v[8];
+    for (int j = 0; j < 8; ++j) v[j] = dot_u8(_mm256_setzero_si256(), q[j], load(x + 32 * j));
+    return sum8(v);
+  }
 };
 
 // Q6_K: codes in [0, 63]; each block's lanes widened by its two 16-wide scales (low 128
 // bits: scale 2j, high: 2j + 1), which vpmaddwd applies as it widens.
 struct Q6_K {
-  static constexpr int kBlockSize = 256, kBlockBytes = 210;
-  static constexpr bool kOffset = true, kHasMin = false;
-  __m256i q[8], lane_scale[8], scale16;
+  static constexpr int kBlockSize = 256, kBlockBytes = 210, kOffset = 32;
+  static constexpr bool kHasMin = false, kSplit16 = true, kSigned = false;
+  __m256i q[8];
   __m256 scale, min;
+  const uint8_t* scales;  // the 16 int8 lane scales
   GGUF_TARGET void load_group(const uint8_t* p) {
     const __m256i low4 = _mm256_set1_epi8(0x0f), high2 = _mm256_set1_epi8(0x30);
     for (int h = 0; h < 2; ++h) {
@@ -171,27 +212,27 @@ struct Q6_K {
       out[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
                                _mm256_and_si256(_mm256_srli_epi16(qh, 2), high2));
     }
-    scale16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(p + 192)));
+    scales = p + 192;
+    scale = _mm256_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(u16_at(p + 208))));
+  }
+  GGUF_TARGET __m256i block_sums(const int8_t* x, const int16_t* x16) const {
+    const __m256i scale16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)scales));
     const __m256i first = _mm256_permute4x64_epi64(scale16, 0x44), second = _mm256_permute4x64_epi64(scale16, 0xee);
+    __m256i v[8];
     for (int j = 0; j < 8; ++j) {
       const int b = 4 * (j % 4);  // the byte of scale 2j within its 128-bit half
       const __m256i pick = _mm256_setr_m128i(_mm_set1_epi16(short(b | (b + 1) << 8)),
                                              _mm_set1_epi16(short((b + 2) | (b + 3) << 8)));
-      lane_scale[j] = _mm256_shuffle_epi8(j < 4 ? first : second, pick);
+      const __m256i lane_scale = _mm256_shuffle_epi8(j < 4 ? first : second, pick);
+      v[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(q[j], load(x + 32 * j)), lane_scale);
     }
-    scale = _mm256_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(u16_at(p + 208))));
-  }
-  GGUF_TARGET __m256i lanes(int j, const int8_t* x) const {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(q[j], load(x)), lane_scale[j]);
-  }
-  GGUF_TARGET __m256i block_ints(const int16_t* x16) const {  // -32 x (scales . 16-sums), per block
-    const __m256i sums = _mm256_madd_epi16(load(x16), scale16);
-    return _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(sums, 5));
+    const __m256i offsets = _mm256_madd_epi16(load(x16), scale16);  // per block: scales . 16-sums
+    return _mm256_sub_epi32(sum8(v), _mm256_slli_epi32(offsets, 5));
   }
 };
 
-// n_rows weight rows from `w` (row_bytes apart) against MB activation rows (Acts):
-// out[i * kTileN + r].
+// n_rows weight rows from `w` (row_bytes apart) against MB activation rows (Acts), from
+// the file's bytes: out[i * kTileN + r].
 template <class G, int MB>
 GGUF_TARGET void rows_m(const uint8_t* w, int64_t row_bytes, int64_t n_rows, int64_t k, const Acts& a,
                         float* out) {
@@ -202,11 +243,8 @@ GGUF_TARGET void rows_m(const uint8_t* w, int64_t row_bytes, int64_t n_rows, int
   G g;
   for (int64_t r = 0; r < n_rows; ++r) {
     const uint8_t* row = w + r * row_bytes;
-    __m256 acc[MB][4], acc_blocks[MB];
-    for (int i = 0; i < MB; ++i) {
-      for (int c = 0; c < 4; ++c) acc[i][c] = _mm256_setzero_ps();
-      acc_blocks[i] = _mm256_setzero_ps();
-    }
+    __m256 acc[MB];
+    for (int i = 0; i < MB; ++i) acc[i] = _mm256_setzero_ps();
     for (int64_t gi = 0; gi < groups; ++gi) {
       if (gi < full) {
         g.load_group(row + gi * kGroupBytes);
@@ -215,25 +253,14 @@ GGUF_TARGET void rows_m(const uint8_t* w, int64_t row_bytes, int64_t n_rows, int
         g.load_group(tail);
       }
       for (int i = 0; i < MB; ++i) {
-        const int8_t* x = a.q + i * a.ldq + gi * kGroup;
+        const __m256i s = g.block_sums(a.q + i * a.ldq + gi * kGroup, a.sum16 + i * a.ld16 + gi * 16);
         const __m256 t = _mm256_mul_ps(g.scale, _mm256_loadu_ps(a.xs + i * a.ldb + gi * kGroupBlocks));
-        alignas(32) float tj[kGroupBlocks];
-        _mm256_store_ps(tj, t);
-        for (int j = 0; j < kGroupBlocks; ++j)
-          acc[i][j % 4] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(g.lanes(j, x + 32 * j)), _mm256_set1_ps(tj[j]),
-                                          acc[i][j % 4]);
-        if (G::kOffset)
-          acc_blocks[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(g.block_ints(a.sum16 + i * a.ld16 + gi * 16)), t,
-                                          acc_blocks[i]);
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), t, acc[i]);
         if (G::kHasMin)
-          acc_blocks[i] =
-              _mm256_fnmadd_ps(g.min, _mm256_loadu_ps(a.xss + i * a.ldb + gi * kGroupBlocks), acc_blocks[i]);
+          acc[i] = _mm256_fnmadd_ps(g.min, _mm256_loadu_ps(a.xss + i * a.ldb + gi * kGroupBlocks), acc[i]);
       }
     }
-    for (int i = 0; i < MB; ++i) {
-      const __m256 lanes = _mm256_add_ps(_mm256_add_ps(acc[i][0], acc[i][1]), _mm256_add_ps(acc[i][2], acc[i][3]));
-      out[i * linear::kTileN + r] = total(lanes) + total(acc_blocks[i]);
-    }
+    for (int i = 0; i < MB; ++i) out[i * linear::kTileN + r] = total(acc[i]);
   }
 }
 
@@ -248,15 +275,151 @@ void rows(int64_t, const uint8_t* w, int64_t row_bytes, int64_t n_rows, int64_t 
   }
 }
 
-// The kernel of each format on this path.
-inline RowsFn rows_for(int64_t type) {
+// The codes a panel holds of a format: as decoded, but Q8_0's as unsigned (+ 128) where
+// vpdpbusd meets them (its offset then 128).
+template <class G>
+constexpr int panel_offset() {
+  return G::kSigned && GGUF_VNNI ? 128 : G::kOffset;
+}
+
+// n_rows (<= 8) weight rows from `w` into panel `p` (gguf_blocks.h).
+template <class G>
+GGUF_TARGET void pack_m(const uint8_t* w, int64_t row_bytes, int64_t n_rows, int64_t k, const Panel& p) {
+  constexpr int64_t kGroupBytes = G::kBlockBytes * (kGroup / G::kBlockSize);
+  const int64_t groups = (k + kGroup - 1) / kGroup, full = k / kGroup, blocks = k / 32;
+  alignas(32) uint8_t tail[kGroupBytes] = {};
+  alignas(32) uint8_t codes[8][kGroup];
+  alignas(32) float scale[8][kGroupBlocks], min[8][kGroupBlocks];
+  const __m256i flip = _mm256_set1_epi8(panel_offset<G>() == 128 ? char(0x80) : 0);
+  G g;
+  for (int64_t gi = 0; gi < groups; ++gi) {
+    for (int r = 0; r < 8; ++r) {
+      if (r >= n_rows) {
+        std::memset(codes[r], panel_offset<G>() == 128 ? 0x80 : 0, kGroup);  // zero weights
+        _mm256_store_ps(scale[r], _mm256_setzero_ps());
+        _mm256_store_ps(min[r], _mm256_setzero_ps());
+        if (G::kSplit16)
+          for (int s = 0; s < 16; ++s) p.lane_scale[(gi * 16 + s) * 8 + r] = 0;
+        continue;
+      }
+      const uint8_t* row = w + r * row_bytes;
+      if (gi < full) {
+        g.load_group(row + gi * kGroupBytes);
+      } else {
+        std::memcpy(tail, row + gi * kGroupBytes, row_bytes - gi * kGroupBytes);
+        g.load_group(tail);
+      }
+      for (int j = 0; j < 8; ++j) _mm256_store_si256((__m256i*)(codes[r] + 32 * j), _mm256_xor_si256(g.q[j], flip));
+      _mm256_store_ps(scale[r], g.scale);
+      _mm256_store_ps(min[r], G::kHasMin ? g.min : _mm256_setzero_ps());
+      if constexpr (G::kSplit16)
+        for (int s = 0; s < 16; ++s) p.lane_scale[(gi * 16 + s) * 8 + r] = int8_t(g.scales[s]);
+    }
+    __m256i in[8], out[8];
+    for (int j = 0; j < std::min<int64_t>(kGroupBlocks, blocks - gi * kGroupBlocks); ++j) {
+      for (int r = 0; r < 8; ++r) in[r] = load(codes[r] + 32 * j);
+      transpose8(in, out);
+      uint8_t* dst = p.codes + (gi * kGroupBlocks + j) * 256;
+      for (int c = 0; c < 8; ++c) _mm256_storeu_si256((__m256i*)(dst + 32 * c), out[c]);
+    }
+    for (int r = 0; r < 8; ++r) in[r] = _mm256_castps_si256(_mm256_load_ps(scale[r]));
+    transpose8(in, out);
+    for (int j = 0; j < std::min<int64_t>(kGroupBlocks, blocks - gi * kGroupBlocks); ++j)
+      _mm256_storeu_si256((__m256i*)(p.scale + (gi * kGroupBlocks + j) * 8), out[j]);
+    if (G::kHasMin) {
+      for (int r = 0; r < 8; ++r) in[r] = _mm256_castps_si256(_mm256_load_ps(min[r]));
+      transpose8(in, out);
+      for (int j = 0; j < kGroupBlocks; ++j) _mm256_storeu_si256((__m256i*)(p.min + (gi * kGroupBlocks + j) * 8), out[j]);
+    }
+  }
+}
+
+// One 32-block j of a panel against R activation rows (x, x16 R rows apart: ldx, ld16),
+// each code vector loaded once for them: s[i], lane r its S_j for output row r.
+template <class G, int R>
+GGUF_TARGET inline void panel_block(const Panel& p, int64_t j, const int8_t* x, int64_t ldx, const int16_t* x16,
+                                    int64_t ld16, __m256i out[R]) {
+  const uint8_t* c = p.codes + j * 256;
+  __m256i s[R][2];
+  for (int i = 0; i < R; ++i) s[i][0] = s[i][1] = _mm256_setzero_si256();
+  for (int g = 0; g < 8; ++g) {
+    const __m256i codes = load(c + 32 * g);
+    for (int i = 0; i < R; ++i) {
+      const __m256i xv = _mm256_set1_epi32(linear::load4(x + i * ldx + 32 * j + 4 * g));
+      s[i][g / 4] = G::kSigned && !GGUF_VNNI ? dot_s8(s[i][g / 4], codes, xv) : dot_u8(s[i][g / 4], codes, xv);
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    const int16_t* h = x16 + i * ld16 + 2 * j;
+    if (G::kSplit16) {  // the sum over halves of lane_scale * (S_half - offset * X_half)
+      const __m256i lo = _mm256_sub_epi32(s[i][0], _mm256_set1_epi32(panel_offset<G>() * h[0]));
+      const __m256i hi = _mm256_sub_epi32(s[i][1], _mm256_set1_epi32(panel_offset<G>() * h[1]));
+      out[i] = _mm256_add_epi32(_mm256_mullo_epi32(lo, load(p.lane_scale + j * 16)),
+                                _mm256_mullo_epi32(hi, load(p.lane_scale + j * 16 + 8)));
+    } else {
+      out[i] = _mm256_add_epi32(s[i][0], s[i][1]);
+      if (panel_offset<G>() != 0)
+        out[i] = _mm256_sub_epi32(out[i], _mm256_set1_epi32(panel_offset<G>() * (h[0] + h[1])));
+    }
+  }
+}
+
+// A panel's n_rows rows against R activation rows: out[i * kTileN + r]. A row's
+// accumulator j % 8 is one vector, a lane each output row.
+template <class G, int R>
+GGUF_TARGET void panel_rows_m(const Panel& p, int64_t n_rows, int64_t k, const Acts& a, float* out) {
+  const int64_t blocks = k / 32;
+  __m256 acc[R][8];
+  for (int i = 0; i < R; ++i)
+    for (int u = 0; u < 8; ++u) acc[i][u] = _mm256_setzero_ps();
+  for (int64_t j0 = 0; j0 < blocks; j0 += 8) {
+#pragma GCC unroll 8
+    for (int u = 0; u < 8; ++u) {
+      const int64_t j = j0 + u;
+      if (j >= blocks) break;
+      __m256i s[R];
+      panel_block<G, R>(p, j, a.q, a.ldq, a.sum16, a.ld16, s);
+      const __m256 scale = _mm256_loadu_ps(p.scale + 8 * j);
+      for (int i = 0; i < R; ++i) {
+        const __m256 t = _mm256_mul_ps(scale, _mm256_set1_ps(a.xs[i * a.ldb + j]));
+        acc[i][u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i]), t, acc[i][u]);
+        if (G::kHasMin)
+          acc[i][u] = _mm256_fnmadd_ps(_mm256_loadu_ps(p.min + 8 * j), _mm256_set1_ps(a.xss[i * a.ldb + j]), acc[i][u]);
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    const __m256* c = acc[i];
+    const __m256 y = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(c[0], c[4]), _mm256_add_ps(c[2], c[6])),
+                                   _mm256_add_ps(_mm256_add_ps(c[1], c[5]), _mm256_add_ps(c[3], c[7])));
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, y);
+    std::memcpy(out + i * linear::kTileN, lanes, n_rows * sizeof(float));
+  }
+}
+
+template <class G>
+void pack(const uint8_t* w, int64_t row_bytes, int64_t n_rows, int64_t k, const Panel& p) {
+  pack_m<G>(w, row_bytes, n_rows, k, p);
+}
+
+// Two activation rows at a time (each code vector loaded once for both), then the last.
+template <class G>
+void panel(const Panel& p, int64_t n_rows, int64_t k, const Acts& a, int mb, float* out) {
+  int i = 0;
+  for (; i + 2 <= mb; i += 2) panel_rows_m<G, 2>(p, n_rows, k, a.from(i), out + i * linear::kTileN);
+  if (i < mb) panel_rows_m<G, 1>(p, n_rows, k, a.from(i), out + i * linear::kTileN);
+}
+
+// This path's kernels of a format.
+inline Kernels kernels_for(int64_t type) {
   switch (type) {
-    case kQ8_0: return rows<Q8_0>;
-    case kQ4_0: return rows<Q4_0<false>>;
-    case kQ5_0: return rows<Q4_0<true>>;
-    case kQ4_K: return rows<Q4_K<false>>;
-    case kQ5_K: return rows<Q4_K<true>>;
-    default: return rows<Q6_K>;
+    case kQ8_0: return {rows<Q8_0>, pack<Q8_0>, panel<Q8_0>};
+    case kQ4_0: return {rows<Q4_0<false>>, pack<Q4_0<false>>, panel<Q4_0<false>>};
+    case kQ5_0: return {rows<Q4_0<true>>, pack<Q4_0<true>>, panel<Q4_0<true>>};
+    case kQ4_K: return {rows<Q4_K<false>>, pack<Q4_K<false>>, panel<Q4_K<false>>};
+    case kQ5_K: return {rows<Q4_K<true>>, pack<Q4_K<true>>, panel<Q4_K<true>>};
+    default: return {rows<Q6_K>, pack<Q6_K>, panel<Q6_K>};
   }
 }
 

@@ -205,14 +205,21 @@ inline at::Tensor output_for(const at::Tensor& x, int64_t n_out, at::Tensor out)
   return out;
 }
 
+// What a kernel does with a tile before its rows pass over it: nothing, unless it lays
+// the tile's weights out afresh once for the chunk's rows (gguf_linear.cpp).
+struct NoPrepare {
+  void operator()(int64_t /*tile*/, int64_t /*rows*/) const {}
+};
+
 // Rows [m0, m1) through tiles [t0, t1): tile(m, mb, block, acc) for every tile of kTileN
 // output channels (starting at packed block `block`) and every run of up to kMaxM rows;
 // the tile fills acc[i * kTileN + c], which lands in out (plus bias, then the
 // activation: applied here, the output is written once, while it is in L1). Rows go in
-// chunks that stay in L2 while every weight tile passes over them.
-template <typename TileCall>
+// chunks that stay in L2 while every weight tile passes over them; prepare(t, rows) is
+// called on tile t before a chunk of `rows` rows passes over it, on the same thread.
+template <typename TileCall, typename Prepare = NoPrepare>
 void run_tiles(int64_t m0, int64_t m1, int64_t t0, int64_t t1, int64_t n_out, int64_t kp, const float* bias,
-               int64_t activation, float* out, const TileCall& tile) {
+               int64_t activation, float* out, const TileCall& tile, const Prepare& prepare = Prepare{}) {
   const bool avx2 = best_isa() >= kAvx2;
   const int64_t m_chunk = std::max<int64_t>(kMaxM, (256 * 1024 / kp) / kMaxM * kMaxM);
   float acc[kMaxM * kTileN];
@@ -221,6 +228,7 @@ void run_tiles(int64_t m0, int64_t m1, int64_t t0, int64_t t1, int64_t n_out, in
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n0 = t * kTileN;
       const int64_t width = std::min<int64_t>(kTileN, n_out - n0);
+      prepare(t, c1 - c0);
       for (int64_t m = c0; m < c1; m += kMaxM) {
         const int mb = int(std::min<int64_t>(kMaxM, c1 - m));
         tile(m, mb, n0 / kBlock, acc);
@@ -259,9 +267,9 @@ inline int64_t item_rows(int64_t m_total, int64_t threads) {
 // weight tile by the thread that took it, so no thread waits for another between the
 // two. Few rows (decode): the output tiles are split between threads instead, so each
 // reads only its share of the weights.
-template <typename TileCall>
+template <typename TileCall, typename Prepare = NoPrepare>
 void quantize_and_run_tiles(const at::Tensor& x, RowFormat format, Rows& rows, int64_t n_out, const float* bias,
-                            int64_t activation, float* out, const TileCall& tile) {
+                            int64_t activation, float* out, const TileCall& tile, const Prepare& prepare = Prepare{}) {
   const int64_t m_total = x.size(0), kp = rows.kp;
   const int64_t n_tiles = (n_out + kTileN - 1) / kTileN;
   const int64_t threads = at::get_num_threads();
@@ -271,13 +279,13 @@ void quantize_and_run_tiles(const at::Tensor& x, RowFormat format, Rows& rows, i
     parallel_items((m_total + rows_per_item - 1) / rows_per_item, [&](int64_t item) {
       const int64_t m0 = item * rows_per_item, m1 = std::min(m_total, m0 + rows_per_item);
       quantize_rows(x, format, rows, m0, m1);
-      run_tiles(m0, m1, 0, n_tiles, n_out, kp, bias, activation, out, tile);
+      run_tiles(m0, m1, 0, n_tiles, n_out, kp, bias, activation, out, tile, prepare);
     });
     return;
   }
   at::parallel_for(0, m_total, 16, [&](int64_t begin, int64_t end) { quantize_rows(x, format, rows, begin, end); });
   at::parallel_for(0, n_tiles, 4, [&](int64_t t_begin, int64_t t_end) {
-    run_tiles(0, m_total, t_begin, t_end, n_out, kp, bias, activation, out, tile);
+    run_tiles(0, m_total, t_begin, t_end, n_out, kp, bias, activation, out, tile, prepare);
   });
 }
 
