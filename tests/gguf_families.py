@@ -68,6 +68,10 @@ class Family:
     config: Callable[[], object]  # () -> a transformers PretrainedConfig
     write_tokenizer: Callable[[Path], None]  # writes the tokenizer files into an HF directory
     zero_centered_norms: bool = False  # (Gemma: a norm multiplies by 1 + weight)
+    #: The scale of its random embeddings: small enough that a token's embedding does not
+    #: outweigh what the layers add, or a model with tied embeddings (its own best match)
+    #: only repeats its last token. (Gemma multiplies its embeddings by sqrt(hidden_size).)
+    embedding_scale: float = 0.1
     #: The llama.cpp vocabulary (gguf_converter.vocab_file) its tokenizer is, where there is one.
     llama_cpp_vocab: str | None = None
     #: generation_config.json's eos_token_id where the real one lists more than config.json.
@@ -290,14 +294,14 @@ FAMILIES = {family.name: family for family in (
            generation_eos=(151645, 151643)),
     Family("qwen2.5", _qwen("qwen2", head_dim=None), _qwen_tokenizer(_QWEN25_ADDED, "qwen2.5"),
            llama_cpp_vocab="qwen2", generation_eos=(151645, 151643)),
-    Family("gemma3", _gemma3_config, _gemma3_tokenizer, zero_centered_norms=True),
+    Family("gemma3", _gemma3_config, _gemma3_tokenizer, zero_centered_norms=True, embedding_scale=0.05),
 )}
 
 
 # -- models ----------------------------------------------------------------------------
 
 
-def _randomize(model, zero_centered_norms: bool, seed: int = 1234) -> None:
+def _randomize(model, family: Family, seed: int = 1234) -> None:
     """Weights large enough that every part of the model moves the logits: unit-scale
     activations, norm weights away from their neutral value, sizeable biases."""
     import torch
@@ -307,11 +311,11 @@ def _randomize(model, zero_centered_norms: bool, seed: int = 1234) -> None:
         for name, param in model.named_parameters():
             noise = torch.randn(param.shape, generator=generator)
             if "norm" in name:
-                param.copy_(0.3 * noise if zero_centered_norms else 1.0 + 0.3 * noise)
+                param.copy_(0.3 * noise if family.zero_centered_norms else 1.0 + 0.3 * noise)
             elif name.endswith("bias"):
                 param.copy_(0.5 * noise)
             elif "embed_tokens" in name:
-                param.copy_(noise)
+                param.copy_(family.embedding_scale * noise)
             else:  # (out, in) matrices
                 param.copy_(noise / math.sqrt(param.shape[1]))
 
@@ -325,7 +329,7 @@ def write_hf_model(family: Family, out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(family.config(), dtype=torch.float32)
-    _randomize(model, family.zero_centered_norms)
+    _randomize(model, family)
     if family.generation_eos:
         model.generation_config.eos_token_id = list(family.generation_eos)
     model.save_pretrained(out)

@@ -491,6 +491,61 @@ def test_converted_gguf_config_fields_are_what_transformers_gives(tmp_path, arch
     _assert_fields_are_transformers(load_config(out), _transformers_config(raw, tmp_path), raw)
 
 
+def _gemma3_config_of(path: Path, layers: int, hidden: int, heads: int, head_dim: int, keys: dict) -> dict:
+    """model_config of a Gemma 3 GGUF holding only metadata: these sizes and `keys` (with
+    their "gemma3." prefix left out) besides."""
+    import gguf
+
+    from gristmill.model.loader.gguf_file import GGUFFile
+    from gristmill.model.loader.gguf_model import model_config
+
+    writer = gguf.GGUFWriter(str(path), "gemma3")
+    writer.add_block_count(layers)
+    writer.add_embedding_length(hidden)
+    writer.add_head_count(heads)
+    writer.add_key_length(head_dim)
+    writer.add_token_list(["<pad>", "<eos>", "<bos>", "<unk>", "<end_of_turn>"])
+    writer.add_eos_token_id(1)
+    for key, value in keys.items():
+        add = writer.add_array if isinstance(value, list) else writer.add_float32 if isinstance(value, float) \
+            else writer.add_uint32
+        add(f"gemma3.{key}", value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return model_config(GGUFFile(path))[1]
+
+
+SLIDES, GLOBAL = "sliding_attention", "full_attention"
+
+
+@pytest.mark.parametrize("keys, layer_types", [
+    ({"attention.sliding_window": 512}, [SLIDES] * 5 + [GLOBAL] + [SLIDES] * 2),  # (what the converter writes)
+    ({"attention.sliding_window": 512, "attention.sliding_window_pattern": 2}, [SLIDES, GLOBAL] * 4),
+    ({"attention.sliding_window": 512, "attention.sliding_window_pattern": [True, False] * 3 + [False, True]},
+     [SLIDES, GLOBAL] * 3 + [GLOBAL, SLIDES]),
+    ({}, [GLOBAL] * 8),  # no window: every layer global
+])
+def test_gemma3_layers_slide_as_llama_cpp_reads_the_file(tmp_path, keys, layer_types):
+    config = _gemma3_config_of(tmp_path / "g.gguf", 8, 64, 4, 16, keys)
+    assert config["layer_types"] == layer_types
+
+
+def test_gemma3_attention_scale_rope_and_softcap_are_what_llama_cpp_reads(tmp_path):
+    # The 27B (62 layers) scales attention by hidden / heads (its config's 168), not its head_dim.
+    assert _gemma3_config_of(tmp_path / "27b.gguf", 62, 5376, 32, 128, {})["query_pre_attn_scalar"] == 168
+    config = _gemma3_config_of(tmp_path / "1b.gguf", 26, 1152, 4, 256, {
+        "rope.freq_base": 2e6, "rope.freq_base_swa": 2e4, "rope.scaling.factor": 8.0,
+        "final_logit_softcapping": 30.0})
+    assert config["query_pre_attn_scalar"] == 256
+    assert config["rope_parameters"] == {
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 2e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 2e4}}
+    assert config["final_logit_softcapping"] == 30.0
+    assert config["eos_token_id"] == [1, 4]  # (<end_of_turn> ends generation too, as llama.cpp has it)
+
+
 def test_config_reading_imports_neither_torch_nor_transformers(tmp_path):
     import subprocess
     import sys
