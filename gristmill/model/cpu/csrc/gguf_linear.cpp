@@ -22,7 +22,7 @@
 #define GGUF_TARGET __attribute__((target("avx2,fma,f16c")))
 #define GGUF_VNNI 0
 #include "gguf_x86.h"
-#define GGUF_NS avx512_vnni
+#define GGUF_NS avx512_vnni  // 256-bit vpdpbusd: AVX512-VL too, which every AVX512-VNNI CPU has
 #define GGUF_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")))
 #define GGUF_VNNI 1
 #include "gguf_x86.h"
