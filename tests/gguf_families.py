@@ -38,7 +38,8 @@ _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?
                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 # Llama 3.1 renamed some of Llama 3's reserved special tokens (llama.cpp's vocabulary is
-# Llama 3's); the reserved ones after <|python_tag|> are numbered on from 3.
+# Llama 3's), and 3.2 kept 3.1's names; the reserved ones after <|python_tag|> are
+# numbered on from 3.
 _LLAMA31_SPECIAL = {128004: "<|finetune_right_pad_id|>", 128005: "<|reserved_special_token_2|>",
                     128008: "<|eom_id|>", 128010: "<|python_tag|>"}
 

@@ -1,9 +1,9 @@
 """GGUF files of the families people run (Llama 3.2 and 3.1, Qwen3, Qwen2.5, Gemma 3 1B),
 as llama.cpp's own converter writes them (tests/gguf_families.py), against transformers on
-the HF directories they were converted from: the same greedy tokens and log-probabilities
-on the exact float path, the same token ids for text and chat (and llama.cpp's own on its
-tokenizer tests), the end-of-sequence tokens and config of the original, and int8 weights
-that mostly pick float's tokens."""
+the HF directories they were converted from: the same greedy tokens (and text) and
+log-probabilities on the exact float path, the same token ids for text and chat (and
+llama.cpp's own on its tokenizer tests), the end-of-sequence tokens and config of the
+original, and int8 weights that mostly pick float's tokens."""
 
 from __future__ import annotations
 
@@ -85,6 +85,7 @@ def test_greedy_tokens_and_logprobs_are_transformers(family):
         start = len(out.prompt_token_ids) - 1
         assert len(out.token_ids) == MAX_TOKENS
         assert want[start:-1].argmax(-1).tolist() == out.token_ids, out.prompt
+        assert out.text == family.tokenizer.decode(out.token_ids, skip_special_tokens=True)
         for position, entry in enumerate(out.prompt_logprobs[1:], 1):
             _assert_logprobs(entry, want[position - 1], ids[position], f"{out.prompt!r} prompt token {position}")
         for step, entry in enumerate(out.logprobs):
