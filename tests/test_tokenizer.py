@@ -16,7 +16,9 @@ def test_eos_token_ids_are_the_ends_the_model_has_and_no_unknown_token(tmp_path)
     tokenizer = load_tokenizer(model_dir, "gemma3_text")
     config = json.loads((model_dir / "config.json").read_text())
     vocab = tokenizer.get_vocab()
-    expected = {config["eos_token_id"], tokenizer.eos_token_id} | {vocab[t] for t in END_OF_TURN_TOKENS if t in vocab}
+    eos = config["eos_token_id"]  # (a GGUF's config lists every end-of-sequence token its vocabulary holds)
+    expected = {*(eos if isinstance(eos, list) else [eos]), tokenizer.eos_token_id} | {
+        vocab[t] for t in END_OF_TURN_TOKENS if t in vocab}
     assert vocab["<end_of_turn>"] in expected and "<|im_end|>" not in vocab
     assert eos_token_ids(tokenizer, model_dir, config) == expected
     assert tokenizer.unk_token_id not in expected  # (a token it lacks is not looked up as <unk>)
