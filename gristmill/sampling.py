@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from gristmill.errors import RequestError
-from gristmill.structured.spec import given_kinds, parse_constraint, short
+from gristmill.structured.spec import ToolCallGrammar, given_kinds, parse_constraint, short
 
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300
@@ -57,7 +57,7 @@ class SamplingParams:
     #: Constrain the output, with exactly one of: {"json": JSON schema (dict or text)},
     #: {"json_object": True} (any JSON object), {"regex": "..."}, {"choice": ["a", ...]},
     #: {"grammar": EBNF / GBNF text}. None = free text.
-    structured_output: dict | None = None
+    structured_output: dict | ToolCallGrammar | None = None
     #: {token id: bias in [-100, 100]} added to that token's logit before sampling (OpenAI's
     #: logit_bias; +100 all but forces a token, -100 all but bans it). None = off.
     logit_bias: dict[int, float] | None = None

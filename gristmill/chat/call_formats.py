@@ -1,5 +1,7 @@
-"""The text formats of tool calls, one class per format: each reads the head of the text a
-stream has not yet decided and says what it is (`Step`), or that it needs more text.
+"""The text formats of tool calls, one class per format, each with everything about it:
+the markers and triggers it writes, how it reads the head of an undecided text (`Step`),
+and the grammars that write its calls (a forced call, and under "auto" a call once one of
+its triggers starts it).
 
 - `Hermes`: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks, anywhere in
   the text, several in a row for parallel calls (Hermes, Qwen 2.5, Qwen3).
@@ -8,10 +10,12 @@ stream has not yet decided and says what it is (`Step`), or that it needs more t
 - `Pythonic`: a Python list of calls with keyword arguments, `[f(a=1), g(b="x")]`, at the
   start of the output or inside `<|python_start|>` ... `<|python_end|>` (Llama 3.2 / 4);
   read with `ast` as literals only, never evaluated.
+- `JsonCalls`: a JSON list `[{"name": ..., "arguments": {...}}, ...]` as the whole answer:
+  how a model whose chat template has no call format of its own writes a forced call
+  (`tool_choice` "required" or a named function), the grammar deciding the form.
 
 A call is only a call once it is whole and parses; a call that cannot be one is reported
-as a malformed step whose text stays content. A format never decides trailing whitespace
-while a call may still follow it: whitespace before a call belongs to the call's step.
+as a malformed step whose text stays content (`call_text` holds what the formats share).
 """
 
 from __future__ import annotations
@@ -24,123 +28,145 @@ import keyword
 import math
 import re
 import tokenize
-from dataclasses import dataclass, field
 
-from gristmill.chat.markers import may_become, undecided_tail
+from gristmill.chat.call_text import (Malformed, ParsedCalls, Step, ToolCall, ToolCallStream, call_from_object,
+                                      content_before, not_a_call)
+from gristmill.chat.markers import may_become
+from gristmill.structured.spec import ToolCallGrammar
+from gristmill.structured.tool_grammar import json_rule, pythonic_list
+
+_DECODER = json.JSONDecoder()
 
 
-@dataclass(frozen=True, slots=True)
-class ToolCall:
-    """One parsed call: the function's name and its arguments (a JSON object)."""
+class CallFormat:
+    """One family's tool-call format. `call_start`: the text that starts a call;
+    `call_begin`, `call_end`, `call_separator`: what a forced call is written inside and
+    between; `arguments_key`: the JSON key of a call's arguments; `syntax`: "json", or
+    "python" (`name(key=value, ...)`); `markers`: the format's marker texts, which a
+    vocabulary may hold as single special tokens (a grammar writes them as those tokens,
+    and the text must keep them); `triggers`: where a call starts anywhere in an answer
+    under tool_choice "auto" (where a lazy grammar switches on), `start_triggers`: texts
+    that start one only at the start of the answer or right after a call."""
 
     name: str
-    arguments: dict = field(default_factory=dict)
-
-
-@dataclass(frozen=True, slots=True)
-class Step:
-    """What the first `size` undecided characters are. `kind`: "content" (text outside
-    calls), "calls" (`calls`, whitespace before them included), "malformed" (a would-be
-    call: its text is content, `error` says why). With `rest_is_content` the rest of the
-    output is content too: after a malformed call whose end cannot be known, or an answer
-    that turned out not to be a call."""
-
-    kind: str
-    size: int
-    calls: tuple[ToolCall, ...] = ()
-    error: str | None = None
-    rest_is_content: bool = False
-
-
-class Malformed(ValueError):
-    """A would-be call that is not one; the message says why."""
-
-
-def content_before(text: str, marker: str, final: bool) -> Step | None:
-    """The content at the head of `text` up to a call `marker` (or the end), less the
-    whitespace before the marker and what may yet become one; None when nothing is decided."""
-    cut = text.find(marker)
-    if cut < 0 and final:
-        return Step("content", len(text)) if text else None
-    if cut < 0:
-        cut = len(text) - undecided_tail(text, (marker,))
-    cut = len(text[:cut].rstrip())  # whitespace that may touch a call waits
-    return Step("content", cut) if cut else None
-
-
-def call_from_object(value, arguments_keys: tuple[str, ...]) -> ToolCall:
-    """A decoded `{"name": ..., <arguments key>: {...}}` -> ToolCall; arguments given as a
-    JSON string of an object are taken too."""
-    if not isinstance(value, dict):
-        raise Malformed(f"a call must be a JSON object, got {type(value).__name__}")
-    name = value.get("name")
-    if not isinstance(name, str) or not name:
-        raise Malformed('a call needs a "name" string')
-    key = next((k for k in arguments_keys if k in value), None)
-    arguments = value[key] if key else {}
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except ValueError:
-            raise Malformed(f"the arguments of {name} are a string that is not JSON") from None
-    if not isinstance(arguments, dict):
-        raise Malformed(f"the arguments of {name} must be a JSON object, got {type(arguments).__name__}")
-    return ToolCall(name, arguments)
-
-
-class Hermes:
-    """`<tool_call>` JSON `</tool_call>`, anywhere in the text."""
-
-    start = "<tool_call>"
-    end = "</tool_call>"
+    call_start: str = ""
+    call_begin: str = ""
+    call_end: str = ""
+    call_separator: str = ""
+    arguments_key: str = "arguments"
+    syntax: str = "json"
+    markers: tuple[str, ...] = ()
+    triggers: tuple[str, ...] = ()
+    start_triggers: tuple[str, ...] = ()
+    #: What separates calls in a run of them (dropped from the content).
     separators: tuple[str, ...] = ()
 
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
     def next_step(self, text: str, final: bool, call_may_start: bool) -> Step | None:
+        """What the head of `text` is (None: it needs more text); `final`: no more comes;
+        `call_may_start`: at the start of the answer or right after a call."""
+        raise NotImplementedError
+
+    def stream(self) -> ToolCallStream:
+        return ToolCallStream(self)
+
+    def parse(self, text: str) -> ParsedCalls:
+        stream = self.stream()
+        deltas = stream.feed(text) + stream.finish()
+        return ParsedCalls("".join(d.content for d in deltas if d.content is not None), list(stream.calls),
+                           stream.error)
+
+    def forced(self, spec: dict, parallel: bool) -> ToolCallGrammar:
+        """The grammar whose whole answer is a call of `spec` (`tool_calls.call_schema`), or
+        with `parallel` one or more calls."""
+        return ToolCallGrammar(self.forced_rules(spec, parallel) + "\n", self.markers, one_call=not parallel)
+
+    def lazy(self, spec: dict, parallel: bool = True) -> ToolCallGrammar:
+        """The grammar that lets an answer run free and holds each call it starts (at one
+        of the triggers) to a call of `spec` (an "auto" `call_schema`); without
+        `parallel`, the first call is the answer's last."""
+        return ToolCallGrammar(self.lazy_rules(spec, parallel) + "\n", self.markers, self.triggers,
+                               self.lazy_start_triggers(spec), one_call=not parallel)
+
+    def forced_rules(self, spec: dict, parallel: bool) -> str:
+        raise NotImplementedError
+
+    def lazy_rules(self, spec: dict, parallel: bool) -> str:
+        raise NotImplementedError
+
+    def lazy_start_triggers(self, spec: dict) -> tuple[str, ...]:
+        return self.start_triggers
+
+
+class Hermes(CallFormat):
+    """`<tool_call>` JSON `</tool_call>`, anywhere in the text."""
+
+    name = "hermes"
+    call_start = "<tool_call>"
+    call_begin, call_end, call_separator = "<tool_call>\n", "\n</tool_call>", "\n"
+    end_marker = "</tool_call>"
+    markers = ("<tool_call>", "</tool_call>")
+    triggers = ("<tool_call>",)
+
+    def next_step(self, text: str, final: bool, call_may_start: bool) -> Step | None:
+        start, end = self.call_start, self.end_marker
         head = text.lstrip()
-        if not head.startswith(self.start):
-            return content_before(text, self.start, final)
-        body_at = len(text) - len(head) + len(self.start)
-        close = text.find(self.end, body_at)
+        if not head.startswith(start):
+            return content_before(text, start, final)
+        body_at = len(text) - len(head) + len(start)
+        close = text.find(end, body_at)
         if close < 0:
-            return Step("malformed", len(text), error=f"{self.start} was never closed") if final else None
-        size = close + len(self.end)
+            return Step("malformed", len(text), error=f"{start} was never closed") if final else None
+        size = close + len(end)
         try:
             value = json.loads(text[body_at:close])
         except ValueError as exc:
-            return Step("malformed", size, error=f"the {self.start} body is not JSON: {exc}")
+            return Step("malformed", size, error=f"the {start} body is not JSON: {exc}")
         try:
             return Step("calls", size, calls=(call_from_object(value, ("arguments", "parameters")),))
         except Malformed as exc:
             return Step("malformed", size, error=str(exc))
 
+    def forced_rules(self, spec: dict, parallel: bool) -> str:
+        call = f'marker_0 "\\n" body "\\n" marker_1\n{json_rule("body", spec["schema"])}'
+        return ('start: call ("\\n" call)*' if parallel else "start: call") + f"\ncall: {call}"
 
-_DECODER = json.JSONDecoder()
+    def lazy_rules(self, spec: dict, parallel: bool) -> str:
+        return f'start: marker_0 "\\n" body "\\n" marker_1\n{json_rule("body", spec["schema"])}'
 
 
-class Llama3Json:
+class Llama3Json(CallFormat):
     """JSON calls separated by `;`: at the start of the output (a bare `{`) or after
     `<|python_tag|>`. A JSON object at the start that is not call-shaped (no "name" with
     "parameters" or "arguments") is content, without error: an answer in JSON."""
 
-    start = "<|python_tag|>"
+    name = "llama3_json"
+    call_start = "<|python_tag|>"
+    call_separator = "; "
+    arguments_key = "parameters"
+    markers = triggers = ("<|python_tag|>",)
+    # (a bare JSON object at the start is a call only when it starts with its "name")
+    start_triggers = ('{"name"',)
     separators = (";",)
 
     def next_step(self, text: str, final: bool, call_may_start: bool) -> Step | None:
         head = text.lstrip()
-        tagged = head.startswith(self.start)
+        tagged = head.startswith(self.call_start)
         if not tagged and not (call_may_start and head.startswith("{")):
-            if call_may_start and not final and (may_become(head, self.start) or not head):
+            if call_may_start and not final and (may_become(head, self.call_start) or not head):
                 return None
-            return content_before(text, self.start, final)
-        body = head[len(self.start):].lstrip() if tagged else head
+            return content_before(text, self.call_start, final)
+        body = head[len(self.call_start):].lstrip() if tagged else head
         if not body:
-            return None if not final else _not_a_call(text, tagged, f"nothing after {self.start}")
+            return None if not final else not_a_call(text, tagged, f"nothing after {self.call_start}")
         if body[0] != "{" or body[1:].lstrip()[:1] not in ('"', "}", ""):
-            return _not_a_call(text, tagged, f"no JSON object after {self.start}")
+            return not_a_call(text, tagged, f"no JSON object after {self.call_start}")
         try:
             value, end = _DECODER.raw_decode(body)
         except ValueError as exc:
-            return None if not final else _not_a_call(text, tagged, f"the call is not JSON: {exc}")
+            return None if not final else not_a_call(text, tagged, f"the call is not JSON: {exc}")
         size = len(text) - len(body) + end
         looks_like_call = isinstance(value, dict) and "name" in value and (
             "parameters" in value or "arguments" in value)
@@ -151,12 +177,11 @@ class Llama3Json:
         except Malformed as exc:
             return Step("malformed", len(text), error=str(exc), rest_is_content=True)
 
+    def forced_rules(self, spec: dict, parallel: bool) -> str:
+        return ('start: body ("; " body)*' if parallel else "start: body") + "\n" + json_rule("body", spec["schema"])
 
-def _not_a_call(text: str, tagged: bool, error: str) -> Step:
-    """The rest of the output, as content: a malformed call after a tag, else plain content."""
-    if tagged:
-        return Step("malformed", len(text), error=error, rest_is_content=True)
-    return Step("content", len(text), rest_is_content=True)
+    def lazy_rules(self, spec: dict, parallel: bool) -> str:
+        return f'start: marker_0? body\n{json_rule("body", spec["schema"])}'
 
 
 # What the head of a call list may look like before its first call's `(`
@@ -164,25 +189,31 @@ _LIST_HEAD = re.compile(r"\[\s*(?:[^\W\d][\w.]*\s*)?")
 _CALL_HEAD = re.compile(r"\[\s*[^\W\d][\w.]*\s*\(")
 
 
-class Pythonic:
+class Pythonic(CallFormat):
     """`[name(key=literal, ...), ...]` at the start of the output or after `<|python_start|>`
-    (its `<|python_end|>` dropped). Values are Python or JSON literals (`true`, `null` too)."""
+    (its `<|python_end|>` dropped). Values are Python or JSON literals (`true`, `null` too).
+    Under "auto" a list at the start is a call once it reads `[name(` for one of the tools."""
 
-    start = "<|python_start|>"
+    name = "pythonic"
+    call_start = "<|python_start|>"
+    call_begin, call_end, call_separator = "[", "]", ", "
+    syntax = "python"
+    markers = ("<|python_start|>", "<|python_end|>")
+    triggers = ("<|python_start|>",)
     separators = ("<|python_end|>",)
 
     def next_step(self, text: str, final: bool, call_may_start: bool) -> Step | None:
         head = text.lstrip()
-        tagged = head.startswith(self.start)
+        tagged = head.startswith(self.call_start)
         if not tagged and not (call_may_start and head.startswith("[")):
-            if call_may_start and not final and (may_become(head, self.start) or not head):
+            if call_may_start and not final and (may_become(head, self.call_start) or not head):
                 return None
-            return content_before(text, self.start, final)
-        body = head[len(self.start):].lstrip() if tagged else head
+            return content_before(text, self.call_start, final)
+        body = head[len(self.call_start):].lstrip() if tagged else head
         if not _CALL_HEAD.match(body):
             if not final and (not body or _LIST_HEAD.fullmatch(body)):
                 return None
-            return _not_a_call(text, tagged, f"no [name(...)] list after {self.start}")
+            return not_a_call(text, tagged, f"no [name(...)] list after {self.call_start}")
         offset = len(text) - len(body)
         for close in (m.start() for m in re.finditer(r"\]", body)):
             try:
@@ -202,6 +233,58 @@ class Pythonic:
         if final:
             return Step("malformed", len(text), error="the call list [...] was never closed", rest_is_content=True)
         return None
+
+    def forced_rules(self, spec: dict, parallel: bool) -> str:
+        return pythonic_list(spec["functions"], parallel)
+
+    def lazy_rules(self, spec: dict, parallel: bool) -> str:
+        # (one call: its list, and the `<|python_end|>` that closes a `<|python_start|>`,
+        # before the end-of-sequence token; parallel calls are one list, the answer free after it)
+        head = "start: marker_0? calls" if parallel else "start: marker_0 calls marker_1? | calls"
+        return head + "\n" + pythonic_list(spec["functions"], parallel, rule="calls")
+
+    def lazy_start_triggers(self, spec: dict) -> tuple[str, ...]:
+        return tuple(f"[{f['name']}(" for f in spec["functions"])
+
+
+class JsonCalls(CallFormat):
+    """The answer is one JSON list of calls, `[{"name": ..., "arguments": {...}}, ...]` (one
+    call in it without parallel calls): the form of a forced call on a model whose chat
+    template has no call format (the grammar decides it, so nothing needs to recognise
+    it). A list at the start that is not a list of calls is content."""
+
+    name = "json"
+    call_begin, call_end, call_separator = "[", "]", ", "
+    start_triggers = ('[{"name"',)
+
+    def next_step(self, text: str, final: bool, call_may_start: bool) -> Step | None:
+        head = text.lstrip()
+        if not (call_may_start and head.startswith("[")):
+            if call_may_start and not final and not head:
+                return None
+            return Step("content", len(text), rest_is_content=True) if text else None
+        try:
+            value, end = _DECODER.raw_decode(head)
+        except ValueError as exc:
+            if not final:
+                return None
+            return Step("malformed", len(text), error=f"the call list is not JSON: {exc}", rest_is_content=True)
+        if not (isinstance(value, list) and value and all(isinstance(v, dict) and "name" in v for v in value)):
+            return Step("content", len(text), rest_is_content=True)
+        try:
+            calls = tuple(call_from_object(v, ("arguments", "parameters")) for v in value)
+        except Malformed as exc:
+            return Step("malformed", len(text), error=str(exc), rest_is_content=True)
+        return Step("calls", len(text) - len(head) + end, calls=calls)
+
+    def forced_rules(self, spec: dict, parallel: bool) -> str:
+        schema = {"type": "array", "items": spec["schema"], "minItems": 1}
+        if not parallel:
+            schema["maxItems"] = 1
+        return "start: body\n" + json_rule("body", schema)
+
+    def lazy_rules(self, spec: dict, parallel: bool) -> str:
+        return self.forced_rules(spec, parallel)
 
 
 def _rename_keyword_arguments(source: str) -> tuple[str, dict[str, str]]:

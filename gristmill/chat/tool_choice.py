@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gristmill.chat.tool_calls import ToolCallParser, call_schema, tool_function
+from gristmill.chat.tool_calls import JSON_CALLS, ToolCallParser, call_schema, tool_function
 from gristmill.errors import RequestError
+from gristmill.structured.spec import ToolCallGrammar
 
 CHOICES = ("none", "auto", "required")
 _NAMED = '{"type": "function", "function": {"name": ...}}'
@@ -31,18 +32,16 @@ class ToolRequest:
     def forces_call(self) -> bool:
         return self.choice not in ("none", "auto")
 
-    def constraint(self) -> dict | None:
+    def constraint(self) -> ToolCallGrammar | None:
         """The `structured_output` value of the calls: with a forced call, the grammar that
         writes it; with "auto" and tools, the lazy grammar that holds each call the model
         starts to its schema (the answer is free until then); else None. Under "auto" a
         constraint the request gives its answer (`response_format`) takes the place of
         this one (`answer_constraint`)."""
-        from gristmill.structured.tool_grammar import forced_calls, lazy_calls
-
         if self.forces_call:
-            return forced_calls(call_schema(self.tools, self.choice, self.parser.name), self.parallel)
+            return self.parser.forced(call_schema(self.tools, self.choice, self.parser.name), self.parallel)
         if self.choice == "auto" and self.tools:
-            return lazy_calls(call_schema(self.tools, "auto", self.parser.name), self.parallel)
+            return self.parser.lazy(call_schema(self.tools, "auto", self.parser.name), self.parallel)
         return None
 
     def answer_constraint(self, answer: dict | None, field: str | None) -> tuple[dict | None, str | None]:
@@ -67,8 +66,10 @@ class ToolRequest:
 
 def tool_request(tools, tool_choice, parallel_tool_calls, parser: ToolCallParser | None) -> ToolRequest | None:
     """The checked ToolRequest of a chat's fields, or None when it has no tools and no
-    choice. A malformed field is a RequestError naming it and what to send; tools on an
-    engine that has no tool-call parser are refused, never ignored."""
+    choice. A malformed field is a RequestError naming it and what to send. With no
+    tool-call `parser` (none from the chat template or the engine's setting) a forced call
+    is written in the JSON form (`tool_calls.JSON_CALLS`); "auto" is refused, never
+    ignored, as it needs the model's own format."""
     if tools is None and tool_choice in (None, "none") and parallel_tool_calls is None:
         return None
     if tools is not None and not isinstance(tools, list):
@@ -80,10 +81,14 @@ def tool_request(tools, tool_choice, parallel_tool_calls, parser: ToolCallParser
         raise RequestError(f"parallel_tool_calls must be true or false, got {parallel_tool_calls!r}",
                            param="parallel_tool_calls")
     choice = _choice(tool_choice, tools)
-    if choice != "none" and parser is None:
-        raise RequestError("this model's chat template has no tool-call format the server knows, so its calls "
-                           "cannot be read; send tool_choice \"none\", or start the engine with "
-                           "--tool-call-parser NAME (EngineConfig.tool_call_parser)", param="tools")
+    if parser is None and choice not in ("none", "auto"):
+        parser = JSON_CALLS  # (the grammar writes the call, so nothing needs to recognise the model's form)
+    if choice == "auto" and parser is None:
+        raise RequestError("tool_choice \"auto\" needs the model's own tool-call format to find the calls it "
+                           "makes, and this model's chat template has none the server knows; start the engine "
+                           "with --tool-call-parser NAME (EngineConfig.tool_call_parser: hermes, llama3_json, "
+                           "pythonic or json), or send tool_choice \"required\", a named function or \"none\"",
+                           param="tool_choice")
     return ToolRequest(tools or None, choice, parallel_tool_calls is not False,
                        None if choice == "none" else parser)
 

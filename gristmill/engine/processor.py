@@ -17,6 +17,7 @@ from gristmill.errors import GenerationError, PromptTooLongError, RequestError
 from gristmill.pooling_params import PoolingParams
 from gristmill.sampling import SamplingParams
 from gristmill.structured.reasoning_gate import ReasoningGate
+from gristmill.structured.spec import ToolCallGrammar
 
 
 #: The sampling params a pooling request carries (AddRequest needs some): it samples nothing.
@@ -97,10 +98,9 @@ class InputProcessor:
         text). Other params as they are. The detokenizer, not the core, needs this: the
         client gives these params to both."""
         value = params.structured_output
-        if not params.skip_special_tokens or not isinstance(value, dict) or "tool_calls" not in value:
+        if not params.skip_special_tokens or not isinstance(value, ToolCallGrammar):
             return params
-        markers = (value["tool_calls"] or {}).get("markers") if isinstance(value["tool_calls"], dict) else None
-        if not any(self._dropped_when_skipping(marker) for marker in markers or ()):
+        if not any(self._dropped_when_skipping(marker) for marker in value.markers):
             return params
         return params.derived(skip_special_tokens=False)
 

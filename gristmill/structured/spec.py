@@ -10,36 +10,56 @@ from gristmill.errors import RequestError
 
 #: What a request may constrain its answer with (what error messages name).
 ANSWER_KINDS = ("json", "json_object", "regex", "choice", "grammar")
-#: Those, and a chat's tool calls (`structured.tool_grammar` writes them from `tools`).
-KINDS = (*ANSWER_KINDS, "tool_calls")
 PARAM = "structured_output"
 
 
 @dataclass(frozen=True, slots=True)
 class Constraint:
-    """One constraint, normalized: `kind` is one of KINDS, `source` the text a grammar
+    """One constraint, normalized: `kind` is one of ANSWER_KINDS or "tool_calls", `source` the text a grammar
     engine compiles (a JSON schema as canonical JSON; the choices as a JSON list)."""
 
     kind: str
     source: str
 
 
+@dataclass(frozen=True, slots=True)
+class ToolCallGrammar:
+    """A chat's tool calls as a constraint (what a tool-call format writes from `tools`,
+    never a request field): `grammar`, Lark text whose rules `marker_K` are the K-th of
+    `markers` (the format's call markers, written as the vocabulary's special token where
+    it has one); `triggers`: where a call starts anywhere in the answer, `start_triggers`:
+    only at its start or right after a call (both empty: the whole answer is the grammar,
+    a forced call); `one_call`: the first call ends the answer."""
+
+    grammar: str
+    markers: tuple[str, ...]
+    triggers: tuple[str, ...] = ()
+    start_triggers: tuple[str, ...] = ()
+    one_call: bool = False
+
+    def constraint(self) -> Constraint:
+        fields = {"grammar": self.grammar, "markers": list(self.markers), "triggers": list(self.triggers),
+                  "start_triggers": list(self.start_triggers), "one_call": self.one_call}
+        return Constraint("tool_calls", json.dumps(fields, separators=(",", ":")))
+
+
 def parse_constraint(value) -> Constraint | None:
     """A `structured_output` value -> Constraint (None for None). Exactly one of
     `{"json": schema dict or JSON text}`, `{"json_object": True}`, `{"regex": str}`,
-    `{"choice": [str, ...]}`, `{"grammar": EBNF / GBNF text}`, or a chat's tool calls as
-    `structured.tool_grammar` writes them (`{"tool_calls": {...}}`); anything else is a
-    RequestError saying what to send."""
+    `{"choice": [str, ...]}`, `{"grammar": EBNF / GBNF text}`, or a chat's tool calls (a
+    `ToolCallGrammar`); anything else is a RequestError saying what to send."""
     if value is None:
         return None
     if isinstance(value, Constraint):
         return value
+    if isinstance(value, ToolCallGrammar):
+        return value.constraint()
     value = given_kinds(value)
-    others = sorted(str(key) for key in value if key not in KINDS) if isinstance(value, dict) else []
+    others = sorted(str(key) for key in value if key not in ANSWER_KINDS) if isinstance(value, dict) else []
     if others:  # e.g. vLLM's options (disable_any_whitespace, ...): never taken and dropped
         raise RequestError(f"{PARAM} takes exactly one of {', '.join(ANSWER_KINDS)} and no other keys; "
                            f"leave out {', '.join(others)}", param=PARAM)
-    if not isinstance(value, dict) or len(value) != 1 or next(iter(value)) not in KINDS:
+    if not isinstance(value, dict) or len(value) != 1 or next(iter(value)) not in ANSWER_KINDS:
         raise RequestError(f"{PARAM} must be an object with exactly one of {', '.join(ANSWER_KINDS)}, "
                            f"got {short(value)}", param=PARAM)
     kind, spec = next(iter(value.items()))
@@ -62,24 +82,9 @@ def parse_constraint(value) -> Constraint | None:
             raise RequestError(f"{PARAM}.choice must be a non-empty list of non-empty strings, "
                                f"got {short(spec)}", param=PARAM)
         return Constraint("choice", json.dumps(spec))
-    if kind == "tool_calls":
-        return Constraint("tool_calls", _tool_calls_source(spec))
     if not isinstance(spec, str) or not spec.strip():
         raise RequestError(f"{PARAM}.{kind} must be a non-empty string, got {short(spec)}", param=PARAM)
     return Constraint(kind, spec)
-
-
-def _tool_calls_source(spec) -> str:
-    """A tool-call grammar's spec as canonical JSON: {"grammar": Lark text whose rules
-    `marker_K` are the K-th marker, "markers", "triggers", "start_triggers": lists of
-    texts, "one_call": whether the first call ends the answer}."""
-    keys = ("grammar", "markers", "triggers", "start_triggers", "one_call")
-    if not isinstance(spec, dict) or set(spec) != set(keys) or not isinstance(spec["grammar"], str) or not all(
-            isinstance(spec[key], list) and all(isinstance(t, str) and t for t in spec[key]) for key in keys[1:4]) \
-            or not isinstance(spec["one_call"], bool):
-        raise RequestError(f"{PARAM}.tool_calls must be an object with exactly {', '.join(keys)} (as "
-                           f"tool_choice builds it), got {short(spec)}", param=PARAM)
-    return json.dumps({key: spec[key] for key in keys}, separators=(",", ":"))
 
 
 def given_kinds(value):

@@ -205,8 +205,8 @@ def test_random_llama3_and_pythonic_calls_cut_at_random_parse_back(calls, tagged
 # -- choosing a parser, and the schema of a forced call ---------------------------------
 
 def test_parsers_are_chosen_by_name_or_from_the_chat_template():
-    assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "pythonic"}
-    with pytest.raises(ValueError, match="unknown tool-call parser 'mistral'.*hermes, llama3_json, pythonic"):
+    assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "pythonic", "json"}
+    with pytest.raises(ValueError, match="unknown tool-call parser 'mistral'.*hermes, json, llama3_json, pythonic"):
         get_tool_parser("mistral")
     qwen = "For each function call, return a json object ... within <tool_call></tool_call> XML tags"
     llama31 = ("{{- '<|python_tag|>' + tool_call.name + '.call(' }} ... Respond in the format "
@@ -232,7 +232,8 @@ def test_a_forced_call_schema_accepts_the_calls_its_parser_returns(name):
     named = call_schema(TOOLS, {"type": "function", "function": {"name": "get_weather"}}, name)
     answer = {"hermes": hermes_call("get_weather", {"city": "Paris"}),
               "llama3_json": '{"name": "get_weather", "parameters": {"city": "Paris"}}',
-              "pythonic": '[get_weather(city="Paris")]'}[name]
+              "pythonic": '[get_weather(city="Paris")]',
+              "json": '[{"name": "get_weather", "arguments": {"city": "Paris"}}]'}[name]
     [call] = parser.parse(answer).calls
     as_json = {"name": call.name, key: call.arguments}
     jsonschema.validate(as_json, required["schema"])

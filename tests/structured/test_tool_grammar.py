@@ -17,7 +17,6 @@ from gristmill.chat.tool_calls import call_schema, get_tool_parser
 from gristmill.model.masking import allowed_tokens
 from gristmill.structured.grammars import LLGuidanceGrammars, fill_masks, torch_bitmask
 from gristmill.structured.spec import parse_constraint
-from gristmill.structured.tool_grammar import forced_calls, lazy_calls
 
 WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "hot": {"type": "boolean"},
                                             "days": {"type": "integer", "minimum": 1, "maximum": 9}},
@@ -80,7 +79,7 @@ def check(parsed, names=tuple(SCHEMAS)) -> None:
 
 
 @pytest.mark.parametrize("special", [False, True])
-@pytest.mark.parametrize("parser", ["hermes", "llama3_json", "pythonic"])
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json", "pythonic", "json"])
 def test_forced_calls_always_parse_and_match_their_schema(parser, special):
     tokenizer, grammars = vocabulary(special)
     rng = random.Random(0)
@@ -88,7 +87,7 @@ def test_forced_calls_always_parse_and_match_their_schema(parser, special):
     eos = tokenizer.eos_token_id
     for choice, parallel, names in (("required", True, tuple(SCHEMAS)),
                                     ({"type": "function", "function": {"name": "get_time"}}, False, ("get_time",))):
-        constraint = parse_constraint(forced_calls(call_schema(TOOLS, choice, parser), parallel))
+        constraint = parse_constraint(get_tool_parser(parser).forced(call_schema(TOOLS, choice, parser), parallel))
         for _ in range(WALKS // 2):
             tokens = walk(grammars.matcher(constraint), rng, eos, len(tokenizer))
             text = tokenizer.decode([t for t in tokens if t != eos], skip_special_tokens=False)
@@ -100,7 +99,7 @@ def test_forced_calls_always_parse_and_match_their_schema(parser, special):
 def test_a_special_marker_is_written_as_its_token():
     tokenizer, grammars = vocabulary(True)
     begin, end = tokenizer.convert_tokens_to_ids(["<tool_call>", "</tool_call>"])
-    constraint = parse_constraint(forced_calls(call_schema(TOOLS, "required", "hermes"), False))
+    constraint = parse_constraint(get_tool_parser("hermes").forced(call_schema(TOOLS, "required", "hermes"), False))
     tokens = walk(grammars.matcher(constraint), random.Random(1), tokenizer.eos_token_id, len(tokenizer))
     assert tokens[0] == begin and end in tokens
     # (the plain text "<" cannot start it: the marker is the token)
@@ -114,7 +113,7 @@ def test_a_lazy_grammar_holds_a_call_once_it_starts(parser, opening, special):
     tokenizer, grammars = vocabulary(special)
     rng = random.Random(2)
     eos = tokenizer.eos_token_id
-    constraint = parse_constraint(lazy_calls(call_schema(TOOLS, "auto", parser)))
+    constraint = parse_constraint(get_tool_parser(parser).lazy(call_schema(TOOLS, "auto", parser)))
     free_text = "Let me check. " if opening != "[get_time(" and opening != '{"name"' else ""
     for _ in range(WALKS // 10):
         matcher = grammars.matcher(constraint)
@@ -133,7 +132,7 @@ def test_a_lazy_grammar_holds_a_call_once_it_starts(parser, opening, special):
 
 def test_free_text_is_left_alone_and_a_trigger_in_pieces_still_counts():
     tokenizer, grammars = vocabulary(False)
-    constraint = parse_constraint(lazy_calls(call_schema(TOOLS, "auto", "hermes")))
+    constraint = parse_constraint(get_tool_parser("hermes").lazy(call_schema(TOOLS, "auto", "hermes")))
     matcher = grammars.matcher(constraint)
     for token in tokenizer.encode("Sure, [1] {x} <tool_ no call here", add_special_tokens=False):
         assert matcher.allows(token) and matcher.accept(token) and not matcher.holding
@@ -150,7 +149,7 @@ def test_free_text_is_left_alone_and_a_trigger_in_pieces_still_counts():
 
 def test_a_start_trigger_counts_only_at_the_start():
     tokenizer, grammars = vocabulary(False)
-    constraint = parse_constraint(lazy_calls(call_schema(TOOLS, "auto", "pythonic")))
+    constraint = parse_constraint(get_tool_parser("pythonic").lazy(call_schema(TOOLS, "auto", "pythonic")))
     matcher = grammars.matcher(constraint)
     for token in tokenizer.encode("See [get_time(zone=", add_special_tokens=False):
         matcher.accept(token)
@@ -170,8 +169,8 @@ def test_without_parallel_calls_the_first_call_ends_the_answer(parser, opening, 
     rng = random.Random(3)
     eos = tokenizer.eos_token_id
     free_text = "Let me check. " if opening in ("<tool_call>", "<|python_tag|>") else ""
-    parallel = parse_constraint(lazy_calls(call_schema(TOOLS, "auto", parser)))
-    one = parse_constraint(lazy_calls(call_schema(TOOLS, "auto", parser), parallel=False))
+    parallel = parse_constraint(get_tool_parser(parser).lazy(call_schema(TOOLS, "auto", parser)))
+    one = parse_constraint(get_tool_parser(parser).lazy(call_schema(TOOLS, "auto", parser), parallel=False))
     prefix = tokenizer.encode(free_text + opening, add_special_tokens=False)
     for _ in range(WALKS // 10):
         matcher = grammars.matcher(one)
