@@ -249,9 +249,10 @@ class Pythonic(CallFormat):
 
 class JsonCalls(CallFormat):
     """The answer is one JSON list of calls, `[{"name": ..., "arguments": {...}}, ...]` (one
-    call in it without parallel calls): the form of a forced call on a model whose chat
-    template has no call format (the grammar decides it, so nothing needs to recognise
-    it). A list at the start that is not a list of calls is content."""
+    call in it for a named function, or without parallel calls): the form of a forced
+    call on a model whose chat template has no call format (the grammar decides it, so
+    nothing needs to recognise it). A list at the start that is not a list of calls is
+    content."""
 
     name = "json"
     call_begin, call_end, call_separator = "[", "]", ", "
@@ -278,8 +279,10 @@ class JsonCalls(CallFormat):
         return Step("calls", len(text) - len(head) + end, calls=calls)
 
     def forced_rules(self, spec: dict, parallel: bool) -> str:
+        # (a named function is called once, as vLLM does: a model that was never told the
+        # form would repeat the call until max_tokens)
         schema = {"type": "array", "items": spec["schema"], "minItems": 1}
-        if not parallel:
+        if not parallel or spec["named"]:
             schema["maxItems"] = 1
         return "start: body\n" + json_rule("body", schema)
 

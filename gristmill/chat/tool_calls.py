@@ -73,7 +73,7 @@ def call_schema(tools: list[dict], tool_choice, parser_name: str) -> dict:
     schema of the call, "begin": text before it, "end": text after it, "separator": text
     between parallel calls, "syntax": "json" or "python", "parser": its name, "markers":
     the format's call markers (`<tool_call>`, ...), "functions": the functions a call may
-    name}`. The schema is
+    name, "named": whether the choice named one}`. The schema is
     `{"name": const, <arguments key>: the function's parameters schema}`; with
     `tool_choice` "required" or "auto" (the call a `call_start` begins) an anyOf over
     `tools`, with `{"type": "function", "function": {"name": ...}}` that function's alone.
@@ -100,7 +100,8 @@ def call_schema(tools: list[dict], tool_choice, parser_name: str) -> dict:
                 "required": ["name", parser.arguments_key], "additionalProperties": False} for f in chosen]
     return {"schema": schemas[0] if len(schemas) == 1 else {"anyOf": schemas}, "begin": parser.call_begin,
             "end": parser.call_end, "separator": parser.call_separator, "syntax": parser.syntax,
-            "parser": parser.name, "markers": parser.markers, "functions": chosen}
+            "parser": parser.name, "markers": parser.markers, "functions": chosen,
+            "named": isinstance(tool_choice, dict)}
 
 
 def tool_function(tool) -> dict:
