@@ -10,6 +10,7 @@ import time
 from collections.abc import Sequence
 
 from gristmill import startup
+from gristmill.chat.answer import constrain, read_answer
 from gristmill.chat.tool_choice import ToolRequest, tool_request
 from gristmill.config import EngineConfig
 from gristmill.engine.client import EngineClient, EngineFace, InprocCore, stepped_in_child_process
@@ -132,10 +133,12 @@ class LLM(EngineFace):
             for output in result.outputs:
                 if output.finish_reason == "error":
                     continue
+                answer = read_answer(output.text, output.finish_reason, self.reasoning_parser, prompt_text, tool_req)
                 if self.reasoning_parser is not None:
-                    output.reasoning, output.text = self.reasoning_parser.split(output.text, prompt_text)
+                    output.reasoning = answer.reasoning
+                output.text, output.finish_reason = answer.content, answer.finish_reason
                 if tool_req is not None:
-                    _read_calls(output, tool_req)
+                    output.tool_calls = answer.calls
         return results
 
     def _tool_constraints(self, tool_req: ToolRequest, sampling_params, items: list) -> tuple[list, list]:
@@ -150,9 +153,7 @@ class LLM(EngineFace):
         for params, (text, error) in zip(params_list, items):
             if error is None:
                 try:
-                    constraint, _ = tool_req.answer_constraint(params.structured_output,
-                                                               "sampling_params.structured_output")
-                    params = params.clone(structured_output=constraint)
+                    params = constrain(params, tool_req)
                 except RequestError as exc:
                     error = exc
             forced.append(params)
@@ -372,19 +373,6 @@ def _params_per_prompt(given, count: int, kind: type = SamplingParams) -> list:
         raise RequestError(f"{name} must be {kind.__name__}, got a {type(bad).__name__} in the list; "
                            f"e.g. {kind.__name__}(**your_dict)", param=name)
     return params
-
-
-def _read_calls(output: CompletionOutput, tool_req: ToolRequest) -> None:
-    """A completion's calls out of its text into `tool_calls` (a would-be call that does not
-    parse stays text); finish_reason "tool_calls" when it stopped after calling."""
-    output.tool_calls = []
-    if tool_req.parser is None:  # tool_choice "none": plain content
-        return
-    parsed = tool_req.parser.parse(output.text)
-    if parsed.calls:
-        output.text, output.tool_calls = parsed.content, list(parsed.calls)
-        if output.finish_reason == "stop":
-            output.finish_reason = "tool_calls"
 
 
 class _NoBar:

@@ -20,8 +20,8 @@ import uuid
 
 from gristmill import gpus
 from gristmill.batch import runtime
-from gristmill.batch.row_tools import read_calls
 from gristmill.batch.rows import Generated, Pooled, RowRequest
+from gristmill.chat.answer import read_answer
 from gristmill.batch.stages import LocalStages
 from gristmill.config import EngineConfig
 from gristmill.engine import restarts
@@ -216,12 +216,14 @@ class _Replica:
                 pass
             generated = Generated(out.text, list(out.token_ids), len(out.prompt_token_ids), len(out.token_ids),
                                   out.finish_reason, prompt_logprobs_of(out))
-            parser = self.engine.reasoning_parser
-            if request.chat and parser is not None:
-                generated.reasoning, generated.text = parser.split(out.text, request.prompt)
-                generated.reasoned = True
-            if request.tools is not None:
-                read_calls(generated, request.tools)
+            parser = self.engine.reasoning_parser if request.chat else None
+            if parser is not None or request.tools is not None:
+                answer = read_answer(out.text, out.finish_reason, parser, request.prompt, request.tools)
+                generated.text, generated.finish_reason = answer.content, answer.finish_reason
+                if parser is not None:
+                    generated.reasoning, generated.reasoned = answer.reasoning, True
+                if request.tools is not None:
+                    generated.tool_calls = [{"name": c.name, "arguments": c.arguments} for c in answer.calls]
             return generated
         finally:
             self._leave(request_id)

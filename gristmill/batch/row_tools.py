@@ -2,16 +2,17 @@
 OpenAI takes them), checked against the engine's tool-call parser where the engine runs
 beside the processor, and the calls of its answer as the `tool_calls` column: a list of
 `{"name": ..., "arguments": {...}}` (arguments parsed), `generated_text` the text around
-them. An engine that reads tools itself (a server) gets the fields as they are."""
+them (`engines` reads them with `chat.answer`). An engine that reads tools itself (a server)
+gets the fields as they are."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from gristmill.batch.rows import Generated, RowRequest, without_nulls
+from gristmill.batch.rows import RowRequest, without_nulls
+from gristmill.chat.answer import constrain
 from gristmill.chat.tool_calls import ToolCallParser
 from gristmill.chat.tool_choice import ToolRequest, tool_request
-from gristmill.errors import RequestError
 
 TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
 
@@ -35,26 +36,6 @@ def with_tools(request: RowRequest, parser: ToolCallParser | None) -> RowRequest
     `tools` (for the template and the parser), and a forced call's grammar as its
     constraint."""
     tools = resolved(request.tool_fields, parser)
-    params = request.sampling_params
-    if tools is not None:
-        # (a forced call and the row's own constraint, or the processor's default, are
-        # refused together; under "auto" the row's constraint wins)
-        constraint, _ = tools.answer_constraint(params.structured_output, "sampling_params.structured_output")
-        params = params.clone(structured_output=constraint)
-    return replace(request, tools=tools, tool_fields=None, sampling_params=params)
-
-
-def read_calls(generated: Generated, tools: ToolRequest) -> None:
-    """Take the calls out of `generated.text` into `generated.tool_calls` (a would-be call
-    that does not parse stays text); finish_reason "tool_calls" when the model stopped
-    after calling, as the server answers."""
-    generated.tool_calls = []
-    if tools.parser is None:  # tool_choice "none": the answer is plain content
-        return
-    parsed = tools.parser.parse(generated.text)
-    if not parsed.calls:
-        return
-    generated.tool_calls = [{"name": call.name, "arguments": call.arguments} for call in parsed.calls]
-    generated.text = parsed.content
-    if generated.finish_reason == "stop":
-        generated.finish_reason = "tool_calls"
+    # (a forced call and the row's own constraint, or the processor's default, are refused
+    # together; under "auto" the row's constraint wins)
+    return replace(request, tools=tools, tool_fields=None, sampling_params=constrain(request.sampling_params, tools))

@@ -151,7 +151,7 @@ class OpenAIServing:
         job.return_token_ids = body.return_token_ids
         job.prompt_logprobs = body.prompt_logprobs
         job.reasoning_parser, job.prompt_text = self.engine.reasoning_parser, text
-        job.tool_parser = tools and tools.parser
+        job.tools = tools
         return job, [(text, body.add_special_tokens)], params
 
     def _prompt_text(self, prompt: str | list[int]) -> str:

@@ -6,8 +6,9 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from gristmill.chat.reasoning import CONTENT, REASONING, Delta, ReasoningParser
-from gristmill.chat.tool_calls import ToolCallParser, new_call_id
+from gristmill.chat.answer import CALL_PIECE, REASONING_PIECE, AnswerReader, merged, read_answer
+from gristmill.chat.reasoning import ReasoningParser
+from gristmill.chat.tool_choice import ToolRequest
 from gristmill.engine.stream import RequestStream
 from gristmill.outputs import Logprob, RequestOutput
 
@@ -42,8 +43,8 @@ class Job:
     #: the rendered prompt (whether the template opened or closed the reasoning).
     reasoning_parser: ReasoningParser | None = None
     prompt_text: str | None = None
-    #: A chat with tools (not tool_choice "none"): what reads the calls in its answer.
-    tool_parser: ToolCallParser | None = None
+    #: A chat's tool request (with tools; tool_choice "none" reads no calls).
+    tools: ToolRequest | None = None
 
 
 class ChoiceStates:
@@ -55,10 +56,8 @@ class ChoiceStates:
         #: response does, never over the text handed out so far (which lags behind
         #: while it may begin a stop string).
         self.offsets = {(p, i): 0 for p in range(num_prompts) for i in range(n)}
-        #: A reasoning chat's split of each choice's text, as it streams.
-        self.reasoning = {}
-        #: A chat with tools: each choice's calls, as they are read.
-        self.calls = {}
+        #: Each chat choice's answer, read as it streams.
+        self.readers: dict[tuple[int, int], AnswerReader] = {}
 
     def delta(self, job: Job, key: tuple[int, int], c) -> dict:
         """A chat chunk's delta for the new text of choice `key`: its `pieces` in one."""
@@ -70,37 +69,30 @@ class ChoiceStates:
 
     def pieces(self, job: Job, key: tuple[int, int], c) -> list[dict]:
         """The new text of choice `key` as chat delta fields, in the order the model wrote
-        them: its content, or on a reasoning model its reasoning then content; with tools,
-        content and the calls in it (OpenAI's `tool_calls` pieces) as they alternate. Text
-        that may begin `</think>` or a call waits until it is decided (then: no pieces)."""
-        ending = c.finish_reason is not None
-        if job.reasoning_parser is None:
-            pieces = [Delta(CONTENT, c.delta_text)] if c.delta_text else []
-        else:
-            if key not in self.reasoning:
-                self.reasoning[key] = job.reasoning_parser.stream(job.prompt_text)
-            stream = self.reasoning[key]
-            pieces = stream.feed(c.delta_text) + (stream.finish() if ending else [])
-        if job.tool_parser is None:
-            return [reasoning_fields(pieces)] if pieces else []
-        calls = self.calls.setdefault(key, job.tool_parser.stream())
-        text = "".join(p.text for p in pieces if p.field == CONTENT)
-        found = calls.feed(text) + (calls.finish() if ending else [])
-        reasoning = reasoning_fields([p for p in pieces if p.field == REASONING])
-        ordered = [reasoning] if reasoning else []
-        for d in found:
-            if d.index is None:
-                ordered.append({"content": d.content})
-            elif ordered and "tool_calls" in ordered[-1]:
-                ordered[-1]["tool_calls"].append(d.openai())
+        them (`chat.answer`): its reasoning, content and calls (OpenAI's `tool_calls`
+        pieces) as they alternate. Text that may begin `</think>` or a call waits until it
+        is decided (then: no pieces)."""
+        reader = self.readers.get(key)
+        if reader is None:
+            reader = self.readers[key] = AnswerReader(job.reasoning_parser, job.prompt_text, job.tools)
+        pieces = reader.feed(c.delta_text) + (reader.finish() if c.finish_reason is not None else [])
+        ordered: list[dict] = []
+        for piece in merged(pieces):
+            if piece.kind == CALL_PIECE:
+                if ordered and "tool_calls" in ordered[-1]:
+                    ordered[-1]["tool_calls"].append(piece.openai_call())
+                else:
+                    ordered.append({"tool_calls": [piece.openai_call()]})
+            elif piece.kind == REASONING_PIECE:
+                ordered.append({"reasoning_content": piece.text, "reasoning": piece.text})
             else:
-                ordered.append({"tool_calls": [d.openai()]})
+                ordered.append({"content": piece.text})
         return ordered
 
     def finish_reason(self, key: tuple[int, int], reason: str | None) -> str | None:
         """A choice's finish reason: "tool_calls" when the model stopped after calling."""
-        calls = self.calls.get(key)
-        return "tool_calls" if reason == "stop" and calls is not None and calls.calls else reason
+        reader = self.readers.get(key)
+        return reader.finish_reason(reason) if reader is not None else reason
 
 
 class ResponseWriter:
@@ -127,7 +119,7 @@ class ResponseWriter:
         if not (c.delta_text or c.finish_reason or (c.token_ids and (job.want_logprobs or job.return_token_ids))):
             return None
         content = choices.delta(job, key, c) if job.chat else c.delta_text
-        held_back = job.reasoning_parser is not None or job.tool_parser is not None
+        held_back = job.reasoning_parser is not None or job.tools is not None
         if content == {"content": ""} and held_back and not (
                 c.finish_reason or (c.token_ids and (job.want_logprobs or job.return_token_ids))):
             return None  # (its text waits: it may begin `</think>` or a call)
@@ -165,12 +157,8 @@ class ResponseWriter:
                 choice = {"index": prompt_index * job.n + c.index, "finish_reason": c.finish_reason,
                           "stop_reason": c.stop_reason, "logprobs": logprobs}
                 if job.chat:
-                    choice["message"] = {"role": "assistant", "content": c.text}
-                    if job.reasoning_parser is not None:
-                        reasoning, content = job.reasoning_parser.split(c.text, job.prompt_text)
-                        choice["message"].update(content=content, reasoning_content=reasoning, reasoning=reasoning)
-                    if job.tool_parser is not None:
-                        self.read_calls(job.tool_parser, choice)
+                    choice["message"] = self.message(job, c.text, c.finish_reason)
+                    choice["finish_reason"] = choice["message"].pop("finish_reason")
                 else:
                     echo = job.echo_texts[prompt_index] if job.echo_texts is not None else ""
                     choice["text"] = echo + c.text
@@ -190,21 +178,23 @@ class ResponseWriter:
         return body
 
     @staticmethod
-    def read_calls(parser: ToolCallParser, choice: dict) -> None:
-        """A chat choice with its answer's calls as OpenAI's `tool_calls` (content the text
-        around them, null when none; finish_reason "tool_calls" when the model stopped
-        after them); a would-be call that does not parse stays in the content."""
-        message = choice["message"]
-        parsed = parser.parse(message["content"])
-        if not parsed.calls:
-            return
-        message["content"] = parsed.content or None
-        message["tool_calls"] = [{"id": new_call_id(), "type": "function",
-                                  "function": {"name": call.name,
-                                               "arguments": json.dumps(call.arguments, ensure_ascii=False)}}
-                                 for call in parsed.calls]
-        if choice["finish_reason"] == "stop":
-            choice["finish_reason"] = "tool_calls"
+    def message(job: Job, text: str, finish_reason: str | None) -> dict:
+        """A chat choice's message of its whole answer (with its "finish_reason", for the
+        choice): its content, on a reasoning model its reasoning apart, with tools the
+        calls read from it as OpenAI's `tool_calls` (content the text around them, null
+        when none; finish_reason "tool_calls" when the model stopped after them); a
+        would-be call that does not parse stays in the content."""
+        answer = read_answer(text, finish_reason, job.reasoning_parser, job.prompt_text, job.tools)
+        message = {"role": "assistant", "content": answer.content, "finish_reason": answer.finish_reason}
+        if job.reasoning_parser is not None:
+            message.update(reasoning_content=answer.reasoning, reasoning=answer.reasoning)
+        if answer.calls:
+            message["content"] = answer.content or None
+            message["tool_calls"] = [{"id": call_id, "type": "function",
+                                      "function": {"name": call.name,
+                                                   "arguments": json.dumps(call.arguments, ensure_ascii=False)}}
+                                     for call_id, call in zip(answer.call_ids, answer.calls)]
+        return message
 
     def echo_logprobs(self, job: Job, out: RequestOutput) -> dict:
         """The prompt's tokens in OpenAI's legacy completions logprobs (echo): the first has
@@ -270,17 +260,6 @@ def finite(logprob: float) -> float:
 def top(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
     """The k most likely tokens of a logprobs entry (which also holds the sampled token)."""
     return sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:k]
-
-
-def reasoning_fields(pieces: list[Delta]) -> dict:
-    """A chat delta of a reasoning stream's pieces: `reasoning_content` and `reasoning`
-    (vLLM's newer name; the same text) apart from `content`, each only when it has text."""
-    fields = {}
-    for piece in pieces:
-        names = ("reasoning_content", "reasoning") if piece.field == REASONING else ("content",)
-        for name in names:
-            fields[name] = fields.get(name, "") + piece.text
-    return fields
 
 
 def usage(job: Job, completion_tokens: int) -> dict:

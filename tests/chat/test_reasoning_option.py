@@ -48,7 +48,7 @@ def test_the_parser_is_the_one_named_else_the_chat_templates(setting, template, 
 
 
 def test_an_unknown_tool_call_parser_is_refused_with_the_known_ones_on_every_command():
-    with pytest.raises(RequestError, match=r"unknown tool-call parser 'hermez'; the known ones are hermes, "
+    with pytest.raises(RequestError, match=r"unknown tool-call parser 'hermez'; the known ones are hermes, json, "
                                            r"llama3_json, pythonic") as caught:
         EngineConfig(tool_call_parser="hermez")
     assert caught.value.param == "tool_call_parser"
