@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -20,6 +21,8 @@ from gristmill.server.errors import (ModelNotFoundError, error_response, excepti
                                      validation_param)
 from gristmill.server.gate import ENGINE_PATHS, Gate, Traffic
 from gristmill.server.limits import ServerLimits
+from gristmill.server.messages_api import MessagesServing, anthropic_error_body
+from gristmill.server.messages_protocol import COUNT_TOKENS_PATH, MESSAGES_PATH, MessagesRequest
 from gristmill.server.metrics import ServerMetrics
 from gristmill.server.openai_serving import OpenAIServing
 from gristmill.server.pooling import PoolingServing
@@ -29,6 +32,8 @@ from gristmill.server.protocol import CHAT_PATH, COMPLETIONS_PATH, ChatCompletio
 from gristmill.server.responses_api import ResponsesServing
 from gristmill.server.responses_protocol import RESPONSES_PATH, ResponsesRequest
 from gristmill.server.supervisor import EngineSupervisor
+from gristmill.server.tokenize_api import (DETOKENIZE_PATH, TOKENIZE_PATH, DetokenizeRequest, TokenizeRequest,
+                                           detokenize, tokenize)
 
 logger = logging.getLogger("gristmill.serve")
 
@@ -54,6 +59,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
     serving = OpenAIServing(engine, model_name, metrics, supervisor=supervisor, limits=limits)
     pooling = PoolingServing(engine, model_name, metrics, limits, serving)
     responses = ResponsesServing(serving)
+    messages = MessagesServing(serving)
     created = int(time.time())
     traffic = Traffic()
     app.state.engine, app.state.metrics, app.state.supervisor, app.state.traffic = engine, metrics, supervisor, traffic
@@ -63,11 +69,29 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
     async def authenticate(request: Request, call_next):
         if api_key and request.url.path.startswith(("/v1", "/v2")):
             scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
-            # (the scheme is case-insensitive, RFC 9110; the key is not)
-            if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), api_key.encode()):
-                return error_response(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                                      "invalid_request_error", code="invalid_api_key")
+            # (the scheme is case-insensitive, RFC 9110; the key is not; Anthropic's
+            # clients send theirs as x-api-key)
+            if scheme.lower() != "bearer":
+                given = request.headers.get("x-api-key", "")
+            if not hmac.compare_digest(given.strip().encode(), api_key.encode()):
+                return error_response(401, "invalid or missing API key: send 'Authorization: Bearer <key>' (or "
+                                           "'x-api-key: <key>')", "invalid_request_error", code="invalid_api_key")
         return await call_next(request)
+
+    @app.middleware("http")
+    async def anthropic_errors(request: Request, call_next):
+        """Errors of the Messages API in Anthropic's envelope, wherever they were made."""
+        response = await call_next(request)
+        if response.status_code < 400 or not request.url.path.startswith(MESSAGES_PATH) \
+                or not response.headers.get("content-type", "").startswith("application/json"):
+            return response
+        body = b"".join([chunk async for chunk in response.body_iterator])
+        headers = {k: v for k, v in response.headers.items() if k.lower() not in ("content-length", "content-type")}
+        try:
+            payload = anthropic_error_body(response.status_code, json.loads(body))
+        except (ValueError, AttributeError):
+            return Response(body, response.status_code, headers, media_type="application/json")
+        return JSONResponse(payload, status_code=response.status_code, headers=headers)
 
     @app.post(COMPLETIONS_PATH)
     async def completions(body: CompletionRequest, request: Request):
@@ -97,6 +121,24 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
     @app.post(RESPONSES_PATH)
     async def create_response(body: ResponsesRequest, request: Request):
         return await responses.create(body, request)
+
+    @app.post(MESSAGES_PATH)
+    async def create_message(body: MessagesRequest, request: Request):
+        return await messages.create(body, request)
+
+    @app.post(COUNT_TOKENS_PATH)
+    async def count_message_tokens(body: MessagesRequest):
+        return await messages.count_tokens(body)
+
+    @app.post(TOKENIZE_PATH)
+    async def tokenize_prompt(body: TokenizeRequest):
+        serving.check_model(body.model)
+        return await tokenize(engine, body)
+
+    @app.post(DETOKENIZE_PATH)
+    async def detokenize_tokens(body: DetokenizeRequest):
+        serving.check_model(body.model)
+        return detokenize(engine, body)
 
     def model_card() -> dict:
         return {"id": model_name, "object": "model", "created": created, "owned_by": "gristmill",

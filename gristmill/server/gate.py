@@ -10,13 +10,14 @@ import json
 
 from gristmill.server.errors import envelope
 from gristmill.server.limits import ServerLimits
+from gristmill.server.messages_protocol import MESSAGES_PATH
 from gristmill.server.pooling_protocol import POOLING_PATHS
 from gristmill.server.protocol import CHAT_PATH, COMPLETIONS_PATH
 from gristmill.server.responses_protocol import RESPONSES_PATH
 
 #: Paths whose bodies are engine requests, generation or pooling (their failures are
 #: counted in /metrics).
-ENGINE_PATHS = frozenset({COMPLETIONS_PATH, CHAT_PATH, RESPONSES_PATH, *POOLING_PATHS})
+ENGINE_PATHS = frozenset({COMPLETIONS_PATH, CHAT_PATH, RESPONSES_PATH, MESSAGES_PATH, *POOLING_PATHS})
 
 
 class Traffic:
