@@ -17,12 +17,12 @@ from gristmill.lora import LoRARequest
 
 
 class LoRASlots:
-    """Check-then-change in one call: `acquire` changes nothing when it gives None, and
-    leaves the slot empty when loading fails (LoRAAdapterError)."""
+    """Check-then-change in one call: `acquire` changes nothing when it gives None or
+    when loading fails (LoRAAdapterError; the slot keeps the adapter it held)."""
 
     def __init__(self, num_slots: int, load: Callable[[int, LoRARequest], None]):
         """`load(slot, lora)`: puts the adapter's weights in the slot (the model runner's
-        `load_lora`); raises LoRAAdapterError when the adapter cannot run."""
+        `load_lora`); raises LoRAAdapterError, the slot unchanged, when it cannot run."""
         self.num_slots = num_slots
         self._load = load
         self.adapters: list[LoRARequest | None] = [None] * num_slots
@@ -47,11 +47,10 @@ class LoRASlots:
             if not idle:
                 return None
             slot = next((s for s in idle if self.adapters[s] is None), idle[0])  # an empty one first
+            self._load(slot, lora)  # (raises LoRAAdapterError: the slot holds what it held)
             old = self.adapters[slot]
             if old is not None:
                 del self._slot_of[old.lora_int_id]
-                self.adapters[slot] = None
-            self._load(slot, lora)  # (raises LoRAAdapterError: the slot stays empty)
             self.num_loads += 1
             self.adapters[slot] = lora
             self._slot_of[lora.lora_int_id] = slot

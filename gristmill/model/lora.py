@@ -11,7 +11,8 @@ hooks on the step's metadata, as attention's do; a step without adapter rows pay
 attribute read per projection.
 
 Loading reads and checks the whole adapter (config, tensors, every shape) before it
-writes its slot; what does not fit is a LoRAAdapterError naming the adapter and the part.
+writes its slot; what does not fit is a LoRAAdapterError naming the adapter and the part,
+and the slot keeps what it held.
 """
 
 from __future__ import annotations
@@ -116,16 +117,16 @@ class LoRAModel:
         self.num_layers = 1 + max((layer for layer, _ in self.parts), default=-1)
 
     def load(self, slot: int, lora: LoRARequest) -> None:
-        """Put adapter `lora` in `slot` (what was there is dropped). Everything is read and
-        checked first: an adapter that does not fit leaves the slot empty and raises
-        LoRAAdapterError."""
-        for site in self.sites:
-            site.clear(slot)
+        """Put adapter `lora` in `slot` in place of what it held. Everything is read and
+        checked first: an adapter that does not fit raises LoRAAdapterError and leaves
+        the slot as it was."""
         if not self.sites:
             raise LoRAAdapterError(f"LoRA adapter {lora.lora_name!r}: this model has no layers an adapter can "
                                    f"update (q/k/v/o, gate/up/down projections of a decoder)", lora_name=lora.lora_name)
         config = read_adapter_config(lora, self.max_rank)
         updates = self._updates(config, _read_tensors(config))
+        for site in self.sites:
+            site.clear(slot)
         for (site, part), (a, b) in updates.items():
             site.put(slot, part, a, b)
 

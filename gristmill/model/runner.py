@@ -428,7 +428,7 @@ class ModelRunner:
 
     def load_lora(self, slot: int, lora) -> None:
         """Put LoRA adapter `lora` (a LoRARequest) in `slot`; LoRAAdapterError when it
-        cannot run on this model (the slot is then empty)."""
+        cannot run on this model (the slot then keeps what it held)."""
         self.lora.load(slot, lora)
 
     def _lora_step(self, out: SchedulerOutput, host: HostStep):
