@@ -113,14 +113,16 @@ def llama():
                                targets=("gate_proj", "up_proj", "down_proj", "o_proj"))]
 
 
-@pytest.mark.parametrize("quantization", [None, "int8"])
-def test_a_mixed_step_gives_each_row_what_it_gets_alone(llama, quantization):
+@pytest.mark.parametrize("quantization,async_scheduling", [(None, False), ("int8", False), ("int8", True)],
+                         ids=["float", "int8", "int8-async"])
+def test_a_mixed_step_gives_each_row_what_it_gets_alone(llama, quantization, async_scheduling):
     """Rows of three adapters and of the base, prompts of different lengths, in the same
     steps (prefills, then decodes): each is what it is run alone. With int8 the base's
     decode steps alone take the C++ decode stack, with adapter rows the layers one by
-    one: the same arithmetic."""
+    one: the same arithmetic. With async scheduling (CUDA's way) each step is scheduled
+    while the one before is in flight."""
     base, adapters = llama
-    llm = _engine(base, quantization, max_loras=3, max_lora_rank=16)
+    llm = _engine(base, quantization, max_loras=3, max_lora_rank=16, async_scheduling=async_scheduling)
     loras = [_lora(a, i + 1) for i, a in enumerate(adapters)] + [None]
     prompts = [p for p in PROMPTS for _ in loras]
     per_row = loras * len(PROMPTS)
@@ -288,3 +290,36 @@ def test_embed_runs_an_adapter_as_peft_does():
             hidden = model(torch.tensor([output.prompt_token_ids]), output_hidden_states=True).hidden_states[-1]
         expected = torch.nn.functional.normalize(hidden[0, -1], dim=-1)
         assert torch.allclose(torch.tensor(output.outputs.embedding), expected, atol=ATOL)
+
+
+# -- the other offline faces ------------------------------------------------------------------
+
+TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+
+
+def test_chat_takes_a_lora_request_per_conversation(llama):
+    base, adapters = llama
+    llm = _engine(base, max_loras=1)
+    lora = _lora(adapters[0], 1)
+    conversation = [{"role": "user", "content": "hello there"}]
+    with_adapter, without = llm.chat([conversation, conversation], GREEDY, use_tqdm=False, chat_template=TEMPLATE,
+                                     lora_request=[lora, None])
+    [generated] = llm.generate([with_adapter.prompt_token_ids], GREEDY, use_tqdm=False, lora_request=lora)
+    _same(with_adapter, generated)
+    assert with_adapter.outputs[0].token_ids != without.outputs[0].token_ids
+
+
+def test_adapters_load_in_a_child_process_core_and_a_bad_one_fails_only_its_request(llama, tmp_path):
+    """LLM(core_process=True): the adapters load in the engine-core process; its error
+    reaches the caller with its type and the adapter's name."""
+    base, adapters = llama
+    good = _lora(adapters[0], 1)
+    bad = LoRARequest("missing", 2, str(tmp_path / "nowhere"))
+    [expected] = _engine(base, max_loras=1).generate(PROMPTS[1], GREEDY, use_tqdm=False, lora_request=good)
+    llm = _engine(base, max_loras=1, core_process=True)
+    try:
+        ok, failed = llm.generate([PROMPTS[1]] * 2, GREEDY, use_tqdm=False, lora_request=[good, bad])
+    finally:
+        llm.client.shutdown()
+    _same(ok, expected, atol=1e-4)
+    assert failed.outputs[0].error.startswith("LoRAAdapterError: LoRA adapter 'missing'")
