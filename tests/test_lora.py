@@ -323,3 +323,14 @@ def test_adapters_load_in_a_child_process_core_and_a_bad_one_fails_only_its_requ
         llm.client.shutdown()
     _same(ok, expected, atol=1e-4)
     assert failed.outputs[0].error.startswith("LoRAAdapterError: LoRA adapter 'missing'")
+
+
+def test_the_memory_check_counts_the_slots_as_they_are_allocated(llama):
+    """The figure a start checks against the memory available is what the slots take."""
+    from gristmill.model.memory import lora_slot_bytes
+
+    base, _ = llama
+    llm = _engine(base, max_loras=3, max_lora_rank=8)
+    runner = llm.core.executor
+    allocated = sum(t.numel() * t.element_size() for site in runner.lora.sites for t in (site.a, site.b))
+    assert allocated == lora_slot_bytes(runner.hf_config, 3, 8, 4)

@@ -3,10 +3,10 @@ and the per-row low-rank update.
 
 Each projection an adapter may update (q/k/v/o, gate/up/down; q/k/v and gate/up fused
 into one layer where the backend fused them) is a `Site` holding, per slot, the adapter's
-A (P parts x R x in) and its scaled B, block-diagonal over the parts (out x P*R), R being
+A of every part stacked (P * R x in) and each part's scaled B (out_part x R), R being
 `max_lora_rank` (a smaller rank is zero padded). A forward hook on the site's layer adds,
 after the base matmul has run once for every row of the step, each slot's update on its
-own rows: y[rows] += (x[rows] A^T) B^T. The step's rows per slot (`LoRAStep`) reach the
+own rows: h = x[rows] A^T once, then y[rows, part] += h[:, part's R] B_part^T. The step's rows per slot (`LoRAStep`) reach the
 hooks on the step's metadata, as attention's do; a step without adapter rows pays one
 attribute read per projection.
 
@@ -54,11 +54,11 @@ class Site:
         starts = np.cumsum([0, *sizes])
         self.bounds = [(int(s), int(e)) for s, e in zip(starts[:-1], starts[1:])]
         self.in_features, self.out_features = module.in_features, module.out_features
-        # (slots, P * R, in) and (slots, out, P * R): B block-diagonal over the parts
+        # (slots, P * R, in): the parts' A stacked; (slots, out, R): each part's B on its rows
         self.a = torch.zeros(num_slots, len(parts) * rank, self.in_features, dtype=dtype, device=device)
-        self.b = torch.zeros(num_slots, self.out_features, len(parts) * rank, dtype=dtype, device=device)
-        #: Per slot: whether its adapter updates this layer.
-        self.used = [False] * num_slots
+        self.b = torch.zeros(num_slots, self.out_features, rank, dtype=dtype, device=device)
+        #: Per slot: the parts its adapter updates.
+        self.used: list[list[int]] = [[] for _ in range(num_slots)]
         module.register_forward_hook(self._hook)
 
     def _hook(self, module, args, output):
@@ -69,28 +69,33 @@ class Site:
             return None
         x = args[0].reshape(-1, self.in_features)  # (num_tokens, in)
         y = output.view(-1, self.out_features)  # (num_tokens, out), updated in place
+        rank = self.rank
         for slot, rows in step.groups:
-            if not self.used[slot]:
+            parts = self.used[slot]
+            if not parts:
                 continue
-            delta = (x[rows] @ self.a[slot].t()) @ self.b[slot].t()  # (rows, out)
-            if isinstance(rows, slice):
-                y[rows] += delta.to(y.dtype)
-            else:
-                y.index_add_(0, rows, delta.to(y.dtype))
+            h = x[rows] @ self.a[slot].t()  # (rows, P * R)
+            for part in parts:
+                start, end = self.bounds[part]
+                delta = (h[:, part * rank:(part + 1) * rank] @ self.b[slot, start:end].t()).to(y.dtype)
+                if isinstance(rows, slice):
+                    y[rows, start:end] += delta
+                else:
+                    y[:, start:end].index_add_(0, rows, delta)
         return output
 
     def clear(self, slot: int) -> None:
         self.a[slot].zero_()
         self.b[slot].zero_()
-        self.used[slot] = False
+        self.used[slot] = []
 
     def put(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor) -> None:
         """Part `part`'s A (r, in) and scaled B (out_part, r) into `slot`."""
         r, (start, end) = a.shape[0], self.bounds[part]
         offset = part * self.rank
         self.a[slot, offset:offset + r] = a.to(self.a.dtype)
-        self.b[slot, start:end, offset:offset + r] = b.to(self.b.dtype)
-        self.used[slot] = True
+        self.b[slot, start:end, :r] = b.to(self.b.dtype)
+        self.used[slot] = sorted({*self.used[slot], part})
 
 
 class LoRAModel:
