@@ -2,7 +2,8 @@
 
 from gristmill.config import EngineConfig
 from gristmill.errors import (EngineDeadError, EngineOverloadedError, GenerationError, GristmillError,
-                              InsufficientMemoryError, PromptTooLongError, RequestError, is_fatal)
+                              InsufficientMemoryError, LoRAAdapterError, PromptTooLongError, RequestError, is_fatal)
+from gristmill.lora import LoRARequest
 from gristmill.outputs import (ClassificationOutput, ClassificationRequestOutput, CompletionOutput, EmbeddingOutput,
                                EmbeddingRequestOutput, Logprob, PoolingOutput, PoolingRequestOutput, RequestOutput,
                                ScoringOutput, ScoringRequestOutput)
@@ -13,7 +14,8 @@ __all__ = ["LLM", "AsyncEngine", "EngineConfig", "SamplingParams", "RequestOutpu
            "PoolingParams", "PoolingRequestOutput", "PoolingOutput", "EmbeddingRequestOutput", "EmbeddingOutput",
            "ClassificationRequestOutput", "ClassificationOutput", "ScoringRequestOutput", "ScoringOutput",
            "GristmillError", "RequestError", "PromptTooLongError", "GenerationError",
-           "EngineOverloadedError", "EngineDeadError", "InsufficientMemoryError", "is_fatal"]
+           "EngineOverloadedError", "EngineDeadError", "InsufficientMemoryError", "is_fatal", "LoRARequest",
+           "LoRAAdapterError"]
 
 
 def __getattr__(name):

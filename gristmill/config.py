@@ -95,6 +95,15 @@ class EngineConfig:
               "('hermes' when it writes <tool_call>, 'pythonic' for Llama 3.2 / 4's pythonic "
               "instruction, 'llama3_json' for <|python_tag|>; none for other models: a request "
               "with tools is then refused); 'none' = no tool calls, whatever the template.")
+    enable_lora: bool = _field(
+        False, "Serve LoRA adapters over the model: requests name one with a LoRARequest "
+               "(docs/lora.md); each step runs the base matmuls once for all rows and each "
+               "adapter's low-rank update on its own rows.")
+    max_loras: int = _field(
+        1, "With enable_lora: most adapters held at once (slots); a step's rows use at most this many "
+           "distinct adapters, others wait, and the least recently used idle adapter makes room.")
+    max_lora_rank: int = _field(
+        16, "With enable_lora: the highest adapter rank accepted (each slot is sized for it).")
     seed: int | None = _field(
         0, "Seed of the engine's random stream, used by requests without a seed of their own; "
            "None = a random one.")
@@ -170,6 +179,10 @@ class EngineConfig:
                 get_tool_parser(self.tool_call_parser)
             except (ValueError, TypeError) as exc:
                 check(False, "tool_call_parser", f"{exc} (or None: from the chat template; 'none': no tool calls)")
+        check(isinstance(self.enable_lora, bool), "enable_lora", f"must be True or False, got {self.enable_lora!r}")
+        check(_positive_int(self.max_loras), "max_loras", f"must be a positive integer, got {self.max_loras!r}")
+        check(_positive_int(self.max_lora_rank) and self.max_lora_rank <= 512, "max_lora_rank",
+              f"must be an integer in [1, 512], got {self.max_lora_rank!r}")
         check(self.max_waiting_requests is None or _positive_int(self.max_waiting_requests),
               "max_waiting_requests", f"must be a positive integer or None, got {self.max_waiting_requests!r}")
         for name in ("step_timeout_s", "start_timeout_s"):

@@ -54,6 +54,15 @@ class PromptTooLongError(RequestError):
     """Prompt plus max_tokens exceed max_model_len, or the KV cache cannot ever hold it."""
 
 
+class LoRAAdapterError(RequestError):
+    """A LoRA adapter a request names cannot run: its files are missing or corrupt, or its
+    rank, modules or shapes do not fit the model or the engine (`max_lora_rank`). Only the
+    requests naming it fail; `lora_name` names it."""
+
+    def __init__(self, message: str, param: str | None = "lora_request", lora_name: str | None = None, **fields):
+        super().__init__(message, param=param, lora_name=lora_name, **fields)
+
+
 class GenerationError(GristmillError, ValueError):
     """This one request failed inside the engine; other requests are unaffected.
 
@@ -159,6 +168,17 @@ def _chain(exc: BaseException):
         for link in (getattr(current, "cause", None), current.__cause__):
             if isinstance(link, BaseException):
                 todo.append(link)
+
+
+def error_from_string(text: str) -> GristmillError:
+    """The error of a request the engine core ended, from its `error_string`: a
+    RequestError of its own type (a LoRAAdapterError) when it names one, else a
+    GenerationError with its message."""
+    name, _, message = text.partition(": ")
+    cls = globals().get(name)
+    if message and isinstance(cls, type) and issubclass(cls, RequestError):
+        return cls(message)
+    return GenerationError(text.split(": ", 1)[-1])
 
 
 def last_line(exc: BaseException, limit: int = 300) -> str:

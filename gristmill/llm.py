@@ -16,6 +16,7 @@ from gristmill.config import EngineConfig
 from gristmill.engine.client import EngineClient, EngineFace, InprocCore, stepped_in_child_process
 from gristmill.engine.core import EngineCore
 from gristmill.errors import EngineDeadError, GenerationError, RequestError, error_string
+from gristmill.lora import LoRARequest, as_lora_request
 from gristmill.outputs import (POOLING_OUTPUT_CLASSES, ClassificationRequestOutput, CompletionOutput,
                                EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput, ScoringOutput,
                                ScoringRequestOutput)
@@ -70,27 +71,30 @@ class LLM(EngineFace):
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
         """Generate for one prompt or a list (strings or token-id lists); one output each,
         in order. `sampling_params` is one for all prompts or one per prompt; None takes
         the model's generation_config.json as vLLM does: its temperature, top_p, top_k,
         min_p, repetition_penalty and max_new_tokens (as max_tokens) over SamplingParams()
         (`get_default_sampling_params`). A list of ints is one prompt of token ids. A
         prompt may also be a dict as vLLM takes it: {"prompt": text} or
-        {"prompt_token_ids": [ids]}."""
+        {"prompt_token_ids": [ids]}. `lora_request`: the LoRA adapter to run with (an engine
+        started with enable_lora), one for all prompts or one (or None) per prompt."""
         if prompts is None:
             raise RequestError("prompts is None; pass a prompt (a string or a list of token ids) or a list of "
                                "prompts", param="prompt")
         if isinstance(prompts, (str, bytes, dict)) or is_token_ids(prompts):
             prompts = [prompts]
-        return self._run([prompt_item(p) for p in prompts], sampling_params, use_tqdm)
+        return self._run([prompt_item(p) for p in prompts], sampling_params, use_tqdm, lora_request=lora_request)
 
     def chat(self, conversations: list[dict] | Sequence[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True, continue_final_message: bool = False,
              chat_template: str | None = None, chat_template_kwargs: dict | None = None,
              tools: list[dict] | None = None, tool_choice: str | dict | None = None,
-             parallel_tool_calls: bool | None = None) -> list[RequestOutput]:
+             parallel_tool_calls: bool | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generate a reply to each conversation (a list of {"role", "content"} messages),
         rendered with the model's chat template (or `chat_template`, a Jinja text), as vLLM's
         LLM.chat: `continue_final_message` continues the last (assistant) message, left
@@ -128,7 +132,8 @@ class LLM(EngineFace):
                 items.append((None, exc))
         if tool_req is not None and tool_req.parser is not None:
             sampling_params, items = self._tool_constraints(tool_req, sampling_params, items)
-        results = self._run(items, sampling_params, use_tqdm, add_special_tokens=False, chat=True)
+        results = self._run(items, sampling_params, use_tqdm, add_special_tokens=False, chat=True,
+                            lora_request=lora_request)
         for (prompt_text, _), result in zip(items, results):
             for output in result.outputs:
                 if output.finish_reason == "error":
@@ -194,13 +199,14 @@ class LLM(EngineFace):
     # -- pooling engines (task embed, classify, score) ------------------------------
 
     def embed(self, prompts: Prompt | Sequence[Prompt], pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
-              *, truncate_prompt_tokens: int | None = None, use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+              *, truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[EmbeddingRequestOutput]:
         """An embedding of each prompt, in order (`outputs.embedding`, a list of floats), as
         vLLM's LLM.embed; needs an engine whose task is embed (or score, by an embedding
         model). `pooling_params`: one for all prompts or one per prompt (`dimensions`,
         `normalize`, `truncate_prompt_tokens`). A prompt that fails comes back with
         finish_reason "error" and `error` set, `outputs` None."""
-        return self._pool(prompts, pooling_params, "embed", truncate_prompt_tokens, use_tqdm)
+        return self._pool(prompts, pooling_params, "embed", truncate_prompt_tokens, use_tqdm, lora_request=lora_request)
 
     def classify(self, prompts: Prompt | Sequence[Prompt],
                  pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *,
@@ -248,7 +254,8 @@ class LLM(EngineFace):
             results.append(result)
         return results
 
-    def _pool(self, prompts, pooling_params, kind: str, truncate_prompt_tokens, use_tqdm: bool, pairs: bool = False):
+    def _pool(self, prompts, pooling_params, kind: str, truncate_prompt_tokens, use_tqdm: bool, pairs: bool = False,
+              lora_request=None):
         if prompts is None:
             raise RequestError("prompts is None; pass a text, a list of token ids or a list of them", param="prompt")
         if not pairs and (isinstance(prompts, (str, bytes, dict)) or is_token_ids(prompts)):
@@ -259,6 +266,7 @@ class LLM(EngineFace):
                                          PoolingParams)
         if truncate_prompt_tokens is not None:
             params_list = [p.clone(truncate_prompt_tokens=truncate_prompt_tokens) for p in params_list]
+        loras = self._loras_per_prompt(lora_request, len(prompts))
         if self.dead_error is not None:
             raise EngineDeadError(self.dead_error.message)
         with self._lock:
@@ -267,14 +275,14 @@ class LLM(EngineFace):
                 # sequences are then of near lengths, and its attention pads few rows.
                 results = [None] * len(prompts)
                 for i in sorted(range(len(prompts)), key=lambda i: _prompt_size(prompts[i])):
-                    results[i] = self._add_pooling(prompts[i], params_list[i], kind, pairs)
+                    results[i] = self._add_pooling(prompts[i], params_list[i], kind, pairs, loras[i])
                 self._step_until_done(len(results), sum(r.finished for r in results), use_tqdm, kind)
                 return results
             except BaseException:
                 self.client.abort_all()
                 raise
 
-    def _add_pooling(self, prompt, params: PoolingParams, kind: str, pair: bool) -> PoolingRequestOutput:
+    def _add_pooling(self, prompt, params: PoolingParams, kind: str, pair: bool, lora=None) -> PoolingRequestOutput:
         request_id = str(next(self._ids))
         second = None
         if pair:
@@ -283,7 +291,7 @@ class LLM(EngineFace):
         try:
             if invalid is not None:
                 raise invalid
-            return self.client.add_pooling(prompt, params, request_id, kind, pair=second).output
+            return self.client.add_pooling(prompt, params, request_id, kind, pair=second, lora=lora).output
         except (RequestError, GenerationError) as exc:
             return POOLING_OUTPUT_CLASSES[kind](request_id, prompt if isinstance(prompt, str) else None, [],
                                                 finish_reason="error", error=error_string(exc))
@@ -294,7 +302,8 @@ class LLM(EngineFace):
 
     # -- the loop --------------------------------------------------------------
 
-    def _run(self, items, sampling_params, use_tqdm: bool, add_special_tokens: bool = True, chat: bool = False):
+    def _run(self, items, sampling_params, use_tqdm: bool, add_special_tokens: bool = True, chat: bool = False,
+             lora_request=None):
         if self.dead_error is not None:
             raise EngineDeadError(self.dead_error.message)
         if self.client.task != "generate":
@@ -304,20 +313,21 @@ class LLM(EngineFace):
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params_list = _params_per_prompt(sampling_params, len(items))
+        loras = self._loras_per_prompt(lora_request, len(items))
         with self._lock:
             if self.dead_error is not None:  # (another thread's call saw it die)
                 raise EngineDeadError(self.dead_error.message)
             try:
-                return self._run_locked(items, params_list, use_tqdm, add_special_tokens, chat)
+                return self._run_locked(items, params_list, use_tqdm, add_special_tokens, chat, loras)
             except BaseException:
                 # Ctrl-C, or anything else that leaves this call early: nothing of it may
                 # stay in the engine (its KV blocks, or steps run for it by the next call).
                 self.client.abort_all()
                 raise
 
-    def _run_locked(self, items, params_list, use_tqdm: bool, add_special_tokens: bool, chat: bool):
-        results = [self._add(prompt, params, early_error, add_special_tokens, chat)
-                   for (prompt, early_error), params in zip(items, params_list)]
+    def _run_locked(self, items, params_list, use_tqdm: bool, add_special_tokens: bool, chat: bool, loras: list):
+        results = [self._add(prompt, params, early_error, add_special_tokens, chat, lora)
+                   for (prompt, early_error), params, lora in zip(items, params_list, loras)]
         self._step_until_done(len(results), sum(r.finished for r in results), use_tqdm, "generate")
         return results
 
@@ -332,7 +342,24 @@ class LLM(EngineFace):
         finally:
             bar.close()
 
-    def _add(self, prompt, params: SamplingParams, early_error, add_special_tokens, chat: bool) -> RequestOutput:
+    def _loras_per_prompt(self, lora_request, count: int) -> list[LoRARequest | None]:
+        """One LoRARequest (or None) per prompt, from one for all or a list; RequestError
+        when the engine has no LoRA or the list does not fit."""
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * count
+        elif isinstance(lora_request, (list, tuple)) and len(lora_request) == count:
+            loras = [as_lora_request(lora) for lora in lora_request]
+        else:
+            raise RequestError(f"lora_request must be a LoRARequest, None, or a list with one (or None) per prompt "
+                               f"({count}), got {type(lora_request).__name__}"
+                               f"{f' of {len(lora_request)}' if isinstance(lora_request, (list, tuple)) else ''}",
+                               param="lora_request")
+        for lora in loras:
+            self.client.check_lora(lora)
+        return loras
+
+    def _add(self, prompt, params: SamplingParams, early_error, add_special_tokens, chat: bool,
+             lora: LoRARequest | None = None) -> RequestOutput:
         """The request's output: the client's, filled in as it runs; one that is refused
         before it reaches the engine ends at once with its error. `chat`: `prompt` is a
         rendered chat (on a reasoning model, a constraint applies after the reasoning)."""
@@ -347,7 +374,7 @@ class LLM(EngineFace):
             # sends its tokens then, not every step.
             return self.client.add(prompt, params, request_id, output_kind="final",
                                    add_special_tokens=add_special_tokens, token_times=False,
-                                   chat_prompt=prompt if chat else None).output
+                                   chat_prompt=prompt if chat else None, lora=lora).output
         except (RequestError, GenerationError) as exc:
             result = RequestOutput(request_id, prompt if isinstance(prompt, str) else None, [],
                                    [CompletionOutput(i) for i in range(num_outputs)])

@@ -66,6 +66,9 @@ class ScheduledRequest:
     pooling: PoolingParams | None = None
     #: A pooling request's token types (a text pair's), or None (all 0).
     token_type_ids: Sequence[int] | None = None
+    #: The LoRA adapter slot its rows use (the runner's slots, filled by the scheduler
+    #: before the step), or -1: the base model.
+    lora_slot: int = -1
 
     def __repr__(self) -> str:
         return (f"ScheduledRequest({self.request_id!r}, num_computed_tokens={self.num_computed_tokens}, "

@@ -38,9 +38,10 @@ from gristmill.engine.core import EngineCore
 from gristmill.engine.core_client import CoreClient, SteppedChildCore
 from gristmill.engine.messages import AddRequest, Rejected, StepOutputs
 from gristmill.engine.output_processor import OutputProcessor
+from gristmill.lora import LoRARequest, as_lora_request
 from gristmill.engine.processor import InputProcessor, check_pooling_kind, check_pooling_request
 from gristmill.errors import (EngineDeadError, EngineOverloadedError, GenerationError, GristmillError, RequestError,
-                              error_string)
+                              error_from_string, error_string)
 from gristmill.outputs import (POOLING_OUTPUT_CLASSES, CompletionOutput, PoolingRequestOutput, RequestMetrics,
                                RequestOutput)
 from gristmill.pooling_params import PoolingParams
@@ -297,16 +298,18 @@ class EngineClient:
     def add(self, prompt: str | list[int], params: SamplingParams, request_id: str, *,
             output_kind: str = "cumulative", add_special_tokens: bool = True,
             prompt_token_ids: list[int] | None = None, token_times: bool = True,
-            chat_prompt: str | None = None) -> Tracked:
+            chat_prompt: str | None = None, lora: LoRARequest | None = None) -> Tracked:
         """Validate, tokenize and submit a request (`prompt_token_ids`: a text prompt's
         ids, tokenized already; `chat_prompt`: the rendered chat the prompt is, whose
         constraint on a reasoning model applies after the reasoning). Raises RequestError or GenerationError (nothing of it is
         kept then), EngineOverloadedError (past `max_waiting_requests`) or
         EngineDeadError. A request the core refuses at once (one in this process) comes
         back ended, with its error. `token_times`: with "final", the core
-        notes when each token became known (for latency metrics)."""
+        notes when each token became known (for latency metrics). `lora`: the LoRA
+        adapter it runs with (an engine with enable_lora)."""
         if self.core.dead_error is not None:
             raise EngineDeadError(self.core.dead_error.message)
+        self.check_lora(lora)
         if self.capacity.task != "generate":
             check_pooling_request(None, self.capacity)  # (raises: a pooling engine generates nothing)
         prompt_text = prompt if isinstance(prompt, str) else None
@@ -317,6 +320,8 @@ class EngineClient:
         requests = self.inputs.make_requests(request_id, token_ids, params, prompt_text,
                                              send_at_end=output_kind == "final", token_times=token_times,
                                              chat_prompt=chat_prompt)
+        for request in requests:
+            request.lora = lora
         child_ids = [r.request_id for r in requests]
         if request_id in self._tracked or any(c in self._by_child for c in child_ids):
             raise RequestError(f"request id {request_id!r} is already in use; use a unique id",
@@ -330,13 +335,15 @@ class EngineClient:
 
     def add_pooling(self, prompt: str | list[int], params: PoolingParams, request_id: str, kind: str, *,
                     pair: str | None = None, add_special_tokens: bool = True,
-                    prompt_token_ids: list[int] | None = None, token_type_ids: list[int] | None = None) -> Tracked:
+                    prompt_token_ids: list[int] | None = None, token_type_ids: list[int] | None = None,
+                    lora: LoRARequest | None = None) -> Tracked:
         """Validate, tokenize and submit a pooling request (an engine whose task is embed,
         classify or score): `kind` is what its caller gets (`outputs.pooled_output`), `pair`
         the second text of a pair a cross-encoder scores. Its one output comes when it
         ends. Raises as `add` does."""
         if self.core.dead_error is not None:
             raise EngineDeadError(self.core.dead_error.message)
+        self.check_lora(lora)
         check_pooling_request(params, self.capacity)
         check_pooling_kind(kind, self.capacity, pair=pair is not None)
         prompt_text = prompt if isinstance(prompt, str) else None
@@ -346,6 +353,7 @@ class EngineClient:
         else:
             token_ids, token_types = self.inputs.tokenize_for_pooling(prompt, params, add_special_tokens, pair)
         request = self.inputs.make_pooling_request(request_id, token_ids, params, prompt_text, token_types)
+        request.lora = lora
         if request_id in self._tracked or request_id in self._by_child:
             raise RequestError(f"request id {request_id!r} is already in use; use a unique id",
                                param="request_id")
@@ -368,6 +376,15 @@ class EngineClient:
         for rejected in refused:
             self.handle(rejected)
         return tracked
+
+    def check_lora(self, lora: LoRARequest | None) -> None:
+        """RequestError unless `lora` is None or a LoRARequest this engine can take (one
+        started with enable_lora). Whether the adapter runs on the model is found when the
+        core loads it: a LoRAAdapterError of the requests naming it."""
+        if as_lora_request(lora) is not None and not self.config.enable_lora:
+            raise RequestError(f"lora_request names adapter {lora.lora_name!r}, but this engine was started "
+                               f"without LoRA; start it with enable_lora=True (and max_loras, max_lora_rank)",
+                               param="lora_request")
 
     def check_pooling(self, kind: str) -> None:
         """RequestError unless this engine runs a pooling task whose model gives what a
@@ -443,7 +460,7 @@ class EngineClient:
                 continue
             error = None
             if finished and output.error is not None:
-                error = refused or GenerationError(output.error.split(": ", 1)[-1])
+                error = refused or error_from_string(output.error)
             deliveries.append(Delivery(tracked, pushed, error))
         return deliveries
 

@@ -8,6 +8,7 @@ from typing import Protocol
 from gristmill.config import EngineConfig
 from gristmill import faults
 from gristmill.engine.kv_blocks import BlockManager
+from gristmill.engine.lora_slots import LoRASlots
 from gristmill.engine.messages import AddRequest, Capacity, RequestUpdate
 from gristmill.engine.processor import POOLING_SAMPLING, check_add_request
 from gristmill.engine.request import Request
@@ -55,8 +56,11 @@ class EngineCore:
         # (a pooling request needs the hidden state of every prompt token: none is skipped)
         self.block_manager = BlockManager(executor.num_blocks, config.block_size,
                                           config.enable_prefix_caching and not is_pooling(self.task))
+        #: Which adapter each LoRA slot of the executor holds (enable_lora), or None.
+        self.lora_slots = LoRASlots(config.max_loras, executor.load_lora) if config.enable_lora else None
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
-                                   config.max_num_batched_tokens, executor.max_model_len, config.fast_forward)
+                                   config.max_num_batched_tokens, executor.max_model_len, config.fast_forward,
+                                   self.lora_slots)
         self.capacity = Capacity(executor.max_model_len, executor.num_blocks, config.block_size,
                                  executor.vocab_size, config.max_num_seqs,
                                  config.max_num_batched_tokens, self.task,
@@ -79,10 +83,11 @@ class EngineCore:
         synchronous = not self.async_scheduling or self.scheduler.num_constrained > 0
         resolved = self._resolve_in_flight() if synchronous else []
         out = self.scheduler.schedule()
+        failed = self.scheduler.take_failed()  # (requests whose adapter failed to load)
         if faults.ACTIVE:
             self._inject_faults(out)
         if synchronous:
-            return resolved + self.scheduler.update(out, self.executor.execute(out))
+            return resolved + failed + self.scheduler.update(out, self.executor.execute(out))
         # Async scheduling: this step goes to the device before the last one's tokens
         # come back (its inputs read them there), so the host's work on those tokens
         # (stop checks, outputs, detokenizing, the next schedule) overlaps the device's.
@@ -90,7 +95,7 @@ class EngineCore:
         updates = self._resolve_in_flight()
         self.scheduler.advance(out)
         self._in_flight = (out, launched)
-        return updates
+        return updates + failed
 
     def _resolve_in_flight(self) -> list[RequestUpdate]:
         if self._in_flight is None:
@@ -121,6 +126,9 @@ class EngineCore:
         except RequestError as exc:
             return exc
         request_id = message.request_id
+        if message.lora is not None and self.lora_slots is None:
+            return RequestError(f"the request names LoRA adapter {message.lora.lora_name!r}, but this engine was "
+                                f"started without LoRA; start it with enable_lora=True", param="lora_request")
         if request_id in self.scheduler.requests:
             self.scheduler.finish_request(request_id, "error")
             return RequestError(f"request id {request_id!r} was sent while a request with that id was in the "
@@ -128,7 +136,7 @@ class EngineCore:
         if message.pooling is not None:
             request = Request(request_id, list(message.prompt_token_ids), POOLING_SAMPLING, frozenset(),
                               message.fault_tag, pooling=message.pooling,
-                              token_type_ids=message.token_type_ids, send_at_end=True)
+                              token_type_ids=message.token_type_ids, send_at_end=True, lora=message.lora)
             self.scheduler.add_request(request)
             return None
         try:
@@ -139,7 +147,8 @@ class EngineCore:
                           frozenset(message.eos_token_ids), message.fault_tag, matcher=matcher,
                           bad_words_ids=tuple(tuple(word) for word in message.bad_words_ids),
                           send_at_end=message.send_at_end,
-                          token_times=[] if message.send_at_end and message.token_times else None)
+                          token_times=[] if message.send_at_end and message.token_times else None,
+                          lora=message.lora)
         self.scheduler.add_request(request)
         return None
 
@@ -183,4 +192,11 @@ class EngineCore:
                 # Since the engine started, in tokens: asked of the prefix cache, and found.
                 "prefix_cache_queries": bm.num_query_tokens,
                 "prefix_cache_hits": bm.num_hit_tokens,
-                "prefix_cache_hit_rate": bm.num_hit_tokens / bm.num_query_tokens if bm.num_query_tokens else 0.0}
+                "prefix_cache_hit_rate": bm.num_hit_tokens / bm.num_query_tokens if bm.num_query_tokens else 0.0,
+                **self._lora_stats()}
+
+    def _lora_stats(self) -> dict:
+        if self.lora_slots is None:
+            return {}
+        # The adapters in slots (least recently used first), and loads since the start.
+        return {"lora_adapters": self.lora_slots.loaded, "num_lora_loads": self.lora_slots.num_loads}

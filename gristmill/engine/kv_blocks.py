@@ -93,7 +93,8 @@ class BlockManager:
         hashes, bs = request.block_hashes, self.block_size
         while len(hashes) <= index:
             i = len(hashes)
-            hashes.append(block_hash(hashes[-1] if hashes else b"", request.token_ids[i * bs:(i + 1) * bs]))
+            hashes.append(block_hash(hashes[-1] if hashes else request.hash_seed,
+                                     request.token_ids[i * bs:(i + 1) * bs]))
         return hashes[index]
 
     # -- check, then change ------------------------------------------------------------

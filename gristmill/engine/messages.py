@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gristmill.config import EngineConfig
+from gristmill.lora import LoRARequest
 from gristmill.outputs import Logprob
 from gristmill.pooling_params import PoolerInfo, PoolingParams
 from gristmill.sampling import SamplingParams
@@ -84,6 +85,8 @@ class AddRequest:
     #: whose reasoning has a budget (`sampling_params.max_reasoning_tokens`); None: the
     #: constraint, if any, applies from the first token.
     reasoning: ReasoningGate | None = None
+    #: The LoRA adapter it runs with (an engine started with enable_lora), or None: the base model.
+    lora: LoRARequest | None = None
 
 
 @dataclass(slots=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from gristmill.lora import LoRARequest
 from gristmill.pooling_params import PoolingParams
 from gristmill.sampling import SamplingParams
 from gristmill.step import PLACEHOLDER, ScheduledRequest
@@ -62,6 +63,10 @@ class Request:
     pooling: PoolingParams | None = None
     #: A pooling request's token types (`AddRequest.token_type_ids`), or None.
     token_type_ids: list[int] | None = None
+    #: The LoRA adapter it runs with (`AddRequest.lora`), or None: the base model.
+    lora: LoRARequest | None = None
+    #: The adapter slot it holds while it runs (engine/lora_slots.py), else -1.
+    lora_slot: int = -1
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)
@@ -87,6 +92,9 @@ class Request:
         self.length_limit = self.num_prompt_tokens + params.max_tokens if params.max_tokens is not None else 1 << 62
         if self.pooling is not None:  # (its one step's "token" is its pooled result)
             self.length_limit = self.num_prompt_tokens + 1
+        #: What its first block's prefix-cache hash chains from: an adapter's key, so two
+        #: adapters (or an adapter and the base) never share KV blocks.
+        self.hash_seed = self.lora.cache_key if self.lora is not None else b""
 
     def limit_length(self, max_model_len: int) -> None:
         """It also ends when its sequence reaches `max_model_len` tokens."""
@@ -116,14 +124,14 @@ class Request:
         return ScheduledRequest(self.request_id, token_ids[computed:end], computed, self.block_ids,
                                 end == len(token_ids), self.pending, token_ids, self.num_prompt_tokens,
                                 self.sampling_params, self.eos_token_ids, self.bad_words_ids, self.matcher,
-                                self.controlled, self.pooling, self.token_type_ids)
+                                self.controlled, self.pooling, self.token_type_ids, self.lora_slot)
 
     def scheduled_decode(self) -> ScheduledRequest:
         """`scheduled(1)` for a request whose one new token is its last (a decode)."""
         return ScheduledRequest(self.request_id, self.token_ids[-1:], self.num_computed_tokens, self.block_ids,
                                 True, self.pending, self.token_ids, self.num_prompt_tokens,
                                 self.sampling_params, self.eos_token_ids, self.bad_words_ids, self.matcher,
-                                self.controlled)
+                                self.controlled, None, None, self.lora_slot)
 
     @property
     def needs_known_tokens(self) -> bool:

@@ -10,6 +10,11 @@ With prefix caching, a waiting request is admitted with the cached blocks that m
 the start of its sequence (`BlockManager.cached_prefix`) and starts at their end:
 `num_computed_tokens` is their token count, so only the rest is scheduled. A preempted
 request comes back the same way and reuses whatever of its own blocks is still cached.
+
+A request with a LoRA adapter is admitted only with a slot for it (`LoRASlots`: loaded
+on demand, least recently used out); while every slot is held by running requests it
+waits, and requests behind it that need no new slot go first. An adapter that fails to
+load ends every waiting request naming it, with the error; nothing else.
 """
 
 from __future__ import annotations
@@ -19,15 +24,23 @@ from collections import deque
 
 from gristmill import faults
 from gristmill.engine.kv_blocks import BlockManager
+from gristmill.engine.lora_slots import LoRASlots
 from gristmill.engine.messages import RequestUpdate
 from gristmill.engine.request import PLACEHOLDER, Request, RequestStatus
+from gristmill.errors import LoRAAdapterError, error_string
 from gristmill.step import SchedulerOutput, StepTokens
 
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int, fast_forward: bool = False):
+                 max_num_batched_tokens: int, max_model_len: int, fast_forward: bool = False,
+                 lora_slots: LoRASlots | None = None):
         self.block_manager = block_manager
+        #: The LoRA adapter slots (an engine with enable_lora), or None.
+        self.lora_slots = lora_slots
+        #: Updates of requests that ended while a step was scheduled (an adapter that
+        #: failed to load), for the engine core to send (`take_failed`).
+        self._failed: list[RequestUpdate] = []
         #: Append the tokens a request's grammar forces (`EngineConfig.fast_forward`).
         self.fast_forward = fast_forward
         self.max_num_seqs = max_num_seqs
@@ -75,6 +88,7 @@ class Scheduler:
         self.num_constrained -= request.needs_known_tokens
         self.num_not_plain -= not request.plain
         self.block_manager.free(request)
+        self._release_lora_slot(request)
         self._finished_ids.append(request.request_id)
 
     @property
@@ -125,19 +139,31 @@ class Scheduler:
             i += 1
 
         # Then admit waiting requests while there is room, unless this step preempted.
-        while (self.waiting and not out.preempted_request_ids and budget > 0
+        waiting, skipped = self.waiting, 0
+        while (len(waiting) > skipped and not out.preempted_request_ids and budget > 0
                and len(self.running) < self.max_num_seqs):
-            request = self.waiting[0]
+            request = waiting[skipped]
+            if request.lora is not None and not self._take_lora_slot(request):
+                if not request.is_finished:  # every slot is held: it waits, those behind it may go
+                    skipped += 1
+                    if skipped > _LORA_LOOKAHEAD:
+                        break
+                continue
             # (its prompt logprobs need every prompt token computed: no cached prefix)
             computed = self.block_manager.cached_prefix(request) if request.prompt_logprobs is None else []
             num_computed = len(computed) * self.block_manager.block_size
             num_new = min(request.num_tokens - num_computed, budget)
             if request.pooling is not None and num_new < request.num_tokens:
+                self._release_lora_slot(request)
                 break  # a pooling prompt is never split: it waits for a step with room
             total = num_computed + num_new
             if not self.block_manager.can_allocate(request, total, computed):
+                self._release_lora_slot(request)
                 break
-            self.waiting.popleft()
+            if skipped:
+                del waiting[skipped]
+            else:
+                waiting.popleft()
             request.num_computed_tokens = num_computed
             self.block_manager.allocate(request, total, computed)
             request.status = RequestStatus.RUNNING
@@ -146,10 +172,38 @@ class Scheduler:
             budget -= num_new
         return out
 
+    def _take_lora_slot(self, request: Request) -> bool:
+        """Give a waiting request a slot holding its adapter (loaded now if needed). False
+        when every slot is held by running requests, or when its adapter failed to load:
+        then it, and every waiting request naming that adapter, ended with the error."""
+        try:
+            slot = self.lora_slots.acquire(request.lora) if self.lora_slots is not None else None
+        except LoRAAdapterError as exc:
+            for other in [r for r in self.waiting if r.lora is not None and r.lora.same_adapter(request.lora)]:
+                self.finish_request(other.request_id, "error")
+                self._failed.append(RequestUpdate(other.request_id, other.output_token_ids if other.send_at_end
+                                                  else [], None, "error", error_string(exc), other.token_times))
+            return False
+        if slot is None and self.lora_slots is None:
+            raise RuntimeError("a request with a LoRA adapter reached a scheduler without LoRA slots")
+        request.lora_slot = -1 if slot is None else slot
+        return slot is not None
+
+    def _release_lora_slot(self, request: Request) -> None:
+        if request.lora_slot >= 0:
+            self.lora_slots.release(request.lora_slot)
+            request.lora_slot = -1
+
+    def take_failed(self) -> list[RequestUpdate]:
+        """The updates of requests ended while steps were scheduled since the last call."""
+        failed, self._failed = self._failed, []
+        return failed
+
     def _preempt(self, request: Request) -> None:
         if request.prompt_logprobs is not None and len(request.prompt_logprobs) < request.num_prompt_tokens - 1:
             request.prompt_logprobs.clear()  # (its prompt is computed again, from the start)
         self.block_manager.free(request)
+        self._release_lora_slot(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
@@ -268,6 +322,11 @@ class Scheduler:
             self.finish_request(request_id, "stop")
             updates.append(RequestUpdate(request_id, [], None, "stop", pooled=pooled))
         return updates
+
+
+#: Most waiting requests passed over for one that waits for a LoRA slot, per step (the
+#: scan of the queue stays bounded when many wait for adapters).
+_LORA_LOOKAHEAD = 256
 
 
 def _prompt_logprobs(request: Request) -> list | None:

@@ -194,6 +194,9 @@ def cpu_memory_need(model_dir: Path, hf_config, config, max_model_len: int, quan
                     dtype_bytes: int = 4) -> MemoryNeed:
     """What an engine of `config` on CPU will need, and what is available."""
     weights, weights_how = weight_bytes(model_dir, quantization, dtype_bytes)
+    if getattr(config, "enable_lora", False):
+        weights += lora_slot_bytes(hf_config, config.max_loras, config.max_lora_rank, dtype_bytes)
+        weights_how += f" + {config.max_loras} LoRA slot(s) of rank {config.max_lora_rank}"
     kv, kv_how = kv_cache_bytes(hf_config, config, max_model_len, dtype_bytes)
     available, available_how = available_memory()
     from gristmill.model.loader.gguf_model import GGUF_LINK
@@ -201,6 +204,18 @@ def cpu_memory_need(model_dir: Path, hf_config, config, max_model_len: int, quan
     link = model_dir / GGUF_LINK
     name = link.resolve().name if link.exists() else model_dir.name
     return MemoryNeed(name, weights, weights_how, kv, kv_how, available, available_how)
+
+
+def lora_slot_bytes(hf_config, max_loras: int, max_lora_rank: int, dtype_bytes: int = 4) -> int:
+    """Bytes of the LoRA slots (model/lora.py): per slot, layer and projection, A (rank x
+    in) and B (out x rank) of q/k/v/o and gate/up/down."""
+    hidden, inter = hf_config.hidden_size, getattr(hf_config, "intermediate_size", 0)
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
+    # (in + out) of each projection: q, k, v, o, gate, up, down
+    sides = (2 * (hidden + heads * head_dim) + 2 * (hidden + kv_heads * head_dim) + 3 * (hidden + inter))
+    return max_loras * hf_config.num_hidden_layers * max_lora_rank * sides * dtype_bytes
 
 
 def memory_need_of(config, model_dir: Path) -> MemoryNeed | None:

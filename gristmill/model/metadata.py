@@ -86,6 +86,9 @@ class StepMetadata:
     seq_lens_host: list[int] = field(default_factory=list)
     #: A backend's own per-step tensors (the Triton backend's program maps).
     extras: dict = field(default_factory=dict)
+    #: The step's rows by LoRA adapter slot (model/lora.py's LoRAStep); None: no row
+    #: uses an adapter.
+    lora: object | None = None
     _decode_masks: dict = field(default_factory=dict)
 
     @property

@@ -27,6 +27,7 @@ from gristmill.model.context import forward_context
 from gristmill.model.cpu import kernels, quant
 from gristmill.model.layers import PagedAttention, RotaryEmbedding, clear_rotary_cache
 from gristmill.model.logits import LogitsControls
+from gristmill.model.lora import LoRAModel
 from gristmill.model.masking import GrammarMasks
 from gristmill.model.loader import GGUF_LINK, load_config, load_weights, resolve_model, trained_length
 from gristmill.model.loader.tensors import open_checkpoint
@@ -152,6 +153,9 @@ class ModelRunner:
         self.task = resolve_task(config.task, self.model_dir)
         self.pooler, self.pooler_info = self._build_pooler() if is_pooling(self.task) else (None, None)
         self.backend.prepare(self.model, self.max_model_len)
+        #: The LoRA adapter slots (EngineConfig.enable_lora), or None.
+        self.lora = LoRAModel(self.model, config.max_loras, config.max_lora_rank, self.dtype, self.device) \
+            if config.enable_lora else None
         self.block_size = config.block_size
         self.num_blocks = self._num_kv_blocks()
         self._allocate_kv_cache()
@@ -327,7 +331,8 @@ class ModelRunner:
         host, items = self.host_step(out)
         self._step_ids = [item.request_id for item in items]
         source = self._token_source(host, items)
-        if self.graphs is not None and self.graphs.can_run(host):
+        lora = self._lora_step(out, host)
+        if self.graphs is not None and lora is None and self.graphs.can_run(host):
             logits, self._greedy = self.graphs.run(host, source)
             if len(items) < host.num_tokens:
                 rows = torch.from_numpy(host.sample_indices).to(self.device)
@@ -338,6 +343,7 @@ class ModelRunner:
             rows = torch.from_numpy(source).to(self.device)
             taken = self.token_buffer[rows.clamp(min=0)].to(input_ids.dtype)
             input_ids = torch.where(rows >= 0, taken, input_ids)
+        metadata.lora = lora
         with forward_context(metadata, self.backend):
             hidden = self.model(input_ids, positions)
             if any(s.sampling_params.prompt_logprobs is not None for s in out.scheduled):
@@ -386,6 +392,7 @@ class ModelRunner:
             return PooledStep([], [])
         host, items = self.host_step(out)  # (every item samples: its prompt ends in this step)
         input_ids, positions, metadata, _ = self.backend.upload(host)
+        metadata.lora = self._lora_step(out, host)
         extra = {}
         if getattr(self.model, "uses_token_types", False):
             types = np.zeros(host.num_tokens, dtype=np.int64)
@@ -418,6 +425,17 @@ class ModelRunner:
         activated = torch.sigmoid(pooled) if pooled.shape[1] == 1 else torch.softmax(pooled, dim=-1)
         raw, activated = pooled.cpu().numpy(), activated.cpu().numpy()
         return [raw[j] if item.pooling.use_activation is False else activated[j] for j, item in enumerate(items)]
+
+    def load_lora(self, slot: int, lora) -> None:
+        """Put LoRA adapter `lora` (a LoRARequest) in `slot`; LoRAAdapterError when it
+        cannot run on this model (the slot then keeps what it held)."""
+        self.lora.load(slot, lora)
+
+    def _lora_step(self, out: SchedulerOutput, host: HostStep):
+        """The step's rows by adapter slot (model/lora.py), or None: no row uses one."""
+        if self.lora is None:
+            return None
+        return self.lora.step_of([s.lora_slot for s in _host_order(out)], host.query_start)
 
     def host_step(self, out: SchedulerOutput) -> tuple[HostStep, list[ScheduledRequest]]:
         """The step's inputs in numpy, decodes first, and the ScheduledRequest of each

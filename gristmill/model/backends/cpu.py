@@ -93,7 +93,8 @@ class CpuBackend(Backend):
     def run_layers(self, layers, positions, x):
         md = get_metadata()
         stack = None
-        if self._ops_for(x) is not None and md.num_decodes == x.shape[0] == md.num_seqs:
+        # (a step with adapter rows runs layer by layer: the stack knows no LoRA update)
+        if self._ops_for(x) is not None and md.num_decodes == x.shape[0] == md.num_seqs and md.lora is None:
             stack = DecodeStack.of(layers)
         if stack is None:
             return super().run_layers(layers, positions, x)

@@ -195,40 +195,22 @@ struct Acts {
 using RowsFn = void (*)(int64_t type, const uint8_t* w, int64_t row_bytes, int64_t n_rows, int64_t k,
                         const Acts& a, int mb, float* out);
 
-// Eight rows of one part laid out for many activation rows: 4 codes of each row side by
-// side, [K / 4][8][4] (what vpdpbusd / vpmaddubsw meet with 4 activations broadcast, each
-// 32-bit lane one output row), and per 32-block the rows' scales and minimums [K / 32][8],
-// per 16 Q6_K's lane scales [K / 16][8]. Rows past the part's are zeros.
-struct Panel {
-  uint8_t* codes;
-  float* scale;
-  float* min;
-  int32_t* lane_scale;
-};
-
-// n_rows (<= 8) weight rows from `w` (row_bytes apart) into a panel.
-using PackFn = void (*)(const uint8_t* w, int64_t row_bytes, int64_t n_rows, int64_t k, const Panel& p);
-// A panel's n_rows rows against mb activation rows: out[i * kTileN + r].
-using PanelFn = void (*)(const Panel& p, int64_t n_rows, int64_t k, const Acts& a, int mb, float* out);
+// n_rows (<= Kernels::panel_rows) weight rows from `w` (row_bytes apart) laid out afresh
+// at `dst` (panel_bytes) for many activation rows: a *panel* (gguf_panels_x86.h).
+using PackFn = void (*)(const uint8_t* w, int64_t row_bytes, int64_t n_rows, int64_t k, uint8_t* dst);
+// A panel of n_rows rows against mb activation rows: out[i * kTileN + r].
+using PanelFn = void (*)(const uint8_t* panel, int64_t n_rows, int64_t k, const Acts& a, int mb, float* out);
 
 // A code path's kernels of one format; pack and panel null where the path has no panels.
 struct Kernels {
   RowsFn rows;
   PackFn pack;
   PanelFn panel;
+  int panel_rows;  // rows a panel holds
 };
 
-// The bytes of a panel of K weights a row.
-inline int64_t panel_bytes(int64_t k) { return 8 * k + 2 * (k / 32) * 8 * 4 + (k / 16) * 8 * 4; }
-
-// A panel's parts in `room` (panel_bytes(k), 32-byte aligned).
-inline Panel panel_in(uint8_t* room, int64_t k) {
-  Panel p;
-  p.codes = room;
-  p.scale = reinterpret_cast<float*>(room + 8 * k);
-  p.min = p.scale + (k / 32) * 8;
-  p.lane_scale = reinterpret_cast<int32_t*>(p.min + (k / 32) * 8);
-  return p;
-}
+// Room for a panel of `rows` rows of K weights: 32 codes and at most 3 floats a row and
+// 32-block (rounded up to whole cache lines).
+inline int64_t panel_bytes(int64_t k, int64_t rows) { return ((k / 32) * rows * 44 + 63) / 64 * 64; }
 
 }  // namespace gguf

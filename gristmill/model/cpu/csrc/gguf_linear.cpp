@@ -114,7 +114,7 @@ gguf::Kernels kernels_for(int64_t type, int64_t isa) {
   if (isa == kAvx512Vnni) return gguf::avx512_vnni::kernels_for(type);
   if (isa == kAvx2) return gguf::avx2::kernels_for(type);
 #endif
-  return {rows_portable, nullptr, nullptr};
+  return {rows_portable, nullptr, nullptr, 0};
 }
 
 // Rows of a chunk from which a tile's weights are packed into panels first; fewer read
@@ -136,20 +136,22 @@ class Tiles {
     Packed& packed = packed_here();
     packed.runs.clear();
     if (rows < kPanelRows || kernels_[0].pack == nullptr) return;
-    const int64_t n0 = t * kTileN, width = std::min<int64_t>(kTileN, n_out_ - n0), bytes = gguf::panel_bytes(k_);
-    // runs of up to 8 rows within one part: 4 a tile, and one more for each part that starts in it
+    const int64_t n0 = t * kTileN, width = std::min<int64_t>(kTileN, n_out_ - n0);
+    const int64_t most = kernels_[0].panel_rows, bytes = gguf::panel_bytes(k_, most);
+    // runs of up to `most` rows within one part: one more for each part that starts in the tile
     std::vector<std::pair<const Part*, int64_t>> runs;  // (part, first column)
     for (int64_t c = 0; c < width;) {
       const Part& p = part_at(parts_, n0 + c);
       runs.emplace_back(&p, c);
-      c += std::min({width - c, p.start + p.rows - (n0 + c), int64_t(8)});
+      c += std::min({width - c, p.start + p.rows - (n0 + c), most});
     }
-    if (packed.room.size() < runs.size() * bytes) packed.room.resize(runs.size() * bytes);
+    if (packed.room.size() < runs.size() * bytes + 64) packed.room.resize(runs.size() * bytes + 64);
+    uint8_t* room = packed.room.data() + (-reinterpret_cast<uintptr_t>(packed.room.data()) & 63);  // whole lines
     for (size_t i = 0; i < runs.size(); ++i) {
       const Part& p = *runs[i].first;
-      const int64_t c = runs[i].second, r0 = n0 + c - p.start, n = std::min({width - c, p.rows - r0, int64_t(8)});
+      const int64_t c = runs[i].second, r0 = n0 + c - p.start, n = std::min({width - c, p.rows - r0, most});
       const gguf::Kernels& kernels = kernels_[&p - parts_.data()];
-      const gguf::Panel panel = gguf::panel_in(packed.room.data() + i * bytes, k_);
+      uint8_t* panel = room + i * bytes;
       kernels.pack(p.data + r0 * p.row_bytes, p.row_bytes, n, k_, panel);
       packed.runs.push_back({panel, kernels.panel, c, n});
     }
@@ -175,7 +177,7 @@ class Tiles {
 
  private:
   struct Run {
-    gguf::Panel panel;
+    const uint8_t* panel;
     gguf::PanelFn kernel;
     int64_t column, rows;
   };

@@ -8,9 +8,9 @@
 //   met by each activation row; a 32-bit lane sums 4 products (a 16-bit pair sum of
 //   vpmaddubsw is at most 2 * 63 * 127 < 2^15), and a horizontal-add tree (sum8) leaves
 //   lane j holding block j's S_j.
-// - from panels (many rows): the tile's rows are packed once (pack_m: 8 rows' codes
-//   transposed so that each 32-bit lane is one output row), then each activation row
-//   meets them with 4 activations broadcast at a time and no horizontal sums.
+// - from panels (many rows, gguf_panels_x86.h): the tile's rows are packed once (codes
+//   transposed so that each 32-bit lane is one output row), then every activation row
+//   meets them, 4 activations broadcast at a time and no horizontal sums.
 //
 // Expects GGUF_NS, GGUF_TARGET and GGUF_VNNI (0 or 1) defined; undefines them.
 
@@ -275,151 +275,17 @@ void rows(int64_t, const uint8_t* w, int64_t row_bytes, int64_t n_rows, int64_t 
   }
 }
 
-// The codes a panel holds of a format: as decoded, but Q8_0's as unsigned (+ 128) where
-// vpdpbusd meets them (its offset then 128).
-template <class G>
-constexpr int panel_offset() {
-  return G::kSigned && GGUF_VNNI ? 128 : G::kOffset;
-}
-
-// n_rows (<= 8) weight rows from `w` into panel `p` (gguf_blocks.h).
-template <class G>
-GGUF_TARGET void pack_m(const uint8_t* w, int64_t row_bytes, int64_t n_rows, int64_t k, const Panel& p) {
-  constexpr int64_t kGroupBytes = G::kBlockBytes * (kGroup / G::kBlockSize);
-  const int64_t groups = (k + kGroup - 1) / kGroup, full = k / kGroup, blocks = k / 32;
-  alignas(32) uint8_t tail[kGroupBytes] = {};
-  alignas(32) uint8_t codes[8][kGroup];
-  alignas(32) float scale[8][kGroupBlocks], min[8][kGroupBlocks];
-  const __m256i flip = _mm256_set1_epi8(panel_offset<G>() == 128 ? char(0x80) : 0);
-  G g;
-  for (int64_t gi = 0; gi < groups; ++gi) {
-    for (int r = 0; r < 8; ++r) {
-      if (r >= n_rows) {
-        std::memset(codes[r], panel_offset<G>() == 128 ? 0x80 : 0, kGroup);  // zero weights
-        _mm256_store_ps(scale[r], _mm256_setzero_ps());
-        _mm256_store_ps(min[r], _mm256_setzero_ps());
-        if (G::kSplit16)
-          for (int s = 0; s < 16; ++s) p.lane_scale[(gi * 16 + s) * 8 + r] = 0;
-        continue;
-      }
-      const uint8_t* row = w + r * row_bytes;
-      if (gi < full) {
-        g.load_group(row + gi * kGroupBytes);
-      } else {
-        std::memcpy(tail, row + gi * kGroupBytes, row_bytes - gi * kGroupBytes);
-        g.load_group(tail);
-      }
-      for (int j = 0; j < 8; ++j) _mm256_store_si256((__m256i*)(codes[r] + 32 * j), _mm256_xor_si256(g.q[j], flip));
-      _mm256_store_ps(scale[r], g.scale);
-      _mm256_store_ps(min[r], G::kHasMin ? g.min : _mm256_setzero_ps());
-      if constexpr (G::kSplit16)
-        for (int s = 0; s < 16; ++s) p.lane_scale[(gi * 16 + s) * 8 + r] = int8_t(g.scales[s]);
-    }
-    __m256i in[8], out[8];
-    for (int j = 0; j < std::min<int64_t>(kGroupBlocks, blocks - gi * kGroupBlocks); ++j) {
-      for (int r = 0; r < 8; ++r) in[r] = load(codes[r] + 32 * j);
-      transpose8(in, out);
-      uint8_t* dst = p.codes + (gi * kGroupBlocks + j) * 256;
-      for (int c = 0; c < 8; ++c) _mm256_storeu_si256((__m256i*)(dst + 32 * c), out[c]);
-    }
-    for (int r = 0; r < 8; ++r) in[r] = _mm256_castps_si256(_mm256_load_ps(scale[r]));
-    transpose8(in, out);
-    for (int j = 0; j < std::min<int64_t>(kGroupBlocks, blocks - gi * kGroupBlocks); ++j)
-      _mm256_storeu_si256((__m256i*)(p.scale + (gi * kGroupBlocks + j) * 8), out[j]);
-    if (G::kHasMin) {
-      for (int r = 0; r < 8; ++r) in[r] = _mm256_castps_si256(_mm256_load_ps(min[r]));
-      transpose8(in, out);
-      for (int j = 0; j < kGroupBlocks; ++j) _mm256_storeu_si256((__m256i*)(p.min + (gi * kGroupBlocks + j) * 8), out[j]);
-    }
-  }
-}
-
-// One 32-block j of a panel against R activation rows (x, x16 R rows apart: ldx, ld16),
-// each code vector loaded once for them: s[i], lane r its S_j for output row r.
-template <class G, int R>
-GGUF_TARGET inline void panel_block(const Panel& p, int64_t j, const int8_t* x, int64_t ldx, const int16_t* x16,
-                                    int64_t ld16, __m256i out[R]) {
-  const uint8_t* c = p.codes + j * 256;
-  __m256i s[R][2];
-  for (int i = 0; i < R; ++i) s[i][0] = s[i][1] = _mm256_setzero_si256();
-  for (int g = 0; g < 8; ++g) {
-    const __m256i codes = load(c + 32 * g);
-    for (int i = 0; i < R; ++i) {
-      const __m256i xv = _mm256_set1_epi32(linear::load4(x + i * ldx + 32 * j + 4 * g));
-      s[i][g / 4] = G::kSigned && !GGUF_VNNI ? dot_s8(s[i][g / 4], codes, xv) : dot_u8(s[i][g / 4], codes, xv);
-    }
-  }
-  for (int i = 0; i < R; ++i) {
-    const int16_t* h = x16 + i * ld16 + 2 * j;
-    if (G::kSplit16) {  // the sum over halves of lane_scale * (S_half - offset * X_half)
-      const __m256i lo = _mm256_sub_epi32(s[i][0], _mm256_set1_epi32(panel_offset<G>() * h[0]));
-      const __m256i hi = _mm256_sub_epi32(s[i][1], _mm256_set1_epi32(panel_offset<G>() * h[1]));
-      out[i] = _mm256_add_epi32(_mm256_mullo_epi32(lo, load(p.lane_scale + j * 16)),
-                                _mm256_mullo_epi32(hi, load(p.lane_scale + j * 16 + 8)));
-    } else {
-      out[i] = _mm256_add_epi32(s[i][0], s[i][1]);
-      if (panel_offset<G>() != 0)
-        out[i] = _mm256_sub_epi32(out[i], _mm256_set1_epi32(panel_offset<G>() * (h[0] + h[1])));
-    }
-  }
-}
-
-// A panel's n_rows rows against R activation rows: out[i * kTileN + r]. A row's
-// accumulator j % 8 is one vector, a lane each output row.
-template <class G, int R>
-GGUF_TARGET void panel_rows_m(const Panel& p, int64_t n_rows, int64_t k, const Acts& a, float* out) {
-  const int64_t blocks = k / 32;
-  __m256 acc[R][8];
-  for (int i = 0; i < R; ++i)
-    for (int u = 0; u < 8; ++u) acc[i][u] = _mm256_setzero_ps();
-  for (int64_t j0 = 0; j0 < blocks; j0 += 8) {
-#pragma GCC unroll 8
-    for (int u = 0; u < 8; ++u) {
-      const int64_t j = j0 + u;
-      if (j >= blocks) break;
-      __m256i s[R];
-      panel_block<G, R>(p, j, a.q, a.ldq, a.sum16, a.ld16, s);
-      const __m256 scale = _mm256_loadu_ps(p.scale + 8 * j);
-      for (int i = 0; i < R; ++i) {
-        const __m256 t = _mm256_mul_ps(scale, _mm256_set1_ps(a.xs[i * a.ldb + j]));
-        acc[i][u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i]), t, acc[i][u]);
-        if (G::kHasMin)
-          acc[i][u] = _mm256_fnmadd_ps(_mm256_loadu_ps(p.min + 8 * j), _mm256_set1_ps(a.xss[i * a.ldb + j]), acc[i][u]);
-      }
-    }
-  }
-  for (int i = 0; i < R; ++i) {
-    const __m256* c = acc[i];
-    const __m256 y = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(c[0], c[4]), _mm256_add_ps(c[2], c[6])),
-                                   _mm256_add_ps(_mm256_add_ps(c[1], c[5]), _mm256_add_ps(c[3], c[7])));
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, y);
-    std::memcpy(out + i * linear::kTileN, lanes, n_rows * sizeof(float));
-  }
-}
-
-template <class G>
-void pack(const uint8_t* w, int64_t row_bytes, int64_t n_rows, int64_t k, const Panel& p) {
-  pack_m<G>(w, row_bytes, n_rows, k, p);
-}
-
-// Two activation rows at a time (each code vector loaded once for both), then the last.
-template <class G>
-void panel(const Panel& p, int64_t n_rows, int64_t k, const Acts& a, int mb, float* out) {
-  int i = 0;
-  for (; i + 2 <= mb; i += 2) panel_rows_m<G, 2>(p, n_rows, k, a.from(i), out + i * linear::kTileN);
-  if (i < mb) panel_rows_m<G, 1>(p, n_rows, k, a.from(i), out + i * linear::kTileN);
-}
+#include "gguf_panels_x86.h"
 
 // This path's kernels of a format.
 inline Kernels kernels_for(int64_t type) {
   switch (type) {
-    case kQ8_0: return {rows<Q8_0>, pack<Q8_0>, panel<Q8_0>};
-    case kQ4_0: return {rows<Q4_0<false>>, pack<Q4_0<false>>, panel<Q4_0<false>>};
-    case kQ5_0: return {rows<Q4_0<true>>, pack<Q4_0<true>>, panel<Q4_0<true>>};
-    case kQ4_K: return {rows<Q4_K<false>>, pack<Q4_K<false>>, panel<Q4_K<false>>};
-    case kQ5_K: return {rows<Q4_K<true>>, pack<Q4_K<true>>, panel<Q4_K<true>>};
-    default: return {rows<Q6_K>, pack<Q6_K>, panel<Q6_K>};
+    case kQ8_0: return {rows<Q8_0>, pack<Q8_0>, panel<Q8_0>, 2 * kLanes};
+    case kQ4_0: return {rows<Q4_0<false>>, pack<Q4_0<false>>, panel<Q4_0<false>>, 2 * kLanes};
+    case kQ5_0: return {rows<Q4_0<true>>, pack<Q4_0<true>>, panel<Q4_0<true>>, 2 * kLanes};
+    case kQ4_K: return {rows<Q4_K<false>>, pack<Q4_K<false>>, panel<Q4_K<false>>, 2 * kLanes};
+    case kQ5_K: return {rows<Q4_K<true>>, pack<Q4_K<true>>, panel<Q4_K<true>>, 2 * kLanes};
+    default: return {rows<Q6_K>, pack<Q6_K>, panel<Q6_K>, 2 * kLanes};
   }
 }
 

@@ -1,0 +1,327 @@
+// The panels of gguf_x86.h (many activation rows): a tile's weight rows packed once,
+// then met by every activation row of the chunk, in gguf_blocks.h's float order.
+//
+// A vector holds kLanes output rows (16 in a zmm on avx512_vnni, 8 in a ymm on avx2),
+// 4 codes each: what vpdpbusd (or vpmaddubsw + vpmaddwd) meets with 4 activations
+// broadcast, no horizontal sums. A panel is nv (1 or 2) such vectors side by side; its
+// blocks are *records* in pass order (below), each holding
+//   codes   [8 groups of 4][nv][kLanes][4] bytes (Q8_0's + 128 on avx512_vnni)
+//   scale   [nv][kLanes] floats              (per output row: scale[j])
+//   min     [nv][kLanes] floats              (Q4_K, Q5_K)
+//   lane    [2][nv][kLanes] floats           (Q6_K: lane_scale[2j], lane_scale[2j + 1])
+//
+// Pass order: gguf_blocks.h keeps eight float accumulators a row (acc[j % 8]), too many
+// to hold in registers for a tile of rows. Taken one at a time, pass u over blocks u,
+// u + 8, u + 16, ... (each accumulator still sees its blocks in order), a tile holds
+// one accumulator per output vector and activation row; the eight are summed at the end
+// in gguf_blocks.h's order. The records lie in that order, so a pass reads on.
+//
+// Included by gguf_x86.h inside its namespace, once per code path.
+
+#if GGUF_VNNI
+struct Vec {
+  static constexpr int kLanes = 16;
+  using I = __m512i;
+  using F = __m512;
+  static GGUF_TARGET I load(const void* p) { return _mm512_loadu_si512(p); }
+  static GGUF_TARGET F loadf(const float* p) { return _mm512_loadu_ps(p); }
+  static GGUF_TARGET I set1(int32_t v) { return _mm512_set1_epi32(v); }
+  static GGUF_TARGET F set1f(float v) { return _mm512_set1_ps(v); }
+  static GGUF_TARGET F zero() { return _mm512_setzero_ps(); }
+  static GGUF_TARGET F cvt(I v) { return _mm512_cvtepi32_ps(v); }
+  static GGUF_TARGET F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static GGUF_TARGET F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static GGUF_TARGET F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static GGUF_TARGET F fnmadd(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
+  static GGUF_TARGET void storef(float* p, F v) { _mm512_storeu_ps(p, v); }
+  static GGUF_TARGET void store(void* p, I v) { _mm512_storeu_si512(p, v); }
+  // acc + codes . x, 4 products a lane; codes unsigned (Q8_0's shifted), x signed.
+  template <bool kSigned>
+  static GGUF_TARGET I dot(I acc, I codes, I x) { return _mm512_dpbusd_epi32(acc, codes, x); }
+};
+#else
+struct Vec {
+  static constexpr int kLanes = 8;
+  using I = __m256i;
+  using F = __m256;
+  static GGUF_TARGET I load(const void* p) { return _mm256_loadu_si256((const __m256i*)p); }
+  static GGUF_TARGET F loadf(const float* p) { return _mm256_loadu_ps(p); }
+  static GGUF_TARGET I set1(int32_t v) { return _mm256_set1_epi32(v); }
+  static GGUF_TARGET F set1f(float v) { return _mm256_set1_ps(v); }
+  static GGUF_TARGET F zero() { return _mm256_setzero_ps(); }
+  static GGUF_TARGET F cvt(I v) { return _mm256_cvtepi32_ps(v); }
+  static GGUF_TARGET F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static GGUF_TARGET F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static GGUF_TARGET F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static GGUF_TARGET F fnmadd(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
+  static GGUF_TARGET void storef(float* p, F v) { _mm256_storeu_ps(p, v); }
+  static GGUF_TARGET void store(void* p, I v) { _mm256_storeu_si256((__m256i*)p, v); }
+  template <bool kSigned>
+  static GGUF_TARGET I dot(I acc, I codes, I x) { return kSigned ? dot_s8(acc, codes, x) : dot_u8(acc, codes, x); }
+};
+#endif
+
+constexpr int kLanes = Vec::kLanes;
+
+// The codes a panel holds of a format: as decoded, but Q8_0's as unsigned (+ 128) where
+// vpdpbusd meets them (its offset then 128).
+template <class G>
+constexpr int panel_offset() {
+  return G::kSigned && GGUF_VNNI ? 128 : G::kOffset;
+}
+
+// Floats a record holds per output row besides its 32 codes.
+template <class G>
+constexpr int record_floats() {
+  return 1 + (G::kHasMin ? 1 : 0) + (G::kSplit16 ? 2 : 0);
+}
+
+// The bytes of one block's record of nv vectors.
+template <class G>
+constexpr int64_t record_bytes(int nv) {
+  return int64_t(nv) * kLanes * (32 + 4 * record_floats<G>());
+}
+
+// Where each pass's records start: start[u] for blocks u, u + 8, ... of `blocks`.
+inline void pass_starts(int64_t blocks, int64_t start[8]) {
+  int64_t at = 0;
+  for (int u = 0; u < 8; ++u) {
+    start[u] = at;
+    at += u < blocks ? (blocks - u + 7) / 8 : 0;
+  }
+}
+
+#if GGUF_VNNI
+// kLanes rows of 8 dwords (row r at src + r * stride) into columns: out[c] lane r = row
+// r's dword c. Rows r and r + 8 share a zmm; each 256-bit half is transposed as
+// transpose8 does, the last step across 128-bit lanes by vpermt2q.
+GGUF_TARGET inline void transpose_rows(const uint8_t* src, int64_t stride, __m512i out[8]) {
+  __m512i r[8], t[8], u[8];
+  for (int i = 0; i < 8; ++i)
+    r[i] = _mm512_inserti64x4(_mm512_castsi256_si512(load(src + i * stride)), load(src + (i + 8) * stride), 1);
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13), second = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+  for (int c = 0; c < 4; ++c) {
+    out[c] = _mm512_permutex2var_epi64(u[c], first, u[c + 4]);
+    out[c + 4] = _mm512_permutex2var_epi64(u[c], second, u[c + 4]);
+  }
+}
+#else
+GGUF_TARGET inline void transpose_rows(const uint8_t* src, int64_t stride, __m256i out[8]) {
+  __m256i r[8];
+  for (int i = 0; i < 8; ++i) r[i] = load(src + i * stride);
+  transpose8(r, out);
+}
+#endif
+
+// A group's worth of decoded rows, row after row, before they are transposed into records.
+template <class G>
+struct Staged {
+  alignas(64) uint8_t codes[kLanes][kGroup];
+  alignas(64) float scale[kLanes][kGroupBlocks];
+  alignas(64) float min[kLanes][kGroupBlocks];
+  alignas(64) float lane[kLanes][16];  // Q6_K's lane scales
+};
+
+// Row r of a vector from group gi of `row` (nullptr: a padding row, zero weights).
+template <class G>
+GGUF_TARGET inline void stage_row(const uint8_t* row, int64_t row_bytes, int64_t gi, int64_t full, Staged<G>& s,
+                                  int r) {
+  constexpr int64_t kGroupBytes = G::kBlockBytes * (kGroup / G::kBlockSize);
+  if (row == nullptr) {
+    std::memset(s.codes[r], panel_offset<G>() == 128 ? 0x80 : 0, kGroup);
+    std::memset(s.scale[r], 0, sizeof(s.scale[r]));
+    std::memset(s.min[r], 0, sizeof(s.min[r]));
+    std::memset(s.lane[r], 0, sizeof(s.lane[r]));
+    return;
+  }
+  alignas(32) uint8_t tail[kGroupBytes] = {};
+  G g;
+  if (gi < full) {
+    g.load_group(row + gi * kGroupBytes);
+  } else {  // a 32-wide type's short last group: its blocks, then zeros
+    std::memcpy(tail, row + gi * kGroupBytes, row_bytes - gi * kGroupBytes);
+    g.load_group(tail);
+  }
+  const __m256i flip = _mm256_set1_epi8(panel_offset<G>() == 128 ? char(0x80) : 0);
+  for (int j = 0; j < 8; ++j) _mm256_store_si256((__m256i*)(s.codes[r] + 32 * j), _mm256_xor_si256(g.q[j], flip));
+  _mm256_store_ps(s.scale[r], g.scale);
+  if constexpr (G::kHasMin) _mm256_store_ps(s.min[r], g.min);
+  if constexpr (G::kSplit16) {
+    const __m128i ls = _mm_loadu_si128((const __m128i*)g.scales);
+    _mm256_store_ps(s.lane[r], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(ls)));
+    _mm256_store_ps(s.lane[r] + 8, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(ls, 8))));
+  }
+}
+
+// n_rows (<= 2 * kLanes) weight rows from `w` (row_bytes apart) into a panel at `dst`.
+template <class G>
+GGUF_TARGET void pack_rows(const uint8_t* w, int64_t row_bytes, int64_t n_rows, int64_t k, uint8_t* dst) {
+  const int nv = n_rows > kLanes ? 2 : 1;
+  const int64_t blocks = k / 32, groups = (k + kGroup - 1) / kGroup, full = k / kGroup;
+  const int64_t rec = record_bytes<G>(nv), vec_bytes = kLanes * 4;
+  int64_t start[8];
+  pass_starts(blocks, start);
+  Staged<G> s;
+  for (int64_t gi = 0; gi < groups; ++gi) {
+    const int in_group = int(std::min<int64_t>(kGroupBlocks, blocks - gi * kGroupBlocks));
+    for (int v = 0; v < nv; ++v) {
+      for (int r = 0; r < kLanes; ++r) {
+        const int64_t row = v * kLanes + r;
+        stage_row<G>(row < n_rows ? w + row * row_bytes : nullptr, row_bytes, gi, full, s, r);
+      }
+      Vec::I cols[8];
+      for (int b = 0; b < in_group; ++b) {
+        const int64_t j = gi * kGroupBlocks + b;
+        uint8_t* r = dst + (start[j % 8] + j / 8) * rec;
+        transpose_rows(&s.codes[0][32 * b], kGroup, cols);
+        for (int g = 0; g < 8; ++g) Vec::store(r + (g * nv + v) * vec_bytes, cols[g]);
+      }
+      transpose_rows((const uint8_t*)s.scale, sizeof(s.scale[0]), cols);
+      Vec::I mins[8], lanes_lo[8], lanes_hi[8];
+      if (G::kHasMin) transpose_rows((const uint8_t*)s.min, sizeof(s.min[0]), mins);
+      if (G::kSplit16) {
+        transpose_rows((const uint8_t*)s.lane, sizeof(s.lane[0]), lanes_lo);      // lane scales 0..7
+        transpose_rows((const uint8_t*)&s.lane[0][8], sizeof(s.lane[0]), lanes_hi);  // 8..15
+      }
+      for (int b = 0; b < in_group; ++b) {
+        const int64_t j = gi * kGroupBlocks + b;
+        uint8_t* r = dst + (start[j % 8] + j / 8) * rec + 8 * nv * vec_bytes;
+        Vec::store(r + v * vec_bytes, cols[b]);
+        uint8_t* extra = r + nv * vec_bytes;
+        if (G::kHasMin) Vec::store(extra + v * vec_bytes, mins[b]);
+        if (G::kSplit16) {  // lane scales 2b, 2b + 1: column 2b % 8 of the low or high half
+          const Vec::I* half = b < 4 ? lanes_lo : lanes_hi;
+          Vec::store(extra + v * vec_bytes, half[(2 * b) % 8]);
+          Vec::store(extra + (nv + v) * vec_bytes, half[(2 * b + 1) % 8]);
+        }
+      }
+    }
+  }
+}
+
+// One record's S_j against MR activation rows (x: block j of each, ldx apart; x16: its
+// two sums of 16, ld16 apart), as floats (exact: |S_j| < 2^24): s[i][v].
+template <class G, int NV, int MR>
+GGUF_TARGET inline void record_sums(const uint8_t* rec, const int8_t* x, int64_t ldx, const int16_t* x16,
+                                    int64_t ld16, Vec::F s[MR][NV]) {
+  constexpr int kVecBytes = kLanes * 4, kOffset = panel_offset<G>();
+  constexpr bool kSigned = G::kSigned && !GGUF_VNNI;
+  if constexpr (G::kSplit16) {  // per half: lane_scale * (codes . x - offset * X_half), summed in float
+    const float* lane = reinterpret_cast<const float*>(rec + 8 * NV * kVecBytes) + NV * kLanes;
+    for (int h = 0; h < 2; ++h) {
+      Vec::I acc[MR][NV];
+      for (int i = 0; i < MR; ++i)
+        for (int v = 0; v < NV; ++v) acc[i][v] = Vec::set1(-kOffset * x16[i * ld16 + h]);
+      for (int g = 4 * h; g < 4 * h + 4; ++g) {
+        Vec::I codes[NV];
+        for (int v = 0; v < NV; ++v) codes[v] = Vec::load(rec + (g * NV + v) * kVecBytes);
+        for (int i = 0; i < MR; ++i) {
+          const Vec::I xv = Vec::set1(linear::load4(x + i * ldx + 4 * g));
+          for (int v = 0; v < NV; ++v) acc[i][v] = Vec::dot<kSigned>(acc[i][v], codes[v], xv);
+        }
+      }
+      for (int v = 0; v < NV; ++v) {
+        const Vec::F scale = Vec::loadf(lane + (h * NV + v) * kLanes);
+        for (int i = 0; i < MR; ++i)
+          s[i][v] = h == 0 ? Vec::mul(Vec::cvt(acc[i][v]), scale) : Vec::fmadd(Vec::cvt(acc[i][v]), scale, s[i][v]);
+      }
+    }
+  } else {
+    Vec::I acc[MR][NV];
+    for (int i = 0; i < MR; ++i) {
+      const Vec::I start = Vec::set1(kOffset == 0 ? 0 : -kOffset * (x16[i * ld16] + x16[i * ld16 + 1]));
+      for (int v = 0; v < NV; ++v) acc[i][v] = start;
+    }
+    for (int g = 0; g < 8; ++g) {
+      Vec::I codes[NV];
+      for (int v = 0; v < NV; ++v) codes[v] = Vec::load(rec + (g * NV + v) * kVecBytes);
+      for (int i = 0; i < MR; ++i) {
+        const Vec::I xv = Vec::set1(linear::load4(x + i * ldx + 4 * g));
+        for (int v = 0; v < NV; ++v) acc[i][v] = Vec::dot<kSigned>(acc[i][v], codes[v], xv);
+      }
+    }
+    for (int i = 0; i < MR; ++i)
+      for (int v = 0; v < NV; ++v) s[i][v] = Vec::cvt(acc[i][v]);
+  }
+}
+
+// A panel of NV vectors against MR activation rows: out[i * kTileN + c] for its n_rows
+// columns c.
+template <class G, int NV, int MR>
+GGUF_TARGET void panel_tile(const uint8_t* panel, int64_t n_rows, int64_t k, const Acts& a, float* out) {
+  constexpr int kVecBytes = kLanes * 4;
+  constexpr int64_t kRec = record_bytes<G>(NV);
+  const int64_t blocks = k / 32;
+  alignas(64) float passes[8][MR][NV][kLanes];  // each pass's accumulators, summed at the end
+  const uint8_t* rec = panel;
+  for (int u = 0; u < 8; ++u) {
+    Vec::F acc[MR][NV];
+    for (int i = 0; i < MR; ++i)
+      for (int v = 0; v < NV; ++v) acc[i][v] = Vec::zero();
+    for (int64_t j = u; j < blocks; j += 8, rec += kRec) {
+      Vec::F s[MR][NV];
+      record_sums<G, NV, MR>(rec, a.q + 32 * j, a.ldq, a.sum16 + 2 * j, a.ld16, s);
+      const float* scale = reinterpret_cast<const float*>(rec + 8 * NV * kVecBytes);
+      for (int v = 0; v < NV; ++v) {
+        const Vec::F sc = Vec::loadf(scale + v * kLanes);
+        for (int i = 0; i < MR; ++i) acc[i][v] = Vec::fmadd(s[i][v], Vec::mul(sc, Vec::set1f(a.xs[i * a.ldb + j])), acc[i][v]);
+        if constexpr (G::kHasMin) {
+          const Vec::F min = Vec::loadf(scale + (NV + v) * kLanes);
+          for (int i = 0; i < MR; ++i) acc[i][v] = Vec::fnmadd(min, Vec::set1f(a.xss[i * a.ldb + j]), acc[i][v]);
+        }
+      }
+    }
+    for (int i = 0; i < MR; ++i)
+      for (int v = 0; v < NV; ++v) Vec::storef(passes[u][i][v], acc[i][v]);
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < NV; ++v) {
+      Vec::F c[8];
+      for (int u = 0; u < 8; ++u) c[u] = Vec::loadf(passes[u][i][v]);
+      const Vec::F y = Vec::add(Vec::add(Vec::add(c[0], c[4]), Vec::add(c[2], c[6])),
+                                Vec::add(Vec::add(c[1], c[5]), Vec::add(c[3], c[7])));
+      alignas(64) float lanes[kLanes];
+      Vec::storef(lanes, y);
+      const int64_t n = std::min<int64_t>(kLanes, n_rows - v * kLanes);
+      std::memcpy(out + i * linear::kTileN + v * kLanes, lanes, n * sizeof(float));
+    }
+}
+
+// Rows a panel tile meets at once: what the registers hold (zmm: 32, ymm: 16).
+constexpr int kPanelMR = GGUF_VNNI ? 4 : 2;
+
+template <class G, int NV>
+GGUF_TARGET void panel_nv(const uint8_t* panel, int64_t n_rows, int64_t k, const Acts& a, int mb, float* out) {
+  int i = 0;
+  for (; i + kPanelMR <= mb; i += kPanelMR) panel_tile<G, NV, kPanelMR>(panel, n_rows, k, a.from(i), out + i * linear::kTileN);
+  switch (mb - i) {
+    case 1: panel_tile<G, NV, 1>(panel, n_rows, k, a.from(i), out + i * linear::kTileN); break;
+    case 2: panel_tile<G, NV, 2>(panel, n_rows, k, a.from(i), out + i * linear::kTileN); break;
+    case 3: panel_tile<G, NV, 3>(panel, n_rows, k, a.from(i), out + i * linear::kTileN); break;
+    default: break;
+  }
+}
+
+// A panel packed by pack_rows (n_rows rows) against mb activation rows.
+template <class G>
+void panel(const uint8_t* panel, int64_t n_rows, int64_t k, const Acts& a, int mb, float* out) {
+  if (n_rows > kLanes)
+    panel_nv<G, 2>(panel, n_rows, k, a, mb, out);
+  else
+    panel_nv<G, 1>(panel, n_rows, k, a, mb, out);
+}
+
+template <class G>
+void pack(const uint8_t* w, int64_t row_bytes, int64_t n_rows, int64_t k, uint8_t* dst) {
+  pack_rows<G>(w, row_bytes, n_rows, k, dst);
+}
