@@ -17,6 +17,7 @@ from gristmill.batch.io import InputError
 from gristmill.batch.rows import REASONING_COLUMN, TOOL_CALLS_COLUMN
 from gristmill.chat.tool_calls import new_call_id
 from gristmill.errors import GristmillError, RequestError
+from gristmill.openai_fields import BODY_TO_PARAM
 from gristmill.structured.grammars import check_constraint
 from gristmill.structured.spec import openai_constraint
 
@@ -28,10 +29,7 @@ _EMBEDDING_PARAMS = ("dimensions", "normalize", "truncate_prompt_tokens")
 _EMBEDDING_IGNORED = {"model", "input", "user", "encoding_format"}
 _BATCH_KEYS = ("custom_id", "method", "url", "body")
 # Body fields copied into sampling_params, by their SamplingParams name.
-_BODY_PARAMS = {"max_completion_tokens": "max_tokens", **{name: name for name in (
-    "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "n",
-    "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "bad_words",
-    "skip_special_tokens", "max_reasoning_tokens")}}
+_BODY_PARAMS = {"max_completion_tokens": "max_tokens", "max_tokens": "max_tokens", **BODY_TO_PARAM}
 # Body fields that change nothing here (a model name may be anything).
 # (a chat line's messages and chat_template_kwargs are read apart; a completion has no template)
 _BODY_IGNORED = {"model", "messages", "prompt", "chat_template_kwargs", "user", "stream", "stream_options", "metadata",

@@ -7,6 +7,7 @@ import json
 
 from gristmill.batch.rows import Generated, Pooled, RowRequest
 from gristmill.errors import GenerationError, RequestError
+from gristmill.openai_fields import sampling_body
 
 
 def openai_request(request: RowRequest, model: str | None) -> tuple[str, dict]:
@@ -100,24 +101,12 @@ def _call_of(call: dict) -> dict:
 
 
 def _sampling_body(params) -> dict:
-    """The request fields of SamplingParams; non-OpenAI ones only when set."""
-    body = {"temperature": params.temperature, "top_p": params.top_p, "n": 1}
-    if params.max_tokens is not None:  # else the server's default: OpenAI's chat runs to the context
+    """The request fields of SamplingParams (`openai_fields`), with the constraint and
+    max_tokens (left out when None: the server's default, as OpenAI's chat runs to the context)."""
+    body = sampling_body(params)
+    if params.max_tokens is not None:
         body["max_tokens"] = params.max_tokens
     body.update(_constraint_body(params.structured_output))
-    if params.logit_bias:
-        body["logit_bias"] = {str(token): bias for token, bias in params.logit_bias.items()}
-    if params.seed is not None:
-        body["seed"] = params.seed
-    if params.stop:
-        body["stop"] = list(params.stop)
-    extras = {"top_k": (params.top_k, 0), "min_p": (params.min_p, 0.0),
-              "stop_token_ids": (list(params.stop_token_ids), []), "ignore_eos": (params.ignore_eos, False),
-              "presence_penalty": (params.presence_penalty, 0.0), "frequency_penalty": (params.frequency_penalty, 0.0),
-              "repetition_penalty": (params.repetition_penalty, 1.0), "min_tokens": (params.min_tokens, 0),
-              "bad_words": (list(params.bad_words), []), "skip_special_tokens": (params.skip_special_tokens, True),
-              "max_reasoning_tokens": (params.max_reasoning_tokens, None)}
-    body.update({name: value for name, (value, default) in extras.items() if value != default})
     return body
 
 

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from gristmill.chat.tool_choice import tool_request
 from gristmill.engine.async_engine import AsyncEngine, RequestStream
 from gristmill.errors import EngineDeadError, RequestError
+from gristmill.openai_fields import sampling_kwargs
 from gristmill.structured.spec import named_for, openai_constraint
 from gristmill.tokenizer import render_chat, token_bytes
 from gristmill.outputs import RequestOutput
@@ -177,18 +178,8 @@ class OpenAIServing:
         if tools is not None:
             structured, field = tools.answer_constraint(structured, field)
         try:
-            return SamplingParams(
-                max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
-                top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
-                min_p=body.min_p or 0.0, seed=body.seed, stop=stop, stop_token_ids=body.stop_token_ids or [],
-                ignore_eos=body.ignore_eos, logprobs=logprobs, n=body.n, structured_output=structured,
-                logit_bias=body.logit_bias or None, presence_penalty=body.presence_penalty or 0.0,
-                frequency_penalty=body.frequency_penalty or 0.0,
-                repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
-                min_tokens=body.min_tokens or 0, bad_words=body.bad_words or [],
-                skip_special_tokens=body.skip_special_tokens,
-                include_stop_str_in_output=body.include_stop_str_in_output,
-                prompt_logprobs=body.prompt_logprobs, max_reasoning_tokens=body.max_reasoning_tokens), field
+            return SamplingParams(**sampling_kwargs(body), max_tokens=max_tokens, logprobs=logprobs,
+                                  structured_output=structured), field
         except RequestError as exc:
             raise named_for(exc, field) from None
 

@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from gristmill.errors import RequestError
+from gristmill.openai_fields import SAMPLING_FIELDS
 from gristmill.server.errors import validation_message, validation_param
 from gristmill.server.protocol import ChatCompletionRequest, _no_booleans
 
@@ -26,9 +27,9 @@ NEUTRAL = {"metadata": None, "user": None, "safety_identifier": None, "prompt_ca
            "truncation": ("disabled",), "background": (False,), "include": ([],), "top_logprobs": (0,)}
 #: Chat (and vLLM extra-body) fields a Responses body may carry too; they mean what they
 #: mean on /v1/chat/completions.
-PASS_THROUGH = ("seed", "top_k", "min_p", "stop", "stop_token_ids", "ignore_eos", "presence_penalty",
-                "frequency_penalty", "logit_bias", "repetition_penalty", "min_tokens", "bad_words",
-                "skip_special_tokens", "include_stop_str_in_output", "max_reasoning_tokens", "chat_template_kwargs")
+PASS_THROUGH = (*(f.name for f in SAMPLING_FIELDS if f.name not in ("temperature", "top_p", "n",
+                                                                      "prompt_logprobs")),
+                "chat_template_kwargs")
 #: Chat field -> the Responses field it came from, for error messages.
 CHAT_TO_RESPONSES = {"response_format": "text.format", "max_completion_tokens": "max_output_tokens",
                      "messages": "input"}
