@@ -334,3 +334,27 @@ def test_the_memory_check_counts_the_slots_as_they_are_allocated(llama):
     runner = llm.core.executor
     allocated = sum(t.numel() * t.element_size() for site in runner.lora.sites for t in (site.a, site.b))
     assert allocated == lora_slot_bytes(runner.hf_config, 3, 8, 4)
+
+
+def test_async_engine_streams_with_an_adapter_and_a_bad_one_raises_its_typed_error(llama, tmp_path):
+    import asyncio
+
+    from gristmill import AsyncEngine, EngineConfig
+
+    base, adapters = llama
+    good = _lora(adapters[0], 1)
+    [expected] = _engine(base, max_loras=1).generate(PROMPTS[2], GREEDY, use_tqdm=False, lora_request=good)
+
+    async def run():
+        config = EngineConfig(model=str(base), device="cpu", quantization=None, enable_lora=True, max_model_len=64,
+                              num_kv_blocks=64, block_size=4)
+        async with AsyncEngine(config) as engine:
+            async for output in engine.generate(PROMPTS[2], GREEDY, lora_request=good, output_kind="final"):
+                last = output
+            with pytest.raises(LoRAAdapterError, match="LoRA adapter 'missing'.*does not exist"):
+                async for _ in engine.generate(PROMPTS[2], GREEDY, lora_request=LoRARequest(
+                        "missing", 2, str(tmp_path / "nowhere"))):
+                    pass
+            return last
+
+    _same(asyncio.run(run()), expected, atol=1e-4)

@@ -26,6 +26,7 @@ from gristmill.engine.client import OUTPUT_KINDS, EngineClient, EngineFace, in_c
 from gristmill.engine.messages import Rejected, StatsQuery, StatsReply, StepOutputs
 from gristmill.engine.stream import RequestStream
 from gristmill.errors import EngineDeadError, GenerationError, GristmillError, RequestError
+from gristmill.lora import LoRARequest, as_lora_request
 from gristmill.outputs import POOLING_OUTPUT_CLASSES, PoolingRequestOutput, RequestOutput
 from gristmill.pooling_params import PoolingParams
 from gristmill.prompts import prompt_item
@@ -100,7 +101,8 @@ class AsyncEngine(EngineFace):
     async def generate(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, *, add_special_tokens: bool = True,
                        output_kind: str = "cumulative", token_times: bool = True,
-                       chat_prompt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       chat_prompt: str | None = None, lora_request: LoRARequest | None = None
+                       ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; the last has `finished` set. Raises RequestError,
         PromptTooLongError, GenerationError, EngineOverloadedError or EngineDeadError.
         Cancelling the consuming task (or leaving the loop early) aborts the request.
@@ -110,9 +112,12 @@ class AsyncEngine(EngineFace):
         `metrics.token_arrivals` holds each token's time (when the core knew it); False:
         the caller needs none (the arrivals are then one, at its end). `chat_prompt`: the
         rendered chat the prompt is; on a reasoning model its constraint applies after the
-        reasoning, and `max_reasoning_tokens` bounds that."""
+        reasoning, and `max_reasoning_tokens` bounds that. `lora_request`: the LoRA adapter
+        it runs with (an engine started with enable_lora); one that cannot load ends the
+        stream with LoRAAdapterError."""
         stream = self.add_request(prompt, sampling_params, request_id, add_special_tokens=add_special_tokens,
-                                  output_kind=output_kind, token_times=token_times, chat_prompt=chat_prompt)
+                                  output_kind=output_kind, token_times=token_times, chat_prompt=chat_prompt,
+                                  lora_request=lora_request)
         try:
             async for output in stream:
                 yield output
@@ -123,7 +128,7 @@ class AsyncEngine(EngineFace):
                     request_id: str | None = None, *, add_special_tokens: bool = True,
                     max_buffered: int | None = None, output_kind: str = "cumulative",
                     prompt_token_ids: list[int] | None = None, token_times: bool = True,
-                    chat_prompt: str | None = None) -> RequestStream:
+                    chat_prompt: str | None = None, lora_request: LoRARequest | None = None) -> RequestStream:
         """Validate and submit a request now (errors raise here, before any output), and
         return its stream. Call it from a running event loop. The caller must `aclose()`
         the stream (that aborts the request if unfinished; so does dropping the stream).
@@ -140,18 +145,20 @@ class AsyncEngine(EngineFace):
         params = sampling_params or SamplingParams()
         return self._open_stream(prompt, request_id, max_buffered, lambda prompt, request_id: self.client.add(
             prompt, params, request_id, output_kind=output_kind, add_special_tokens=add_special_tokens,
-            prompt_token_ids=prompt_token_ids, token_times=token_times, chat_prompt=chat_prompt))
+            prompt_token_ids=prompt_token_ids, token_times=token_times, chat_prompt=chat_prompt,
+            lora=as_lora_request(lora_request)))
 
     async def encode(self, prompt: str | list[int], pooling_params: PoolingParams | None = None,
                      request_id: str | None = None, *, kind: str = "encode", text_pair: str | None = None,
-                     add_special_tokens: bool = True) -> AsyncIterator[PoolingRequestOutput]:
+                     add_special_tokens: bool = True, lora_request: LoRARequest | None = None
+                     ) -> AsyncIterator[PoolingRequestOutput]:
         """A pooling request (an engine whose task is embed, classify or score), as
         vLLM's AsyncLLM.encode: one output, when it ends. `kind` is what it holds
         (`outputs.pooled_output`): "embed" (`outputs.embedding`), "classify"
         (`outputs.probs`), "score" (`outputs.score` of the pair (`prompt`, `text_pair`) by a
         cross-encoder) or "encode" (`outputs.data`). Raises as `generate` does."""
         stream = self.add_pooling_request(prompt, pooling_params, request_id, kind=kind, text_pair=text_pair,
-                                          add_special_tokens=add_special_tokens)
+                                          add_special_tokens=add_special_tokens, lora_request=lora_request)
         try:
             async for output in stream:
                 yield output
@@ -161,7 +168,8 @@ class AsyncEngine(EngineFace):
     def add_pooling_request(self, prompt: str | list[int], pooling_params: PoolingParams | None = None,
                             request_id: str | None = None, *, kind: str = "encode", text_pair: str | None = None,
                             add_special_tokens: bool = True, prompt_token_ids: list[int] | None = None,
-                            token_type_ids: list[int] | None = None) -> RequestStream:
+                            token_type_ids: list[int] | None = None,
+                            lora_request: LoRARequest | None = None) -> RequestStream:
         """`add_request` for a pooling request (see `encode`). `prompt_token_ids` (and a
         pair's `token_type_ids`): the prompt tokenized already (`inputs.tokenize_for_pooling`)."""
         if pooling_params is not None and not isinstance(pooling_params, PoolingParams):
@@ -172,7 +180,7 @@ class AsyncEngine(EngineFace):
         params = pooling_params or PoolingParams()
         return self._open_stream(prompt, request_id, None, lambda prompt, request_id: self.client.add_pooling(
             prompt, params, request_id, kind, pair=text_pair, add_special_tokens=add_special_tokens,
-            prompt_token_ids=prompt_token_ids, token_type_ids=token_type_ids))
+            prompt_token_ids=prompt_token_ids, token_type_ids=token_type_ids, lora=as_lora_request(lora_request)))
 
     def _open_stream(self, prompt, request_id: str | None, max_buffered: int | None, submit) -> RequestStream:
         """Check what every request shares, `submit(prompt, request_id)` it to the client

@@ -176,16 +176,16 @@ class Scheduler:
         """Give a waiting request a slot holding its adapter (loaded now if needed). False
         when every slot is held by running requests, or when its adapter failed to load:
         then it, and every waiting request naming that adapter, ended with the error."""
+        if self.lora_slots is None:  # (the engine core refuses such a request at once)
+            raise RuntimeError("a request with a LoRA adapter reached a scheduler without LoRA slots")
         try:
-            slot = self.lora_slots.acquire(request.lora) if self.lora_slots is not None else None
+            slot = self.lora_slots.acquire(request.lora)
         except LoRAAdapterError as exc:
             for other in [r for r in self.waiting if r.lora is not None and r.lora.same_adapter(request.lora)]:
                 self.finish_request(other.request_id, "error")
                 self._failed.append(RequestUpdate(other.request_id, other.output_token_ids if other.send_at_end
                                                   else [], None, "error", error_string(exc), other.token_times))
             return False
-        if slot is None and self.lora_slots is None:
-            raise RuntimeError("a request with a LoRA adapter reached a scheduler without LoRA slots")
         request.lora_slot = -1 if slot is None else slot
         return slot is not None
 
