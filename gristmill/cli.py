@@ -10,7 +10,8 @@ import time
 from pathlib import Path
 
 from gristmill.batch.cli import add_batch_command
-from gristmill.engine_flags import add_engine_args, engine_config, model_load_error, run_figures
+from gristmill.config import EngineConfig
+from gristmill.engine_flags import add_engine_args, engine_config, engine_options, model_load_error, run_figures
 from gristmill.errors import EngineDeadError, RequestError, error_string
 from gristmill.outputs import CompletionOutput, RequestOutput
 
@@ -174,8 +175,18 @@ def cmd_generate(args) -> int:
 
 def cmd_serve(args) -> int:
     from gristmill.server.limits import ServerLimits
+    from gristmill.server.lora_modules import served_loras
 
     config = engine_config(args)
+    if (args.lora_modules or args.allow_runtime_lora) and not config.enable_lora:
+        if engine_options(args).get("enable_lora") is False:
+            raise SystemExit("error: --lora-modules and --allow-runtime-lora serve LoRA adapters, and "
+                             "--no-enable-lora turns them off; leave one out")
+        config = EngineConfig.from_kwargs(**{**engine_options(args), "enable_lora": True})
+    try:  # (each adapter's config, checked before the model loads: a bad one ends the start naming it)
+        served_loras("", config, args.lora_modules, args.allow_runtime_lora)
+    except (ValueError, RequestError) as exc:
+        raise SystemExit(f"error: {exc} (flag: --lora-modules)") from None
     try:
         limits = ServerLimits(max_request_bytes=args.max_request_bytes, max_prompt_chars=args.max_prompt_chars,
                               max_stream_buffer=args.max_stream_buffer, max_inputs=args.max_inputs)
@@ -218,6 +229,7 @@ def _serve(args, config, limits, sock) -> int:
     from gristmill.errors import EngineDeadError
     from gristmill.paths import DEFAULT_EMBEDDING_MODEL_NAME, DEFAULT_MODEL_NAME
     from gristmill.server.app import build_app
+    from gristmill.server.lora_modules import served_loras
     from gristmill.server.run import DrainingServer
 
     startup.show_messages()
@@ -241,9 +253,10 @@ def _serve(args, config, limits, sock) -> int:
 
     name = args.served_model_name or config.model or (
         DEFAULT_EMBEDDING_MODEL_NAME if engine.config.task in ("embed", "score") else DEFAULT_MODEL_NAME)
+    loras = served_loras(name, config, args.lora_modules, args.allow_runtime_lora)
     app = build_app(engine, name, api_key=args.api_key, max_engine_restarts=args.max_engine_restarts,
                     restart_window_s=args.restart_window_s, start_seconds=time.monotonic() - started,
-                    on_give_up=on_give_up, limits=limits)
+                    on_give_up=on_give_up, limits=limits, loras=loras)
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
                                            timeout_keep_alive=args.timeout_keep_alive,
                                            timeout_graceful_shutdown=5), shutdown_grace_s=args.shutdown_grace_s)
@@ -316,6 +329,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-stream-buffer", type=int, default=limits.max_stream_buffer,
                        help="outputs a stream may hold unread before its request is aborted "
                             f"(a reader too slow for it; default: {limits.max_stream_buffer})")
+    serve.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                       help="LoRA adapters served by name (PEFT directories; a request's model names one), as "
+                            "name=path or JSON {\"name\": ..., \"path\": ...}; turns --enable-lora on")
+    serve.add_argument("--allow-runtime-lora", action="store_true",
+                       help="take POST /v1/load_lora_adapter and /v1/unload_lora_adapter (also "
+                            "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true); turns --enable-lora on")
     add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
 

@@ -20,7 +20,9 @@ from gristmill.errors import EngineDeadError, GristmillError, RequestError
 from gristmill.server.errors import (ModelNotFoundError, error_response, exception_response, validation_message,
                                      validation_param)
 from gristmill.server.gate import ENGINE_PATHS, Gate, Traffic
+from gristmill.lora import LoRARequest
 from gristmill.server.limits import ServerLimits
+from gristmill.server.lora_modules import LOAD_PATH, UNLOAD_PATH, LoadLoRARequest, LoRAModules, UnloadLoRARequest
 from gristmill.server.messages_api import MessagesServing, anthropic_error_body
 from gristmill.server.messages_protocol import COUNT_TOKENS_PATH, MESSAGES_PATH, MessagesRequest
 from gristmill.server.metrics import ServerMetrics
@@ -41,10 +43,11 @@ logger = logging.getLogger("gristmill.serve")
 def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, *,
               max_engine_restarts: int = 0, restart_window_s: float = 600.0, start_seconds: float = 5.0,
               on_give_up: Callable[[EngineDeadError], None] | None = None,
-              limits: ServerLimits | None = None) -> FastAPI:
+              limits: ServerLimits | None = None, loras: LoRAModules | None = None) -> FastAPI:
     """The server's app over `engine`. A dead engine is restarted up to
     `max_engine_restarts` times within `restart_window_s` (see EngineSupervisor);
-    `on_give_up(error)` is called when the budget is spent."""
+    `on_give_up(error)` is called when the budget is spent. `loras`: the LoRA adapters
+    served by name (default: none, and runtime loading off)."""
     metrics = ServerMetrics()
     supervisor = EngineSupervisor(engine, metrics, max_engine_restarts, restart_window_s, start_seconds, on_give_up)
 
@@ -57,6 +60,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
     app = FastAPI(title="gristmill", summary="OpenAI-compatible LLM server", lifespan=lifespan)
     limits = limits or ServerLimits()
     serving = OpenAIServing(engine, model_name, metrics, supervisor=supervisor, limits=limits)
+    serving.loras = loras = loras or LoRAModules(model_name, engine.config.enable_lora, engine.config.max_lora_rank)
     pooling = PoolingServing(engine, model_name, metrics, limits, serving)
     responses = ResponsesServing(serving)
     messages = MessagesServing(serving)
@@ -144,16 +148,33 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
         return {"id": model_name, "object": "model", "created": created, "owned_by": "gristmill",
                 "max_model_len": engine.max_model_len, "task": engine.capacity.task}
 
+    def model_cards() -> list[dict]:
+        return [model_card(), *loras.cards(created, engine.max_model_len)]
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": model_cards()}
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str):
-        if model != model_name:
-            raise ModelNotFoundError(f"the model {model!r} does not exist; this server serves {model_name!r}",
+        card = next((c for c in model_cards() if c["id"] == model), None)
+        if card is None:
+            served = ", ".join(repr(c["id"]) for c in model_cards())
+            raise ModelNotFoundError(f"the model {model!r} does not exist; this server serves {served}",
                                      param="model")
-        return model_card()
+        return card
+
+    @app.post(LOAD_PATH)
+    async def load_lora_adapter(body: LoadLoRARequest):
+        loras.check_runtime()
+        lora = loras.add(LoRARequest(body.lora_name, 1, body.lora_path))
+        return Response(f"Success: LoRA adapter '{lora.lora_name}' added successfully.", media_type="text/plain")
+
+    @app.post(UNLOAD_PATH)
+    async def unload_lora_adapter(body: UnloadLoRARequest):
+        loras.check_runtime()
+        loras.remove(body.lora_name)
+        return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
 
     @app.get("/health")
     async def health():

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from gristmill.chat.tool_choice import tool_request
 from gristmill.engine.async_engine import AsyncEngine, RequestStream
 from gristmill.errors import EngineDeadError, RequestError
+from gristmill.lora import LoRARequest
 from gristmill.openai_fields import sampling_kwargs
 from gristmill.structured.spec import named_for, openai_constraint
 from gristmill.tokenizer import render_chat, token_bytes
@@ -26,6 +27,7 @@ from gristmill.outputs import RequestOutput
 from gristmill.sampling import SamplingParams
 from gristmill.server.errors import ModelNotFoundError, error_event, exception_response
 from gristmill.server.limits import ServerLimits, check_chat, check_common, check_completion
+from gristmill.server.lora_modules import LoRAModules
 from gristmill.server.metrics import RequestTimer, ServerMetrics
 from gristmill.server.protocol import CHAT_PATH, COMPLETIONS_PATH, ChatCompletionRequest, CompletionRequest
 from gristmill.server.responses import ChoiceStates, Job, ResponseWriter, overall_reason, sse, usage
@@ -48,6 +50,8 @@ class OpenAIServing:
         self.metrics = metrics
         self.supervisor = supervisor
         self.limits = limits or ServerLimits()
+        #: The LoRA adapters served by name (None: none).
+        self.loras: LoRAModules | None = None
 
     # -- entry points ---------------------------------------------------------------
 
@@ -74,16 +78,21 @@ class OpenAIServing:
         retry_after = self.supervisor.retry_after(exc) if self.supervisor is not None else None
         return exception_response(exc, retry_after)
 
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
-            raise ModelNotFoundError(f"the model {name!r} does not exist; this server serves "
-                                     f"{self.model_name!r}", param="model")
+    def check_model(self, name: str | None) -> LoRARequest | None:
+        """The LoRA adapter a request's `model` names (None: the base model), once the
+        engine is up; ModelNotFoundError for a name this server does not serve."""
+        lora = self.loras.get(name) if self.loras is not None and name is not None else None
+        if name is not None and name != self.model_name and lora is None:
+            served = ", ".join(map(repr, [self.model_name, *(self.loras.adapters if self.loras else ())]))
+            raise ModelNotFoundError(f"the model {name!r} does not exist; this server serves {served}",
+                                     param="model")
         unavailable = self.supervisor.unavailable() if self.supervisor is not None else None
         if unavailable is not None:
             raise unavailable
         dead = self.engine.dead_error
         if dead is not None:
             raise EngineDeadError(dead.message)
+        return lora
 
     def _check_generates(self, path: str) -> None:
         task = self.engine.capacity.task
@@ -97,7 +106,7 @@ class OpenAIServing:
         check_common(body, self.limits, self.engine.config.max_num_seqs, self.engine.max_model_len)
 
     def _completion_job(self, body: CompletionRequest):
-        self.check_model(body.model)
+        lora = self.check_model(body.model)
         self._check_generates(COMPLETIONS_PATH)
         self._check_limits(body)
         check_completion(body, self.limits)
@@ -130,10 +139,11 @@ class OpenAIServing:
         job.prompt_only, job.echo_logprobs, job.prompt_logprobs = prompt_only, echo_logprobs, body.prompt_logprobs
         if body.echo:
             job.echo_texts = [self._prompt_text(p) for p in prompts]
+        job.lora = lora
         return job, [(p, body.add_special_tokens) for p in prompts], params
 
     def chat_job(self, body: ChatCompletionRequest):
-        self.check_model(body.model)
+        lora = self.check_model(body.model)
         self._check_generates(CHAT_PATH)
         self._check_limits(body)
         check_chat(body, self.limits)
@@ -152,7 +162,7 @@ class OpenAIServing:
         job.return_token_ids = body.return_token_ids
         job.prompt_logprobs = body.prompt_logprobs
         job.reasoning_parser, job.prompt_text = self.engine.reasoning_parser, text
-        job.tools = tools
+        job.tools, job.lora = tools, lora
         return job, [(text, body.add_special_tokens)], params
 
     def _prompt_text(self, prompt: str | list[int]) -> str:
@@ -223,7 +233,7 @@ class OpenAIServing:
                                                  add_special_tokens=special,
                                                  max_buffered=self.limits.max_stream_buffer,
                                                  output_kind=output_kind, prompt_token_ids=token_ids,
-                                                 chat_prompt=prompt if job.chat else None)
+                                                 chat_prompt=prompt if job.chat else None, lora_request=job.lora)
                 job.streams.append(handle)
                 job.prompt_tokens += len(handle.prompt_token_ids)
         except Exception:

@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse
 
 from gristmill.engine.async_engine import LONG_PROMPT_CHARS, AsyncEngine
 from gristmill.errors import RequestError
+from gristmill.lora import LoRARequest
 from gristmill.outputs import PoolingRequestOutput
 from gristmill.pooling_params import PoolingParams
 from gristmill.prompts import score_pairs
@@ -46,11 +47,11 @@ class PoolingServing:
 
     async def embeddings(self, body: EmbeddingRequest, request: Request):
         async def answer():
-            self._check(body, "/v1/embeddings", "embed")
+            lora = self._check(body, "/v1/embeddings", "embed")
             params = PoolingParams(dimensions=body.dimensions, normalize=body.normalize,
                                    truncate_prompt_tokens=body.truncate_prompt_tokens)
             outs = await self._pool(request, [(p, None) for p in self._inputs(body.input)], params, "encode",
-                                    body.add_special_tokens)
+                                    body.add_special_tokens, lora)
             data = [{"object": "embedding", "index": i, "embedding": _encoded(out.outputs.data, body.encoding_format)}
                     for i, out in enumerate(outs)]
             return {"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
@@ -59,11 +60,11 @@ class PoolingServing:
 
     async def classify(self, body: ClassificationRequest, request: Request):
         async def answer():
-            self._check(body, "/v1/classify", "classify")
+            lora = self._check(body, "/v1/classify", "classify")
             params = PoolingParams(use_activation=body.use_activation,
                                    truncate_prompt_tokens=body.truncate_prompt_tokens)
             outs = await self._pool(request, [(p, None) for p in self._inputs(body.input)], params, "classify",
-                                    body.add_special_tokens)
+                                    body.add_special_tokens, lora)
             labels = self.engine.capacity.pooler.labels
             data = []
             for i, out in enumerate(outs):
@@ -77,11 +78,11 @@ class PoolingServing:
 
     async def score(self, body: ScoreRequest, request: Request):
         async def answer():
-            self._check(body, "/v1/score", "score")
+            lora = self._check(body, "/v1/score", "score")
             texts = [[t] if isinstance(t, str) else list(t) for t in (body.firsts, body.seconds)]
             firsts, seconds = score_pairs(*texts, ("text_1", "text_2"))
             self._bound(firsts + seconds, "text_2")
-            scores, outs = await self._scores(request, body, firsts, seconds)
+            scores, outs = await self._scores(request, body, firsts, seconds, lora)
             data = [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)]
             return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
                     "model": self.model_name, "data": data, "usage": _usage(outs)}
@@ -89,10 +90,10 @@ class PoolingServing:
 
     async def rerank(self, body: RerankRequest, request: Request):
         async def answer():
-            self._check(body, request.url.path, "score")
+            lora = self._check(body, request.url.path, "score")
             documents = body.document_texts()
             self._bound([body.query, *documents], "documents")
-            scores, outs = await self._scores(request, body, [body.query] * len(documents), documents)
+            scores, outs = await self._scores(request, body, [body.query] * len(documents), documents, lora)
             order = sorted(range(len(documents)), key=lambda i: -scores[i])[:body.top_n or None]
             results = []
             for i in order:
@@ -120,10 +121,10 @@ class PoolingServing:
         timer.finished("stop")
         return JSONResponse(body)
 
-    def _check(self, body, path: str, kind: str) -> None:
-        """The model it names is served, the engine is up and runs a task that answers
-        `path`; no field it cannot honour is set."""
-        self._check_model(body.model)
+    def _check(self, body, path: str, kind: str) -> LoRARequest | None:
+        """The model it names is served (the LoRA adapter it names, or None), the engine
+        is up and runs a task that answers `path`; no field it cannot honour is set."""
+        lora = self._check_model(body.model)
         unsupported = body.unsupported_field()
         if unsupported is not None:
             raise RequestError(f"{unsupported} would change the output and is not supported by this server; leave "
@@ -142,6 +143,7 @@ class PoolingServing:
             gives = "embeddings" if head == "embed" else f"a classifier's {capacity.pooler.dimensions} labels"
             raise RequestError(f"{path} is not served by this server: it runs task {capacity.task!r}, whose model "
                                f"gives {gives}", param="task")
+        return lora
 
     def _inputs(self, given) -> list:
         inputs = [given] if isinstance(given, str) or (given and isinstance(given[0], int)) else list(given)
@@ -159,7 +161,7 @@ class PoolingServing:
                         "max-prompt-chars")
 
     async def _pool(self, request: Request, items: list, params: PoolingParams, kind: str,
-                    add_special_tokens: bool = True) -> list[PoolingRequestOutput]:
+                    add_special_tokens: bool = True, lora: LoRARequest | None = None) -> list[PoolingRequestOutput]:
         """Every (input, pair) of a request through the engine; their outputs in order."""
         prefix, streams = uuid.uuid4().hex, []
         try:
@@ -170,7 +172,7 @@ class PoolingServing:
                                                          add_special_tokens, pair)
                 streams.append(self.engine.add_pooling_request(
                     prompt, params, f"{prefix}-{i}", kind=kind, text_pair=pair, add_special_tokens=add_special_tokens,
-                    prompt_token_ids=ids, token_type_ids=types))
+                    prompt_token_ids=ids, token_type_ids=types, lora_request=lora))
 
             async def final(stream):
                 async for out in stream:
@@ -182,19 +184,21 @@ class PoolingServing:
             for stream in streams:
                 await stream.aclose()
 
-    async def _scores(self, request: Request, body, firsts: list[str], seconds: list[str]):
+    async def _scores(self, request: Request, body, firsts: list[str], seconds: list[str],
+                      lora: LoRARequest | None = None):
         """(score of each pair, the outputs whose tokens it cost)."""
         truncate = body.truncate_prompt_tokens
         if self.engine.capacity.pooler.head == "classify":  # a cross-encoder: each pair at once
             params = PoolingParams(use_activation=body.use_activation, truncate_prompt_tokens=truncate)
-            outs = await self._pool(request, list(zip(firsts, seconds)), params, "score", body.add_special_tokens)
+            outs = await self._pool(request, list(zip(firsts, seconds)), params, "score", body.add_special_tokens,
+                                    lora)
             return [out.outputs.score for out in outs], outs
         if body.use_activation is not None:
             raise RequestError("use_activation applies to a cross-encoder's scores; this server's model gives "
                                "embeddings, scored by their cosine", param="use_activation")
         texts = list(dict.fromkeys([*firsts, *seconds]))
         params = PoolingParams(normalize=True, truncate_prompt_tokens=truncate)
-        outs = await self._pool(request, [(t, None) for t in texts], params, "encode", body.add_special_tokens)
+        outs = await self._pool(request, [(t, None) for t in texts], params, "encode", body.add_special_tokens, lora)
         vectors = dict(zip(texts, (out.outputs.data for out in outs)))
         return [float(np.dot(vectors[a], vectors[b])) for a, b in zip(firsts, seconds)], outs
 

@@ -10,6 +10,7 @@ from gristmill.chat.answer import CALL_PIECE, REASONING_PIECE, AnswerReader, mer
 from gristmill.chat.reasoning import ReasoningParser
 from gristmill.chat.tool_choice import ToolRequest
 from gristmill.engine.stream import RequestStream
+from gristmill.lora import LoRARequest
 from gristmill.outputs import Logprob, RequestOutput
 
 
@@ -45,6 +46,8 @@ class Job:
     prompt_text: str | None = None
     #: A chat's tool request (with tools; tool_choice "none" reads no calls).
     tools: ToolRequest | None = None
+    #: The LoRA adapter its `model` named (None: the base model).
+    lora: LoRARequest | None = None
 
 
 class ChoiceStates:

@@ -136,15 +136,18 @@ class AppServer:
 
         from gristmill.server.app import build_app
         from gristmill.server.limits import ServerLimits
+        from gristmill.server.lora_modules import served_loras
         from gristmill.server.run import DrainingServer, bind_socket
 
         args = serve_args(*flags)
         limits = ServerLimits(max_request_bytes=args.max_request_bytes, max_prompt_chars=args.max_prompt_chars,
                               max_stream_buffer=args.max_stream_buffer, max_inputs=args.max_inputs)
         self.engine = engine
-        self.app = build_app(engine, args.served_model_name or model, api_key=args.api_key,
+        name = args.served_model_name or model
+        loras = served_loras(name, engine.config, args.lora_modules, args.allow_runtime_lora)
+        self.app = build_app(engine, name, api_key=args.api_key,
                              max_engine_restarts=args.max_engine_restarts, restart_window_s=args.restart_window_s,
-                             start_seconds=engine.start_seconds, limits=limits)
+                             start_seconds=engine.start_seconds, limits=limits, loras=loras)
         sock = bind_socket("127.0.0.1", 0)
         self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
