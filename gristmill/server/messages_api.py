@@ -17,8 +17,9 @@ from gristmill.chat.answer import CALL_PIECE, REASONING_PIECE, AnswerReader, Pie
 from gristmill.server.errors import exception_status_and_body
 from gristmill.server.messages_protocol import MessagesRequest, messages_error, to_chat_request
 from gristmill.server.metrics import RequestTimer
-from gristmill.server.openai_serving import OpenAIServing, close_all
-from gristmill.server.responses import Job
+from gristmill.server.openai_serving import OpenAIServing
+from gristmill.server.serving import close_all
+from gristmill.server.chat_output import ChatJob
 
 #: Anthropic's error type for each HTTP status (others: api_error).
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -71,13 +72,13 @@ class MessagesServing:
     def _chat_job(self, body: MessagesRequest):
         return self.serving.chat_job(to_chat_request(body, self._reasoning_model(), self._template_tools()))
 
-    def _whole(self, job: Job, finals, omit_thinking: bool) -> dict:
+    def _whole(self, job: ChatJob, finals, omit_thinking: bool) -> dict:
         [c] = finals[0].outputs
         message = MessageBlocks(job, self.serving.model_name, omit_thinking)
         message.read(c.text, final=True)
         return message.whole(job.prompt_tokens, len(c.token_ids), c.finish_reason, c.stop_reason)
 
-    async def _events(self, job: Job, timer: RequestTimer, omit_thinking: bool):
+    async def _events(self, job: ChatJob, timer: RequestTimer, omit_thinking: bool):
         message = MessageBlocks(job, self.serving.model_name, omit_thinking)
         output_tokens, finish_reason, stop_reason = 0, None, None
         try:
@@ -114,7 +115,7 @@ class MessageBlocks:
     stream events of what it decided, and the blocks so far are kept for the whole message.
     `omit_thinking` (thinking.display "omitted"): thinking blocks without their text."""
 
-    def __init__(self, job: Job, model_name: str, omit_thinking: bool = False):
+    def __init__(self, job: ChatJob, model_name: str, omit_thinking: bool = False):
         self.id = f"msg_{uuid.uuid4().hex}"
         self.model_name = model_name
         self.omit_thinking = omit_thinking

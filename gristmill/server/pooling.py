@@ -26,7 +26,8 @@ from gristmill.pooling_params import PoolingParams
 from gristmill.prompts import score_pairs
 from gristmill.server.limits import ServerLimits, at_most
 from gristmill.server.metrics import RequestTimer, ServerMetrics
-from gristmill.server.openai_serving import ClientDisconnected, OpenAIServing, until_disconnect
+from gristmill.server.openai_serving import OpenAIServing
+from gristmill.server.serving import ClientDisconnected, until_disconnect
 from gristmill.server.pooling_protocol import (ClassificationRequest, EmbeddingRequest, RerankRequest,
                                                ScoreRequest)
 

@@ -10,8 +10,9 @@ from dataclasses import replace
 from fastapi import Request
 
 from gristmill.server.metrics import RequestTimer
-from gristmill.server.openai_serving import OpenAIServing, close_all
-from gristmill.server.responses import ChoiceStates, Job
+from gristmill.server.openai_serving import OpenAIServing
+from gristmill.server.serving import close_all
+from gristmill.server.chat_output import ChatJob, ChoiceStates
 from gristmill.server.responses_output import OutputEvents, ResponseShape
 from gristmill.server.responses_protocol import ResponsesRequest, responses_error, to_chat_request
 
@@ -55,13 +56,13 @@ class ResponsesServing:
                              lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
 
     @staticmethod
-    def _whole(shape: ResponseShape, job: Job, finals) -> dict:
+    def _whole(shape: ResponseShape, job: ChatJob, finals) -> dict:
         """The response of the job's one choice, whole."""
         [c] = finals[0].outputs
         pieces = ChoiceStates(1, 1).pieces(job, (0, 0), replace(c, delta_text=c.text))
         return shape.whole(pieces, job.prompt_tokens, len(c.token_ids), c.finish_reason)
 
-    async def _events(self, shape: ResponseShape, job: Job, timer: RequestTimer):
+    async def _events(self, shape: ResponseShape, job: ChatJob, timer: RequestTimer):
         """The stream of the job's one choice, as Responses events."""
         events = OutputEvents(shape)
         choices = ChoiceStates(1, 1)

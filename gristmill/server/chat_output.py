@@ -15,7 +15,7 @@ from gristmill.outputs import Logprob, RequestOutput
 
 
 @dataclass
-class Job:
+class ChatJob:
     """One HTTP request: its engine streams (one per prompt) and how to format it."""
     chat: bool
     request_id: str
@@ -62,7 +62,7 @@ class ChoiceStates:
         #: Each chat choice's answer, read as it streams.
         self.readers: dict[tuple[int, int], AnswerReader] = {}
 
-    def delta(self, job: Job, key: tuple[int, int], c) -> dict:
+    def delta(self, job: ChatJob, key: tuple[int, int], c) -> dict:
         """A chat chunk's delta for the new text of choice `key`: its `pieces` in one."""
         fields: dict = {}
         for piece in self.pieces(job, key, c):
@@ -70,7 +70,7 @@ class ChoiceStates:
                 fields[name] = fields[name] + value if name in fields else value
         return fields or {"content": ""}
 
-    def pieces(self, job: Job, key: tuple[int, int], c) -> list[dict]:
+    def pieces(self, job: ChatJob, key: tuple[int, int], c) -> list[dict]:
         """The new text of choice `key` as chat delta fields, in the order the model wrote
         them (`chat.answer`): its reasoning, content and calls (OpenAI's `tool_calls`
         pieces) as they alternate. Text that may begin `</think>` or a call waits until it
@@ -112,7 +112,7 @@ class ResponseWriter:
         self.decode_token = decode_token
         self.special_ids = special_ids
 
-    def delta_chunk(self, job: Job, prompt_index: int, c, choices: ChoiceStates) -> dict | None:
+    def delta_chunk(self, job: ChatJob, prompt_index: int, c, choices: ChoiceStates) -> dict | None:
         """The chunk of a "delta" completion output, or None when it brings nothing to send."""
         key = (prompt_index, c.index)
         if key in choices.finished:
@@ -135,11 +135,11 @@ class ResponseWriter:
             chunk["choices"][0]["token_ids"] = list(c.token_ids)  # this chunk's tokens
         return chunk
 
-    def envelope(self, job: Job, chunk: bool) -> dict:
+    def envelope(self, job: ChatJob, chunk: bool) -> dict:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if job.chat else "text_completion"
         return {"id": job.request_id, "object": kind, "created": job.created, "model": self.model_name}
 
-    def chunk(self, job: Job, index: int, content, finish_reason, logprobs) -> dict:
+    def chunk(self, job: ChatJob, index: int, content, finish_reason, logprobs) -> dict:
         choice = {"index": index, "logprobs": logprobs, "finish_reason": finish_reason}
         choice["delta" if job.chat else "text"] = content
         chunk = {**self.envelope(job, chunk=True), "choices": [choice]}
@@ -147,7 +147,7 @@ class ResponseWriter:
             chunk["usage"] = None  # as OpenAI: the usage comes in the last chunk alone
         return chunk
 
-    def response(self, job: Job, finals: list[RequestOutput]) -> dict:
+    def response(self, job: ChatJob, finals: list[RequestOutput]) -> dict:
         choices = []
         for prompt_index, out in enumerate(finals):
             for c in out.outputs:
@@ -181,7 +181,7 @@ class ResponseWriter:
         return body
 
     @staticmethod
-    def message(job: Job, text: str, finish_reason: str | None) -> dict:
+    def message(job: ChatJob, text: str, finish_reason: str | None) -> dict:
         """A chat choice's message of its whole answer (with its "finish_reason", for the
         choice): its content, on a reasoning model its reasoning apart, with tools the
         calls read from it as OpenAI's `tool_calls` (content the text around them, null
@@ -199,7 +199,7 @@ class ResponseWriter:
                                      for call_id, call in zip(answer.call_ids, answer.calls)]
         return message
 
-    def echo_logprobs(self, job: Job, out: RequestOutput) -> dict:
+    def echo_logprobs(self, job: ChatJob, out: RequestOutput) -> dict:
         """The prompt's tokens in OpenAI's legacy completions logprobs (echo): the first has
         no logprob (null), each other its own and the top `logprobs` at its place."""
         ids, entries, k = out.prompt_token_ids, out.prompt_logprobs or [None], job.num_top_logprobs
@@ -225,7 +225,7 @@ class ResponseWriter:
             for t, v in entry.items() if t == token or v.rank is not None and v.rank <= k}
             for token, entry in zip(out.prompt_token_ids, out.prompt_logprobs)]
 
-    def logprobs(self, job: Job, completion, start: int, text_offset: int = 0):
+    def logprobs(self, job: ChatJob, completion, start: int, text_offset: int = 0):
         """Logprobs of the completion's tokens from `start` on; `text_offset` is where the
         first one's text begins (completions only)."""
         if not job.want_logprobs or completion.logprobs is None:
@@ -265,7 +265,7 @@ def top(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
     return sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:k]
 
 
-def usage(job: Job, completion_tokens: int) -> dict:
+def usage(job: ChatJob, completion_tokens: int) -> dict:
     return {"prompt_tokens": job.prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": job.prompt_tokens + completion_tokens}
 
