@@ -138,7 +138,7 @@ def test_ray_data_llm_serve_processor_drives_the_deployment_with_bad_rows_per_ro
 
 
 def test_a_deployment_refuses_what_it_cannot_honour_rather_than_doing_otherwise(shared):
-    # (from test_review_fixes.py, on this module's deployment instead of one of its own)
+    # (from test_ray_edges.py, on this module's deployment instead of one of its own)
     rows = [{"key": 0, "prompt": "Hello there"}, {"key": 1, "messages": [{"role": "user", "content": "Hi"}]}]
     config = DeploymentProcessorConfig(deployment_name="shared", app_name=APP, generate=False,
                                        should_continue_on_error=True, id_column="key")

@@ -1,6 +1,6 @@
-"""Review of the batch faces: each test reproduces a bug a user hits, with real parts
-(the real CLI, run in this process, real engines, a real `gristmill serve` on loopback),
-and asserts what the user should see instead. Each fails until its bug is fixed."""
+"""The batch faces where users hit trouble: each test does what a user does, with real
+parts (the real CLI, run in this process, real engines, a real `gristmill serve` on
+loopback), and asserts what the user should see."""
 
 from __future__ import annotations
 

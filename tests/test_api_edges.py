@@ -1,6 +1,6 @@
-"""Regressions from a review of the Python API faces (LLM, AsyncEngine, SamplingParams,
-the `gristmill generate` CLI): odd inputs get a clear error or their obvious meaning,
-and nothing of a call stays behind in the engine."""
+"""The Python API faces (LLM, AsyncEngine, SamplingParams, the `gristmill generate` CLI)
+at their edges: odd inputs get a clear error or their obvious meaning, and nothing of a
+call stays behind in the engine."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""Regressions from an adversarial review of the Ray faces: rows whose columns Arrow
-cannot merge, small clusters that would have waited for ever, and fields a Serve
-deployment cannot honour."""
+"""The Ray faces at their edges: rows whose columns Arrow cannot merge, small clusters
+that would wait for ever, and fields a Serve deployment cannot honour."""
 
 from __future__ import annotations
 
