@@ -252,13 +252,14 @@ def test_gelu_in_the_output_step_is_gelu_of_the_output(isa):
 
 @pytest.mark.parametrize("isa", PATHS)
 def test_rows_do_not_change_with_the_batch_around_them(isa):
-    # 130 rows are split between threads by rows and meet the weights packed into panels;
-    # one row reads them from the blocks, and its tiles are split between threads: the
-    # same numbers, for every type (seeded sampling relies on it).
+    # 130 rows a thread are split between threads by rows (from 128) and meet the weights
+    # packed into panels; one row reads them from the blocks, and its tiles are split
+    # between threads: the same numbers, for every type (seeded sampling relies on it).
     layer = _layer(_mixed_parts(512), 512, torch.randn(135), isa=isa)
-    x = _inputs(130, 512)
+    rows = 130 * torch.get_num_threads()
+    x = _inputs(rows, 512)
     together = layer(x)
-    for i in (0, 63, 64, 129):
+    for i in (0, 63, 64, rows - 1):
         assert torch.equal(layer(x[i:i + 1])[0], together[i])
         assert torch.equal(layer(x[i:i + 5])[0], together[i])
 

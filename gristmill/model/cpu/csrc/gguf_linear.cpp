@@ -9,10 +9,11 @@
 // the float accumulation is of the activations, per row in blocks of 32 to int8
 // (linear_common.h).
 //
-// Output tiles of 32 rows, split between threads as the other quantized kernels' are
-// (quantize_and_run_tiles). Few activation rows (decode) read a tile from the file's
-// bytes, each group of 256 weights loaded once for up to 4 rows; many rows first pack
-// the tile into panels (Tiles::prepare), which every row of the chunk then meets. Code
+// Output tiles of 32 rows, split between threads by quantize_and_run_tiles (kSplit: by
+// tiles for longer than the other kernels, which pack nothing per call). Few activation
+// rows (decode) read a tile from the file's bytes, each group of 256 weights loaded once
+// for up to 4 rows; many rows first pack the tile into panels (Tiles::prepare), which
+// every row of the chunk then meets. Code
 // paths, chosen at run time: avx512_vnni and avx2 (gguf_x86.h), and portable; all give
 // the same floats, whichever way a row goes.
 #include "gguf_blocks.h"
@@ -124,6 +125,14 @@ gguf::Kernels kernels_for(int64_t type, int64_t isa) {
 // equal at 16 rows, 1.8x faster at 64).
 constexpr int64_t kPanelRows = 16;
 
+// Packing a tile costs about what 16 activation rows' pass over its panels does (Q4_K):
+// rows go through the output tiles split between threads (each tile packed once) up to
+// 128 rows a thread, and in chunks and items that pack each tile once for 256 rows.
+#ifndef GGUF_SPLIT
+#define GGUF_SPLIT 128, 1024 * 1024, 256, 4
+#endif
+constexpr Split kSplit{GGUF_SPLIT};
+
 // One call's tiles: the parts and their kernels, and on each thread the tile it packed.
 class Tiles {
  public:
@@ -225,7 +234,7 @@ at::Tensor gguf_linear(at::Tensor x, at::Tensor layout, at::Tensor bias, int64_t
                         qblocks, rows.sum16 + m * ld16, ld16};
         tiles.run(acts, mb, blk, acc);
       },
-      [&](int64_t t, int64_t chunk_rows) { tiles.prepare(t, chunk_rows); });
+      [&](int64_t t, int64_t chunk_rows) { tiles.prepare(t, chunk_rows); }, kSplit);
   return out;
 }
 

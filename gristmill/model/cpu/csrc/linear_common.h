@@ -211,6 +211,21 @@ struct NoPrepare {
   void operator()(int64_t /*tile*/, int64_t /*rows*/) const {}
 };
 
+// Rows a thread must have before the rows, not the output tiles, are split between threads.
+constexpr int64_t kRowsPerThread = 32;
+
+// How a call's work is split: rows_per_thread and rows_per_item as kRowsPerThread and
+// kRowsPerItem; chunk_bytes, the bytes of quantized rows that pass over each tile in
+// turn (kept in L2 meanwhile). A kernel
+// that lays each tile out afresh (prepare) pays for that once a chunk and once a thread
+// that splits rows, so it splits tiles for longer and takes larger chunks.
+struct Split {
+  int64_t rows_per_thread = kRowsPerThread;
+  int64_t chunk_bytes = 256 * 1024;
+  int64_t rows_per_item = 64;  // kRowsPerItem
+  int64_t tiles_per_item = 0;  // > 0: split tiles as items the threads take in turn (parallel_items)
+};
+
 // Rows [m0, m1) through tiles [t0, t1): tile(m, mb, block, acc) for every tile of kTileN
 // output channels (starting at packed block `block`) and every run of up to kMaxM rows;
 // the tile fills acc[i * kTileN + c], which lands in out (plus bias, then the
@@ -219,9 +234,10 @@ struct NoPrepare {
 // called on tile t before a chunk of `rows` rows passes over it, on the same thread.
 template <typename TileCall, typename Prepare = NoPrepare>
 void run_tiles(int64_t m0, int64_t m1, int64_t t0, int64_t t1, int64_t n_out, int64_t kp, const float* bias,
-               int64_t activation, float* out, const TileCall& tile, const Prepare& prepare = Prepare{}) {
+               int64_t activation, float* out, const TileCall& tile, const Prepare& prepare = Prepare{},
+               Split split = Split{}) {
   const bool avx2 = best_isa() >= kAvx2;
-  const int64_t m_chunk = std::max<int64_t>(kMaxM, (256 * 1024 / kp) / kMaxM * kMaxM);
+  const int64_t m_chunk = std::max<int64_t>(kMaxM, (split.chunk_bytes / kp) / kMaxM * kMaxM);
   float acc[kMaxM * kTileN];
   for (int64_t c0 = m0; c0 < m1; c0 += m_chunk) {
     const int64_t c1 = std::min(m1, c0 + m_chunk);
@@ -243,8 +259,6 @@ void run_tiles(int64_t m0, int64_t m1, int64_t t0, int64_t t1, int64_t n_out, in
   }
 }
 
-// Rows a thread must have before the rows, not the output tiles, are split between threads.
-constexpr int64_t kRowsPerThread = 32;
 // Rows a thread takes at most at a time when the rows are split (parallel_items): small
 // enough that a thread that loses its core holds the others up little, large enough that
 // each pass of the weights (from L3: 0.6 MB for 1536 x 384) serves many rows. The items
@@ -254,9 +268,9 @@ constexpr int64_t kRowsPerThread = 32;
 constexpr int64_t kRowsPerItem = 64;
 
 // The rows of one item when m_total rows are split between `threads` threads.
-inline int64_t item_rows(int64_t m_total, int64_t threads) {
+inline int64_t item_rows(int64_t m_total, int64_t threads, int64_t rows_per_item = kRowsPerItem) {
   const int64_t per_thread = (m_total + threads - 1) / threads;
-  const int64_t items = (per_thread + kRowsPerItem - 1) / kRowsPerItem * threads;
+  const int64_t items = (per_thread + rows_per_item - 1) / rows_per_item * threads;
   const int64_t rows = (m_total + items - 1) / items;
   return (rows + kMaxM - 1) / kMaxM * kMaxM;
 }
@@ -269,23 +283,31 @@ inline int64_t item_rows(int64_t m_total, int64_t threads) {
 // reads only its share of the weights.
 template <typename TileCall, typename Prepare = NoPrepare>
 void quantize_and_run_tiles(const at::Tensor& x, RowFormat format, Rows& rows, int64_t n_out, const float* bias,
-                            int64_t activation, float* out, const TileCall& tile, const Prepare& prepare = Prepare{}) {
+                            int64_t activation, float* out, const TileCall& tile, const Prepare& prepare = Prepare{},
+                            Split split = Split{}) {
   const int64_t m_total = x.size(0), kp = rows.kp;
   const int64_t n_tiles = (n_out + kTileN - 1) / kTileN;
   const int64_t threads = at::get_num_threads();
-  if (m_total >= kRowsPerThread * threads) {
+  if (m_total >= split.rows_per_thread * threads) {
     static_assert(kRowsPerItem % kMaxM == 0, "items hold whole runs of kMaxM rows");
-    const int64_t rows_per_item = item_rows(m_total, threads);
+    const int64_t rows_per_item = item_rows(m_total, threads, split.rows_per_item);
     parallel_items((m_total + rows_per_item - 1) / rows_per_item, [&](int64_t item) {
       const int64_t m0 = item * rows_per_item, m1 = std::min(m_total, m0 + rows_per_item);
       quantize_rows(x, format, rows, m0, m1);
-      run_tiles(m0, m1, 0, n_tiles, n_out, kp, bias, activation, out, tile, prepare);
+      run_tiles(m0, m1, 0, n_tiles, n_out, kp, bias, activation, out, tile, prepare, split);
     });
     return;
   }
   at::parallel_for(0, m_total, 16, [&](int64_t begin, int64_t end) { quantize_rows(x, format, rows, begin, end); });
+  if (split.tiles_per_item > 0) {
+    parallel_items((n_tiles + split.tiles_per_item - 1) / split.tiles_per_item, [&](int64_t item) {
+      const int64_t t0 = item * split.tiles_per_item, t1 = std::min(n_tiles, t0 + split.tiles_per_item);
+      run_tiles(0, m_total, t0, t1, n_out, kp, bias, activation, out, tile, prepare, split);
+    });
+    return;
+  }
   at::parallel_for(0, n_tiles, 4, [&](int64_t t_begin, int64_t t_end) {
-    run_tiles(0, m_total, t_begin, t_end, n_out, kp, bias, activation, out, tile, prepare);
+    run_tiles(0, m_total, t_begin, t_end, n_out, kp, bias, activation, out, tile, prepare, split);
   });
 }
 
