@@ -1,4 +1,5 @@
-"""ModelRunner: owns the model and the KV cache, turns a SchedulerOutput into tokens.
+"""ModelRunner: owns the model (loaded by model/loading.py) and the KV cache, turns a
+SchedulerOutput into tokens.
 
 At start it picks one backend (model/backends) from the device and dtype, and on CUDA
 sizes the KV cache from `gpu_memory_utilization` and captures decode steps as CUDA
@@ -8,8 +9,6 @@ controls (model/logits.py), the structured-output masks (model/masking.py), the 
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,90 +16,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gristmill import startup
 from gristmill.config import EngineConfig
-from gristmill.errors import RequestError
 from gristmill.faults import InjectedFault
-from gristmill.model.memory import cpu_memory_need
-from gristmill.model.backends import pick_backend
 from gristmill.model.context import forward_context
-from gristmill.model.cpu import kernels, quant
-from gristmill.model.layers import PagedAttention, RotaryEmbedding, clear_rotary_cache
+from gristmill.model.layers import PagedAttention
+from gristmill.model.loading import load_model, pick_device
 from gristmill.model.logits import LogitsControls
 from gristmill.model.lora import LoRAModel
 from gristmill.model.masking import GrammarMasks
-from gristmill.model.loader import GGUF_LINK, load_config, load_weights, resolve_model, trained_length
-from gristmill.model.loader.tensors import open_checkpoint
 from gristmill.model.metadata import HostStep, StepMetadata, build_host_step
-from gristmill.outputs import Logprob
-from gristmill.model.models import model_class
 from gristmill.model.sampler import Sampler, SamplerRow
-from gristmill.paths import cache_root
-from gristmill.pooling_params import PoolerInfo
+from gristmill.outputs import Logprob
 from gristmill.step import ScheduledRequest, SchedulerOutput, StepTokens
-from gristmill.tasks import is_pooling, model_kind, resolve_task
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]
-
-
-def _materialize(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
-    """Give every parameter and buffer still on the meta device uninitialized memory on
-    `device`, floating ones in `dtype`, with `torch.empty` (`Module.to_empty` would also
-    do, but its meta path imports sympy: 1.2 s of every start). Rotary tables are then
-    computed, in float32 whatever the dtype."""
-    def empty(tensor: torch.Tensor) -> torch.Tensor:
-        return torch.empty(tensor.shape, dtype=dtype if tensor.is_floating_point() else tensor.dtype, device=device)
-
-    for module in model.modules():
-        for name, param in list(module.named_parameters(recurse=False)):
-            if param.is_meta:
-                setattr(module, name, torch.nn.Parameter(empty(param), requires_grad=False))
-        for name, buffer in list(module.named_buffers(recurse=False)):
-            if buffer.is_meta:
-                setattr(module, name, empty(buffer))
-        if isinstance(module, RotaryEmbedding):
-            module.reset()
-
-
-def _tie_weights(model: torch.nn.Module) -> None:
-    # Moving parameters between devices can replace them; tied ones must stay one tensor.
-    # (A quantized head is the embedding's source instead: quant.embed_from_head.)
-    if model.config.tie_word_embeddings and isinstance(getattr(model, "lm_head", None), torch.nn.Linear):
-        model.lm_head.weight = model.model.embed_tokens.weight
-
-
-@torch.no_grad()
-def random_weights(model: torch.nn.Module, seed: int) -> None:
-    """Fill a model's weights in place, on their device, as `load_format="dummy"` asks:
-    matrices normal with std 0.02, biases zero, norms the identity (weight + offset = 1).
-    The values matter only in that they are finite and the same for the same seed."""
-    generator = torch.Generator(device=next(model.parameters()).device)
-    generator.manual_seed(seed % 2**63)
-    for module in model.modules():
-        for name, param in module.named_parameters(recurse=False):
-            if param.ndim >= 2:
-                param.normal_(0.0, 0.02, generator=generator)
-            elif name == "weight" and hasattr(module, "offset"):
-                param.fill_(1.0 - float(module.offset))
-            elif name == "weight" and isinstance(module, torch.nn.LayerNorm):
-                param.fill_(1.0)
-            else:
-                param.zero_()
-
 
 @dataclass
 class StepInputs:
@@ -118,40 +47,14 @@ class ModelRunner:
         self.config = config = config.for_device(self.device.type)
         if self.device.type == "cuda":
             self._check_cuda()
-        self.dtype = pick_dtype(config.dtype, self.device)
-        if self.device.type == "cpu":  # a first start compiles them while it converts the model
-            if not kernels.is_built(q4=config.quantization == "q4"):
-                # The build's imports (setuptools, distutils, packaging) come first, here:
-                # the model load imports packaging too (transformers), and an engine core
-                # whose two threads imported it at once failed to start ("No module named
-                # 'packaging'"). A warm start imports the built module without them.
-                import torch.utils.cpp_extension as _cpp_extension  # noqa: F401 (binds no local `torch`)
-            kernels.build_in_background(q4=config.quantization == "q4")
-        self.model_dir = model_dir or resolve_model(config.model, config.cache_dir)
-        self.hf_config = load_config(self.model_dir)
-        self.max_model_len = config.max_model_len or trained_length(self.model_dir, self.hf_config)
-        if self.max_model_len > self.hf_config.max_position_embeddings:  # (positions it was never trained on)
-            raise RequestError(f"EngineConfig.max_model_len: {self.max_model_len} is more than the "
-                               f"{self.hf_config.max_position_embeddings} positions {self.model_dir.name} "
-                               f"supports; lower it or leave it out", param="max_model_len")
-        self.vocab_size = self.hf_config.vocab_size
-        gguf = (self.model_dir / GGUF_LINK).exists()
-        if self.device.type == "cpu":  # before anything loads: a model that cannot fit is refused with the figures
-            cpu_memory_need(self.model_dir, self.hf_config, config, self.max_model_len,
-                            quant.planned_quantization(config.quantization, self.device, gguf),
-                            torch.finfo(self.dtype).bits // 8).check()
-        self.quantization = quant.resolve_quantization(config.quantization, self.device, gguf)
-        self.backend = pick_backend(self.device, self.dtype)
-        if self.device.type == "cuda":  # before the weights: what this engine takes is measured from here
-            from gristmill.model.cuda.memory import MemoryAtStart
-            self.memory_at_start = MemoryAtStart.read(self.device)
-        weights = {"gguf": "weights as stored"}.get(self.quantization, self.quantization) \
-            or str(self.dtype).removeprefix("torch.")
-        with startup.phase(f"loading {self.model_dir.name} ({weights}) on {self.device}"):
-            self.model = self._build_model()
-        #: "generate", or the pooling task this runner's steps compute (`_pool`).
-        self.task = resolve_task(config.task, self.model_dir)
-        self.pooler, self.pooler_info = self._build_pooler() if is_pooling(self.task) else (None, None)
+        loaded = load_model(config, self.device, model_dir)
+        self.model_dir, self.hf_config, self.max_model_len = loaded.model_dir, loaded.hf_config, loaded.max_model_len
+        self.vocab_size, self.dtype, self.quantization = loaded.hf_config.vocab_size, loaded.dtype, loaded.quantization
+        self.backend, self.model, self.task = loaded.backend, loaded.model, loaded.task
+        #: The model's pooler for a pooling task (and what the client is told of it), or None.
+        self.pooler, self.pooler_info = loaded.pooler, loaded.pooler_info
+        if self.device.type == "cuda":
+            self.memory_at_start = loaded.memory_at_start
         self.backend.prepare(self.model, self.max_model_len)
         #: The LoRA adapter slots (EngineConfig.enable_lora), or None.
         self.lora = LoRAModel(self.model, config.max_loras, config.max_lora_rank, self.dtype, self.device) \
@@ -191,42 +94,6 @@ class ModelRunner:
         if self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(self.device)
-
-    def _build_model(self) -> torch.nn.Module:
-        clear_rotary_cache()
-        # Built where it runs, in the dtype it runs in: an 8B model on a GPU never passes
-        # through host memory, and random weights are made on the device.
-        with torch.device("meta"):
-            model = model_class(self.hf_config)(self.hf_config, self.max_model_len)
-        if self.config.load_format == "dummy":
-            _materialize(model, self.dtype, self.device)
-            _tie_weights(model)
-            random_weights(model, self.config.seed)
-            if self.quantization is not None:
-                quant.quantize_model(model, "int8" if self.quantization == "gguf" else self.quantization)
-            return model.eval()
-        with contextlib.closing(open_checkpoint(self.model_dir)) as checkpoint:
-            held = set()
-            if self.quantization is not None:  # the linears one by one, never the float model
-                cache_file = None if self.quantization == "gguf" else \
-                    quant.cache_file_for(self.model_dir, cache_root(self.config.cache_dir), self.quantization)
-                held = quant.quantize_from_checkpoint(model, checkpoint, self.quantization, cache_file)
-            _materialize(model, self.dtype, self.device)
-            _tie_weights(model)
-            load_weights(model, checkpoint, skip=held)
-        return model.eval()
-
-    def _build_pooler(self):
-        """(the model's pooler for this task, what the client is told of it)."""
-        from gristmill.model.pooling import build_pooler
-
-        head = "classify" if model_kind(self.model_dir)[0] == "classifier" else "embed"
-        pooler = build_pooler(self.model, self.hf_config, self.model_dir, head).to(self.device)
-        labels = getattr(pooler, "labels", None)
-        matryoshka = getattr(pooler, "matryoshka_dimensions", None)
-        info = PoolerInfo(head, pooler.dimensions, tuple(matryoshka) if matryoshka else None,
-                          bool(getattr(pooler, "default_normalize", True)), tuple(labels) if labels else None)
-        return pooler, info
 
     # -- the KV cache ----------------------------------------------------------------
 
