@@ -21,6 +21,7 @@ from gristmill.outputs import (POOLING_OUTPUT_CLASSES, ClassificationRequestOutp
                                EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput, ScoringOutput,
                                ScoringRequestOutput)
 from gristmill.pooling_params import PoolingParams
+from gristmill.pooling_tasks import check_generates, cosine
 from gristmill.prompts import is_token_ids, prompt_item, score_pairs
 from gristmill.sampling import SamplingParams
 
@@ -250,7 +251,7 @@ class LLM(EngineFace):
                 result.finish_reason, result.error = "error", failed.error
             else:
                 result.finish_reason = "stop"
-                result.outputs = ScoringOutput(sum(x * y for x, y in zip(a.outputs.embedding, b.outputs.embedding)))
+                result.outputs = ScoringOutput(cosine(a.outputs.embedding, b.outputs.embedding))
             results.append(result)
         return results
 
@@ -306,10 +307,7 @@ class LLM(EngineFace):
              lora_request=None):
         if self.dead_error is not None:
             raise EngineDeadError(self.dead_error.message)
-        if self.client.task != "generate":
-            raise RequestError(f"this engine runs task {self.client.task!r}: it does not generate text; use "
-                               f"LLM.embed, classify, score or encode, or start an engine with task='generate'",
-                               param="task")
+        check_generates(self.capacity, "LLM.generate / LLM.chat")
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params_list = _params_per_prompt(sampling_params, len(items))

@@ -39,9 +39,10 @@ from gristmill.engine.core_client import CoreClient, SteppedChildCore
 from gristmill.engine.messages import AddRequest, Rejected, StepOutputs
 from gristmill.engine.output_processor import OutputProcessor
 from gristmill.lora import LoRARequest, as_lora_request
-from gristmill.engine.processor import InputProcessor, check_pooling_kind, check_pooling_request
+from gristmill.engine.processor import InputProcessor, check_pooling_request
 from gristmill.errors import (EngineDeadError, EngineOverloadedError, GenerationError, GristmillError, RequestError,
                               error_from_string, error_string)
+from gristmill.pooling_tasks import check_generates, check_task
 from gristmill.outputs import (POOLING_OUTPUT_CLASSES, CompletionOutput, PoolingRequestOutput, RequestMetrics,
                                RequestOutput)
 from gristmill.pooling_params import PoolingParams
@@ -310,8 +311,7 @@ class EngineClient:
         if self.core.dead_error is not None:
             raise EngineDeadError(self.core.dead_error.message)
         self.check_lora(lora)
-        if self.capacity.task != "generate":
-            check_pooling_request(None, self.capacity)  # (raises: a pooling engine generates nothing)
+        check_generates(self.capacity, "generate")
         prompt_text = prompt if isinstance(prompt, str) else None
         token_ids = prompt_token_ids
         if token_ids is None:
@@ -344,8 +344,8 @@ class EngineClient:
         if self.core.dead_error is not None:
             raise EngineDeadError(self.core.dead_error.message)
         self.check_lora(lora)
-        check_pooling_request(params, self.capacity)
-        check_pooling_kind(kind, self.capacity, pair=pair is not None)
+        check_task(kind, self.capacity, pair=pair is not None)
+        check_pooling_request(params, self.capacity)  # (once, here: before its prompt is tokenized)
         prompt_text = prompt if isinstance(prompt, str) else None
         token_types = token_type_ids
         if prompt_token_ids is not None:
@@ -389,11 +389,7 @@ class EngineClient:
     def check_pooling(self, kind: str) -> None:
         """RequestError unless this engine runs a pooling task whose model gives what a
         call of `kind` ("embed", "classify", "score", "encode") returns."""
-        if self.task == "generate":
-            raise RequestError(f"{kind} needs a pooling engine; this one generates text (task 'generate'). "
-                               f"Start one with task='embed', 'classify' or 'score', e.g. "
-                               f"LLM(model, task='embed')", param="task")
-        check_pooling_kind(kind, self.capacity)
+        check_task(kind, self.capacity)
 
     def _admit(self, count: int) -> None:
         limit = self.max_waiting_requests

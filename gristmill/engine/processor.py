@@ -15,6 +15,7 @@ from gristmill.engine.kv_blocks import blocks_needed
 from gristmill.engine.messages import AddRequest, Capacity
 from gristmill.errors import GenerationError, PromptTooLongError, RequestError
 from gristmill.pooling_params import PoolingParams
+from gristmill.pooling_tasks import check_generates, check_task
 from gristmill.sampling import SamplingParams
 from gristmill.structured.reasoning_gate import ReasoningGate
 from gristmill.structured.spec import ToolCallGrammar
@@ -172,8 +173,8 @@ class InputProcessor:
 
     def make_pooling_request(self, request_id: str, prompt_token_ids: list[int], params: PoolingParams,
                              prompt: str | None = None, token_type_ids: list[int] | None = None) -> AddRequest:
-        """The AddRequest of a pooling request; raises RequestError when invalid."""
-        check_pooling_request(params, self.capacity)
+        """The AddRequest of a pooling request (its params checked by the client); raises
+        RequestError when its prompt does not fit."""
         check_pooling_fits(len(prompt_token_ids), self.capacity)
         return AddRequest(request_id, prompt_token_ids, POOLING_SAMPLING, frozenset(),
                           prompt if faults.ACTIVE else None, send_at_end=True, pooling=params,
@@ -312,11 +313,8 @@ def check_pooling_request(params: PoolingParams | None, capacity: Capacity) -> N
     model can honour: a field that would change the output is never ignored."""
     task = capacity.task
     if params is None:
-        raise RequestError(f"this engine runs task {task!r}, it does not generate text; send embed, "
-                           f"classify or score requests, or start an engine with task='generate'", param="task")
-    if task == "generate":
-        raise RequestError("this engine generates text (task 'generate'); start one with task='embed', "
-                           "'classify' or 'score' (a model that can) for pooling requests", param="task")
+        check_generates(capacity, "a request to generate")
+    check_task("encode", capacity, what="a pooling request")
     if not isinstance(params, PoolingParams):
         raise RequestError(f"pooling_params must be PoolingParams, got {type(params).__name__}",
                            param="pooling_params")
@@ -340,34 +338,8 @@ def check_pooling_request(params: PoolingParams | None, capacity: Capacity) -> N
         raise RequestError(f"normalize applies to embeddings; this engine runs task {task!r} with a classifier "
                            f"(use use_activation)", param="normalize")
     if params.use_activation is not None and embeds:
-        raise RequestError(f"use_activation applies to classifiers; this engine's model gives embeddings "
-                           f"(use normalize)", param="use_activation")
-
-
-#: What each kind of pooling call asks of the model's pooler (`PoolerInfo.head`).
-_KIND_HEADS = {"embed": "embed", "classify": "classify"}
-
-
-def check_pooling_kind(kind: str, capacity: Capacity, pair: bool = False) -> None:
-    """RequestError unless this engine's model gives what a call of `kind` ("embed",
-    "classify", "score" or "encode": whatever it gives) returns. Scoring is a
-    cross-encoder's reading of a text `pair` in one request, or (an embedding model,
-    not `pair`) the cosine of two embeddings."""
-    pooler = capacity.pooler
-    head = pooler.head if pooler is not None else "embed"
-    if kind == "score":
-        if (head == "embed" and pair) or (head == "classify" and pooler.dimensions != 1):
-            raise RequestError(f"scoring text pairs in one request needs a cross-encoder (a classifier with one "
-                               f"label); this engine's model gives "
-                               + ("embeddings: score by the cosine of two" if head == "embed"
-                                  else f"{pooler.dimensions} labels"), param="task")
-        return
-    wanted = _KIND_HEADS.get(kind)
-    if wanted is not None and wanted != head:
-        raise RequestError(f"{kind} needs a model that gives "
-                           + ("embeddings" if wanted == "embed" else "a classifier's labels")
-                           + f"; this engine runs task {capacity.task!r}, whose model gives "
-                           + ("embeddings" if head == "embed" else "a classifier's labels"), param="task")
+        raise RequestError("use_activation applies to classifiers; this engine's model gives embeddings "
+                           "(use normalize)", param="use_activation")
 
 
 def check_pooling_fits(num_prompt: int, capacity: Capacity) -> None:

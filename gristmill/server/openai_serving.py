@@ -16,6 +16,7 @@ from gristmill.engine.async_engine import AsyncEngine
 from gristmill.errors import RequestError
 from gristmill.openai_fields import sampling_kwargs
 from gristmill.outputs import RequestOutput
+from gristmill.pooling_tasks import check_generates
 from gristmill.sampling import SamplingParams
 from gristmill.server.chat_output import ChatJob, ChoiceStates, ResponseWriter, overall_reason, sse, usage
 from gristmill.server.errors import error_event
@@ -57,20 +58,12 @@ class OpenAIServing(EngineServing):
         return await self.run(job, prompts, params, body.stream, request, respond=self.writer.response,
                               events=self._stream)
 
-    def _check_generates(self, path: str) -> None:
-        task = self.engine.capacity.task
-        if task != "generate":
-            endpoints = {"embed": "/v1/embeddings, /v1/score, /v1/rerank", "classify": "/v1/classify",
-                         "score": "/v1/score, /v1/rerank"}[task]
-            raise RequestError(f"{path} needs an engine that generates text; this server runs task {task!r}: send "
-                               f"{endpoints} requests, or serve a generative model", param="task")
-
     def _check_limits(self, body) -> None:
         check_common(body, self.limits, self.engine.config.max_num_seqs, self.engine.max_model_len)
 
     def _completion_job(self, body: CompletionRequest):
         lora = self.check_model(body.model)
-        self._check_generates(COMPLETIONS_PATH)
+        check_generates(self.engine.capacity, COMPLETIONS_PATH)
         self._check_limits(body)
         check_completion(body, self.limits)
         prompts = body.prompt
@@ -107,7 +100,7 @@ class OpenAIServing(EngineServing):
 
     def chat_job(self, body: ChatCompletionRequest):
         lora = self.check_model(body.model)
-        self._check_generates(CHAT_PATH)
+        check_generates(self.engine.capacity, CHAT_PATH)
         self._check_limits(body)
         check_chat(body, self.limits)
         tools = tool_request(body.tools, body.tool_choice, body.parallel_tool_calls, self.engine.tool_parser)

@@ -23,6 +23,7 @@ from gristmill.errors import RequestError
 from gristmill.lora import LoRARequest
 from gristmill.outputs import PoolingRequestOutput
 from gristmill.pooling_params import PoolingParams
+from gristmill.pooling_tasks import check_task, cosine
 from gristmill.prompts import score_pairs
 from gristmill.server.limits import ServerLimits, at_most
 from gristmill.server.metrics import RequestTimer, ServerMetrics
@@ -51,10 +52,10 @@ class PoolingServing:
             lora = self._check(body, "/v1/embeddings", "embed")
             params = PoolingParams(dimensions=body.dimensions, normalize=body.normalize,
                                    truncate_prompt_tokens=body.truncate_prompt_tokens)
-            outs = await self._pool(request, [(p, None) for p in self._inputs(body.input)], params, "encode",
+            outs = await self._pool(request, [(p, None) for p in self._inputs(body.input)], params, "embed",
                                     body.add_special_tokens, lora)
-            data = [{"object": "embedding", "index": i, "embedding": _encoded(out.outputs.data, body.encoding_format)}
-                    for i, out in enumerate(outs)]
+            data = [{"object": "embedding", "index": i,
+                     "embedding": _encoded(out.outputs.embedding, body.encoding_format)} for i, out in enumerate(outs)]
             return {"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
                     "model": self.model_name, "data": data, "usage": _usage(outs)}
         return await self._answer(answer)
@@ -133,17 +134,7 @@ class PoolingServing:
         misplaced = body.misplaced_field()
         if misplaced is not None:
             raise RequestError(f"{misplaced} does not apply to {path}; leave it out", param=misplaced)
-        capacity = self.engine.capacity
-        if capacity.task == "generate":
-            raise RequestError(f"{path} needs a pooling engine; this server runs task 'generate' (text). Start "
-                               f"one with gristmill serve --task embed (or classify, score) and a model that can",
-                               param="task")
-        head = capacity.pooler.head
-        if (kind == "embed" and head != "embed") or (kind == "classify" and head != "classify") or (
-                kind == "score" and head == "classify" and capacity.pooler.dimensions != 1):
-            gives = "embeddings" if head == "embed" else f"a classifier's {capacity.pooler.dimensions} labels"
-            raise RequestError(f"{path} is not served by this server: it runs task {capacity.task!r}, whose model "
-                               f"gives {gives}", param="task")
+        check_task(kind, self.engine.capacity, what=path)
         return lora
 
     def _inputs(self, given) -> list:
@@ -199,15 +190,15 @@ class PoolingServing:
                                "embeddings, scored by their cosine", param="use_activation")
         texts = list(dict.fromkeys([*firsts, *seconds]))
         params = PoolingParams(normalize=True, truncate_prompt_tokens=truncate)
-        outs = await self._pool(request, [(t, None) for t in texts], params, "encode", body.add_special_tokens, lora)
-        vectors = dict(zip(texts, (out.outputs.data for out in outs)))
-        return [float(np.dot(vectors[a], vectors[b])) for a, b in zip(firsts, seconds)], outs
+        outs = await self._pool(request, [(t, None) for t in texts], params, "embed", body.add_special_tokens, lora)
+        vectors = dict(zip(texts, (out.outputs.embedding for out in outs)))
+        return [cosine(vectors[a], vectors[b]) for a, b in zip(firsts, seconds)], outs
 
 
-def _encoded(vector: np.ndarray, encoding_format: str):
+def _encoded(vector: list[float], encoding_format: str):
     if encoding_format == "base64":  # OpenAI's: the float32 values' little-endian bytes
         return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
-    return vector.tolist()
+    return vector
 
 
 def _usage(outs: list[PoolingRequestOutput]) -> dict:
