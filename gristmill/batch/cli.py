@@ -67,6 +67,11 @@ def add_batch_command(commands) -> None:
                              "(default: overwrite OUTPUT)")
     parser.add_argument("--errors", metavar="FILE", help="also write each failed input row, as read, with "
                         "__inference_error__, to this .jsonl file (ready to run again)")
+    parser.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                        help="LoRA adapters rows may name in their 'lora' or 'model' column (an OpenAI batch line: "
+                             "in its body's model), each as name=path (a PEFT directory) or JSON {\"name\": ..., "
+                             "\"path\": ...}, as serve's; turns --enable-lora on. A row naming another model than "
+                             "the base or these is an error row")
     parser.add_argument("--max-engine-restarts", type=int, default=0,
                         help="times a dead engine is restarted during the job (default: 0)")
     parser.add_argument("--deployment-url", metavar="URL", help="send rows to this OpenAI-compatible server "

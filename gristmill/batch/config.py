@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from gristmill.batch.adapters import check_lora_modules, with_adapters
 from gristmill.batch.rows import pooling_params_of, sampling_params_of
 from gristmill.config import EngineConfig
 from gristmill.errors import RequestError
@@ -125,12 +126,18 @@ class EngineProcessorConfig(_EngineBacked):
     #: With device "cuda" or "auto" on several GPUs, replica i runs on GPU i % GPUs;
     #: replicas sharing a GPU split its gpu_memory_utilization (`gristmill.gpus`).
     concurrency: int = 1
+    #: LoRA adapters rows may name in their `lora` or `model` column, by name: {"name":
+    #: "path/to/peft-adapter"}. Turns the engine's enable_lora on (with a slot per adapter,
+    #: up to 4, unless the EngineConfig turned it on itself); see docs/lora.md.
+    lora_modules: dict[str, str] | None = None
 
     def __post_init__(self):
         super().__post_init__()
         _check(isinstance(self.engine, EngineConfig), "engine",
                f"must be an EngineConfig, got {type(self.engine).__name__}")
         _check(_positive_int(self.concurrency), "concurrency", f"must be a positive integer, got {self.concurrency!r}")
+        self.lora_modules = check_lora_modules(self.lora_modules) or None
+        self.engine = with_adapters(self.engine, self.lora_modules)
         # The engine runs the processor's task: "auto" becomes it (and the model is checked
         # able to when the engine starts); another task is a conflict.
         if self.engine.task == "auto":

@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 
 from gristmill.batch import runtime
+from gristmill.batch.adapters import check_lora_modules, with_adapters
 from gristmill.batch.engines import EnginePool, start_pool
 from gristmill.batch.rows import Generated, Pooled, RowRequest
 from gristmill.config import EngineConfig
@@ -55,18 +56,22 @@ class Deployment:
 
 
 def deploy(engine: EngineConfig | None = None, *, name: str, concurrency: int = 1,
-           max_engine_restarts: int = 0) -> Deployment:
+           max_engine_restarts: int = 0, lora_modules: dict[str, str] | None = None) -> Deployment:
     """Start a shared engine under `name` (returns once it is ready). Processors built
-    with `DeploymentProcessorConfig(deployment_name=name)` send their rows to it."""
+    with `DeploymentProcessorConfig(deployment_name=name)` send their rows to it.
+    `lora_modules` ({"name": "path"}): the LoRA adapters its rows may name (in their
+    `lora` or `model` column), as EngineProcessorConfig's."""
     if not isinstance(name, str) or not name:
         raise RequestError(f"deploy: name must be a non-empty string, got {name!r}", param="name")
+    lora_modules = check_lora_modules(lora_modules)
+    engine = with_adapters(engine or EngineConfig(), lora_modules)
     with _lock:
         if name in _deployments:
             raise RequestError(f"a deployment named {name!r} is already running; shut it down first "
                                f"or choose another name", param="name")
         _deployments[name] = None  # reserved while it starts
     try:
-        pool = start_pool(engine or EngineConfig(), concurrency, max_engine_restarts)
+        pool = start_pool(engine, concurrency, max_engine_restarts, lora_modules)
     except BaseException:
         with _lock:
             del _deployments[name]

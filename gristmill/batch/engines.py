@@ -20,6 +20,7 @@ import uuid
 
 from gristmill import gpus
 from gristmill.batch import runtime
+from gristmill.batch.adapters import RowAdapters
 from gristmill.batch.rows import Generated, Pooled, RowRequest
 from gristmill.chat.answer import read_answer
 from gristmill.batch.stages import LocalStages
@@ -57,9 +58,12 @@ class RowFailed(Exception):
 class EnginePool:
     """A RowEngine of `concurrency` supervised AsyncEngine replicas; `start_pool` starts one."""
 
-    def __init__(self, config: EngineConfig, concurrency: int = 1, max_engine_restarts: int = 0):
+    def __init__(self, config: EngineConfig, concurrency: int = 1, max_engine_restarts: int = 0,
+                 lora_modules: dict[str, str] | None = None):
         #: The chat template and tokenizer run here, before the engine, with its tokenizer.
         self.stages = LocalStages(self)
+        #: The LoRA adapters rows may name (each row's own, resolved as it runs).
+        self.adapters = RowAdapters(config, lora_modules)
         self.config = config
         self.concurrency = concurrency
         self.max_engine_restarts = max_engine_restarts
@@ -75,6 +79,7 @@ class EnginePool:
         """Start every replica: on a machine with several GPUs, one on each in turn; those
         sharing a GPU split its memory and start one after another (`gristmill.gpus`)."""
         loop = asyncio.get_running_loop()
+        self.adapters.check()  # (before the model loads: a bad adapter given stops the start, named)
         placements = [gpus.Placement(self.config)] * self.concurrency
         if self.concurrency > 1 and self.config.device != "cpu":
             placements = gpus.place_replicas(self.config, self.concurrency, gpus.visible_gpus())
@@ -167,9 +172,10 @@ class EnginePool:
         return False
 
 
-def start_pool(config: EngineConfig, concurrency: int = 1, max_engine_restarts: int = 0) -> EnginePool:
+def start_pool(config: EngineConfig, concurrency: int = 1, max_engine_restarts: int = 0,
+               lora_modules: dict[str, str] | None = None) -> EnginePool:
     """A pool, started on the batch runtime (returns once every replica is up)."""
-    pool = EnginePool(config, concurrency, max_engine_restarts)
+    pool = EnginePool(config, concurrency, max_engine_restarts, lora_modules)
     runtime.call(pool.start())
     return pool
 
@@ -202,8 +208,9 @@ class _Replica:
             return await future
 
     async def _run(self, request: RowRequest) -> Generated | Pooled:
+        lora = self.pool.adapters.lora_of(request.model)  # (a name not given: the row's RequestError)
         if request.task != "generate":
-            return await self._pool(request)
+            return await self._pool(request, lora)
         request_id = self._enter(request.row_id)
         try:
             prompt = request.prompt_token_ids if request.prompt_token_ids is not None else request.prompt
@@ -212,7 +219,8 @@ class _Replica:
             # core sends them then, not every step.
             async for out in self.engine.generate(prompt, request.sampling_params, request_id, output_kind="final",
                                                   token_times=False, add_special_tokens=request.add_special_tokens,
-                                                  chat_prompt=request.prompt if request.chat else None):
+                                                  chat_prompt=request.prompt if request.chat else None,
+                                                  lora_request=lora):
                 pass
             generated = Generated(out.text, list(out.token_ids), len(out.prompt_token_ids), len(out.token_ids),
                                   out.finish_reason, prompt_logprobs_of(out))
@@ -228,26 +236,30 @@ class _Replica:
         finally:
             self._leave(request_id)
 
-    async def _pool(self, request: RowRequest) -> Pooled:
+    async def _pool(self, request: RowRequest, lora) -> Pooled:
         """A pooling row: one request, or for a score row on an embedding model (no
         cross-encoder) two embeddings, scored by their cosine."""
         prompt = request.prompt_token_ids if request.prompt_token_ids is not None else request.prompt
         if request.task == "score" and self.engine.capacity.pooler.head == "embed":
             params = request.pooling_params.clone(normalize=True)
-            first, second = await asyncio.gather(self._encode(request.row_id, prompt, params, "embed"),
-                                                 self._encode(request.row_id, request.text_pair, params, "embed"))
+            first, second = await asyncio.gather(self._encode(request.row_id, prompt, params, "embed", lora=lora),
+                                                 self._encode(request.row_id, request.text_pair, params, "embed",
+                                                              lora=lora))
             cosine = sum(a * b for a, b in zip(first.outputs.embedding, second.outputs.embedding))
             return Pooled(float(cosine), len(first.prompt_token_ids) + len(second.prompt_token_ids))
-        out = await self._encode(request.row_id, prompt, request.pooling_params, request.task, request.text_pair)
+        out = await self._encode(request.row_id, prompt, request.pooling_params, request.task, request.text_pair,
+                                 lora)
         value = {"embed": lambda o: o.embedding, "classify": lambda o: o.probs,
                  "score": lambda o: o.score}[request.task](out.outputs)
         return Pooled(value, len(out.prompt_token_ids))
 
-    async def _encode(self, row_id, prompt, params: PoolingParams, kind: str, text_pair: str | None = None):
+    async def _encode(self, row_id, prompt, params: PoolingParams, kind: str, text_pair: str | None = None,
+                      lora=None):
         request_id = self._enter(row_id)
         try:
             out = None
-            async for out in self.engine.encode(prompt, params, request_id, kind=kind, text_pair=text_pair):
+            async for out in self.engine.encode(prompt, params, request_id, kind=kind, text_pair=text_pair,
+                                                lora_request=lora):
                 pass
             return out
         finally:

@@ -8,7 +8,9 @@ jitter (never sooner than the server's Retry-After); what is left after `max_ret
   within `request_timeout_s` the row's RequestTimeoutError, at once (a retry would only
   start the generation over);
 - a server that stays unreachable, or refuses the processor itself (401 / 403: the API
-  key; 404: no such API or model at the URL) is fatal: EngineDeadError stops the job.
+  key; 404: no such API or model at the URL) is fatal: EngineDeadError stops the job;
+  but a 404 for a model a row names itself (its `lora` or `model` column: a LoRA adapter
+  the server maps by name) is that row's RequestError.
 
 Pooling rows (task embed, classify, score) go to {url}/embeddings, /classify and /score
 (OpenAI's API serves the first; vLLM and `gristmill serve` all three), one input a request.
@@ -70,18 +72,18 @@ class HttpEngine:
         tools = request.tool_fields is not None
         if self._ask_token_ids:
             try:
-                return generated_of(await self._post(path, {**body, "return_token_ids": True}),
+                return generated_of(await self._post(path, {**body, "return_token_ids": True}, request.model),
                                     f"{self.config.url}{path}", tools)
             except RequestError as exc:
                 if "return_token_ids" not in str(exc):
                     raise
                 self._ask_token_ids = False  # a server that refuses it: rows get text only
-        return generated_of(await self._post(path, body), f"{self.config.url}{path}", tools)
+        return generated_of(await self._post(path, body, request.model), f"{self.config.url}{path}", tools)
 
     async def pool(self, request: RowRequest) -> Pooled:
         await self._connect()
         path, body = pooling_request(request, self.model)
-        return pooled_of(request.task, await self._post(path, body), f"{self.config.url}{path}")
+        return pooled_of(request.task, await self._post(path, body, request.model), f"{self.config.url}{path}")
 
     async def close(self) -> None:
         if self._client is not None:
@@ -108,10 +110,11 @@ class HttpEngine:
                                               f"HttpProcessorConfig.model")
                     self.model = models[0]
 
-    async def _post(self, path: str, body: dict) -> dict:
-        return await self._send("POST", path, body)
+    async def _post(self, path: str, body: dict, row_model: str | None = None) -> dict:
+        """`row_model`: the model the row named (a 404 is then the row's, not the job's)."""
+        return await self._send("POST", path, body, row_model)
 
-    async def _send(self, method: str, path: str, body: dict | None) -> dict:
+    async def _send(self, method: str, path: str, body: dict | None, row_model: str | None = None) -> dict:
         url = f"{self.config.url.rstrip('/')}{path}"
         for attempt in range(self.config.max_retries + 1):
             last_try = attempt == self.config.max_retries
@@ -131,6 +134,9 @@ class HttpEngine:
                 await asyncio.sleep(max(_backoff(attempt), _retry_after(response)))
                 continue
             message = f"HTTP {status} from {url}: {_server_message(response)}"
+            if status == 404 and row_model is not None:
+                raise RequestError(f"{message}; the row names the model {row_model!r} (its 'lora' or 'model' "
+                                   f"column), which the server does not serve", status=status, param="model")
             if status in _FATAL_STATUSES:
                 raise EngineDeadError(f"{message}; {_FATAL_STATUSES[status]}")
             if status in _RETRIED_STATUSES or status >= 500:

@@ -180,15 +180,41 @@ class Job:
                       should_continue_on_error=True, sampling_params=defaults, id_column=self.id_column,
                       task=self.task, pooling_params=pooling_defaults,
                       chat_template_kwargs=_template_kwargs(args.chat_template_kwargs))
+        lora_modules = self._lora_modules()
         try:
             SamplingParams(**defaults)
             if args.deployment_url:
                 return HttpProcessorConfig(url=_api_url(args.deployment_url), api_key=args.api_key, **common)
             return EngineProcessorConfig(engine=engine_config(args), max_engine_restarts=args.max_engine_restarts,
-                                         concurrency=args.concurrency, **common)
+                                         concurrency=args.concurrency, lora_modules=lora_modules, **common)
         except RequestError as exc:
             flag = "--json-schema" if exc.param == "structured_output" else "--" + (exc.param or "").replace("_", "-")
             raise InputError(f"{exc} (flag {'--deployment-url' if flag == '--url' else flag})") from None
+
+    def _lora_modules(self) -> dict[str, str] | None:
+        """--lora-modules as {name: path} (serve's syntax: name=path, or JSON)."""
+        args = self.args
+        if not args.lora_modules:
+            return None
+        if args.deployment_url:
+            raise InputError("--lora-modules gives a local engine its adapters; a server serves its own (gristmill "
+                             "serve --lora-modules), and rows name them in their 'lora' or 'model' column: leave "
+                             "--lora-modules out with --deployment-url")
+        if engine_options(args).get("enable_lora") is False:
+            raise InputError("--lora-modules runs LoRA adapters, and --no-enable-lora turns them off; leave one out")
+        from gristmill.server.lora_modules import parse_lora_module
+
+        modules: dict[str, str] = {}
+        for text in args.lora_modules:
+            try:
+                lora = parse_lora_module(text)
+            except (ValueError, RequestError) as exc:
+                raise InputError(str(exc)) from None
+            if lora.lora_name in modules:
+                raise InputError(f"--lora-modules names the adapter {lora.lora_name!r} twice; give each its own "
+                                 f"name")
+            modules[lora.lora_name] = lora.lora_path
+        return modules
 
     def _check_row(self, row: dict, position: int, where: str) -> None:
         """Before the model loads: each row's id is there and unique, each batch line whole."""
@@ -259,8 +285,10 @@ class Job:
             open_outputs = functools.partial(self._open_outputs, end if resuming else None, failed)
             if self.total is None or self.skipped < self.total:
                 processor = self._processor()
+                # (a batch line's model names its adapter where the job has adapters, or a server has)
+                named_models = bool(getattr(self.config, "lora_modules", None) or args.deployment_url)
                 slots = input_slots(rows, self.skipped, self.ids, self.batch_file, args.prompt_column,
-                                    args.messages_column, self.task)
+                                    args.messages_column, self.task, named_models)
                 self._write_all(processor, whole_lines(merged(processor, slots, self.task)), open_outputs)
             else:  # nothing is left: no engine to start
                 open_outputs()

@@ -9,6 +9,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import closing
 from dataclasses import dataclass
 
+from gristmill.batch.adapters import MODEL_COLUMNS
 from gristmill.batch.openai_batch import PARTS_COLUMN, batch_request_row, embedding_inputs
 from gristmill.batch.resume import RowIds
 from gristmill.batch.row_tools import TOOL_FIELDS
@@ -30,8 +31,9 @@ class Slot:
 
 
 def input_slots(rows: Iterable[dict], start: int, ids: RowIds, batch_file: bool, prompt_column: str | None,
-                messages_column: str | None, task: str = "generate") -> Iterator[Slot]:
-    """Input rows, from position `start` (where the output ends), as processor rows of `task`."""
+                messages_column: str | None, task: str = "generate", named_models: bool = False) -> Iterator[Slot]:
+    """Input rows, from position `start` (where the output ends), as processor rows of `task`;
+    `named_models`: a batch line's body `model` names the model it runs with (batch_request_row)."""
     for position, original in enumerate(rows, start=start):
         row_id = ids.claim(original, position)
         row = {ids.id_column: row_id, INPUT_COLUMN: original}
@@ -40,7 +42,7 @@ def input_slots(rows: Iterable[dict], start: int, ids: RowIds, batch_file: bool,
         for part in [None] if inputs is None else range(len(inputs)):
             each = row if part is None else {**row, PARTS_COLUMN: [part, len(inputs)]}
             try:
-                each.update(batch_request_row(original, task, part) if batch_file
+                each.update(batch_request_row(original, task, part, named_models) if batch_file
                             else request_columns(original, prompt_column, messages_column, task))
             except RequestError as exc:
                 yield Slot(each, exc)
@@ -52,7 +54,8 @@ def request_columns(original: dict, prompt_column: str | None, messages_column: 
                     task: str = "generate") -> dict:
     """The columns the processor needs from an input row (CSV cells holding JSON decoded)."""
     row = {"sampling_params": decoded(original.get("sampling_params")),
-           "pooling_params": decoded(original.get("pooling_params"))}
+           "pooling_params": decoded(original.get("pooling_params")),
+           **{column: original[column] for column in MODEL_COLUMNS if original.get(column) is not None}}
     if task == "score":
         return {**row, "text_1": original.get("text_1"), "text_2": original.get("text_2")}
     if decoded(original.get("chat_template_kwargs")) is not None:

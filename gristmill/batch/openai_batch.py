@@ -30,7 +30,7 @@ _EMBEDDING_IGNORED = {"model", "input", "user", "encoding_format"}
 _BATCH_KEYS = ("custom_id", "method", "url", "body")
 # Body fields copied into sampling_params, by their SamplingParams name.
 _BODY_PARAMS = {"max_completion_tokens": "max_tokens", "max_tokens": "max_tokens", **BODY_TO_PARAM}
-# Body fields that change nothing here (a model name may be anything).
+# Body fields read apart (`model`: see batch_request_row) or that change nothing here.
 # (a chat line's messages and chat_template_kwargs are read apart; a completion has no template)
 _BODY_IGNORED = {"model", "messages", "prompt", "chat_template_kwargs", "user", "stream", "stream_options", "metadata",
                  "store"}
@@ -70,10 +70,21 @@ def embedding_inputs(line: dict) -> list | None:
     return None
 
 
-def batch_request_row(line: dict, task: str = "generate", part: int | None = None) -> dict:
+def batch_request_row(line: dict, task: str = "generate", part: int | None = None,
+                      named_models: bool = False) -> dict:
     """A batch line as a processor row of a job running `task` (`part`: the row of the
     line's input `part`, for a line of several, `embedding_inputs`); raises RequestError for
-    a request this line cannot make (it becomes a 400 line of the output)."""
+    a request this line cannot make (it becomes a 400 line of the output). `named_models`
+    (a job with LoRA adapters, or one sending its rows to a server): the body's `model`
+    names the model the line runs with, a LoRA adapter or the base (else any name does)."""
+    row = _batch_request_row(line, task, part)
+    model = line["body"].get("model")
+    if named_models and model:
+        row["model"] = model
+    return row
+
+
+def _batch_request_row(line: dict, task: str, part: int | None) -> dict:
     url, body = line["url"], line["body"]
     if url not in BATCH_URLS:
         raise RequestError(f"url {url!r} is not supported; use one of {sorted(BATCH_URLS)}", param="url")

@@ -11,7 +11,8 @@ from gristmill.openai_fields import sampling_body
 
 
 def openai_request(request: RowRequest, model: str | None) -> tuple[str, dict]:
-    """("chat" | "completions", the request body) for one row."""
+    """("chat" | "completions", the request body) for one row: its `model` the one the row
+    names (a LoRA adapter: the server maps the name), else `model`."""
     params = request.sampling_params
     if request.messages is not None:
         method, body = "chat", {"messages": request.messages}
@@ -21,6 +22,7 @@ def openai_request(request: RowRequest, model: str | None) -> tuple[str, dict]:
     else:
         prompt = request.prompt_token_ids if request.prompt_token_ids is not None else request.prompt
         method, body = "completions", {"prompt": prompt}
+    model = request.model or model
     if model is not None:
         body["model"] = model
     body.update(_sampling_body(params))
@@ -50,6 +52,7 @@ def pooling_request(request: RowRequest, model: str | None) -> tuple[str, dict]:
                                param=name)
         if value is not None:
             body[name] = value
+    model = request.model or model
     if model is not None:
         body["model"] = model
     return POOLING_PATHS[request.task], body

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 from gristmill import extras
 from gristmill.batch import runtime
+from gristmill.batch.adapters import row_model
 from gristmill.batch.config import (DeploymentProcessorConfig, EngineProcessorConfig, HttpProcessorConfig,
                                     ProcessorConfig)
 from gristmill.batch.deployment import get_deployment
@@ -104,7 +105,7 @@ class Processor:
         opens one and closes it, on the batch runtime, when done."""
         config = self.config
         if isinstance(config, EngineProcessorConfig):
-            return start_pool(config.engine, config.concurrency, config.max_engine_restarts)
+            return start_pool(config.engine, config.concurrency, config.max_engine_restarts, config.lora_modules)
         if isinstance(config, DeploymentProcessorConfig):
             if config.app_name is not None:  # a Ray Serve deployment, in the Ray extra
                 return extras.load(extras.SERVE_ENGINE)(config.deployment_name, config.app_name)
@@ -235,10 +236,12 @@ class Processor:
                                param="tokenized_prompt")
         templated = bool(row.get(TEMPLATED_COLUMN))  # rendered by a stage before this one
         tool_fields = tool_fields_of(row)
+        model = row_model(row)
         if messages is not None and not templated and needs_template(row, config):
             kwargs = chat_template_kwargs_of(row, config.chat_template_kwargs)
             return engine.stages.chat(RowRequest(row_id, None, messages, token_ids, params,
-                                                 chat_template_kwargs=kwargs, tool_fields=tool_fields), config)
+                                                 chat_template_kwargs=kwargs, tool_fields=tool_fields, model=model),
+                                      config)
         if tool_fields is not None and not templated:
             raise RequestError(f"the row has {', '.join(tool_fields)}, which apply to a chat: send its 'messages' "
                                f"(with the chat template on), or leave them out", param=next(iter(tool_fields)))
@@ -246,7 +249,7 @@ class Processor:
             raise RequestError(f"'prompt' must be a string, got {type(prompt).__name__}", param="prompt")
         # A rendered chat holds its own special tokens.
         request = RowRequest(row_id, prompt, None, token_ids, params, add_special_tokens=not templated,
-                             chat=templated, tool_fields=tool_fields)
+                             chat=templated, tool_fields=tool_fields, model=model)
         return engine.stages.tokenize(request, config)
 
 
@@ -260,12 +263,14 @@ def pooling_request(config: ProcessorConfig, row_id, row: Row) -> RowRequest:
                            f"runs task {task!r}: leave them out (pooling_params hold what a row of task "
                            f"{task!r} may set)", param="sampling_params")
     params = pooling_params_of(row, config.pooling_params)
+    model = row_model(row)
     if task == "score":
         first, second = row.get("text_1"), row.get("text_2")
         if not isinstance(first, str) or not isinstance(second, str):
             raise RequestError(f"a score row needs 'text_1' and 'text_2', the two texts it scores (strings); got "
                                f"text_1={short(first)}, text_2={short(second)}", param="text_1")
-        return RowRequest(row_id, first, None, None, None, task=task, pooling_params=params, text_pair=second)
+        return RowRequest(row_id, first, None, None, None, task=task, pooling_params=params, text_pair=second,
+                          model=model)
     prompt, token_ids = row.get("prompt"), row.get("tokenized_prompt")
     if row.get("messages") is not None and prompt is None and token_ids is None:
         raise RequestError(f"task {task!r} takes a row's 'prompt' (text) or 'tokenized_prompt', not 'messages'",
@@ -278,7 +283,7 @@ def pooling_request(config: ProcessorConfig, row_id, row: Row) -> RowRequest:
     if token_ids is None and not isinstance(prompt, str):
         raise RequestError(f"'prompt' must be a string, got {type(prompt).__name__}", param="prompt")
     token_ids = [int(t) for t in token_ids] if token_ids is not None else None  # (numpy arrays from Ray Data)
-    return RowRequest(row_id, prompt, None, token_ids, None, task=task, pooling_params=params)
+    return RowRequest(row_id, prompt, None, token_ids, None, task=task, pooling_params=params, model=model)
 
 
 def row_id_of(config: ProcessorConfig, row: Row, position):

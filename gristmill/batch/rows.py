@@ -4,7 +4,8 @@ A row of a generating processor (task "generate") brings `prompt` (text), `messa
 chat) or `tokenized_prompt` (token ids), and optionally `sampling_params` (a dict of
 SamplingParams fields). A row of a pooling processor brings `prompt` or `tokenized_prompt`
 (task "embed", "classify") or the pair `text_1`, `text_2` (task "score"), and optionally
-`pooling_params` (a dict of PoolingParams fields). Each gets back its task's
+`pooling_params` (a dict of PoolingParams fields). Any row may name the LoRA adapter it
+runs with in `lora` or `model` (adapters.py). Each gets back its task's
 `output_columns`: Ray Data LLM's names. An error row gets empty values of the same types
 (so a Parquet file never has an all-null column) and
 `__inference_error__ = "<ErrorType>: <message>"`; a row that succeeded has
@@ -88,6 +89,9 @@ class RowRequest:
     tool_fields: dict | None = None
     #: The row's tools, checked against the engine's tool-call parser (row_tools.with_tools).
     tools: ToolRequest | None = None
+    #: The model the row names in its `lora` or `model` column (a LoRA adapter, or the base
+    #: model: adapters.py); None: the processor's.
+    model: str | None = None
 
 
 @dataclass

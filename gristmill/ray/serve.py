@@ -19,8 +19,10 @@ import os
 from pydantic import BaseModel, ValidationError
 from ray import serve
 
+from gristmill.batch.adapters import check_lora_modules, with_adapters
 from gristmill.config import EngineConfig
 from gristmill.errors import EngineDeadError, RequestError
+from gristmill.lora import LoRARequest
 
 #: A replica reserves no CPU unless told to: on a small cluster Ray Data's actors and
 #: tasks take whole CPUs, and a replica holding any share leaves a task unable to start.
@@ -32,18 +34,26 @@ DEFAULT_MAX_ONGOING_REQUESTS = 256
 class EngineServer:
     """One replica: an AsyncEngine behind OpenAI-shaped `completions`, `chat` and `response`."""
 
-    def __init__(self, engine: EngineConfig, model_name: str | None = None, threads: int | None = None):
+    def __init__(self, engine: EngineConfig, model_name: str | None = None, threads: int | None = None,
+                 lora_modules: dict[str, str] | None = None):
         from gristmill.engine.async_engine import AsyncEngine
         from gristmill.paths import DEFAULT_MODEL_NAME
+        from gristmill.server.lora_modules import LoRAModules
         from gristmill.server.metrics import ServerMetrics
         from gristmill.server.openai_serving import OpenAIServing
         from gristmill.server.responses_api import ResponsesServing
 
         if threads is not None:  # the engine core reads it when it starts
             os.environ["OMP_NUM_THREADS"] = str(threads)
-        self.engine = AsyncEngine(engine)
         self.model_name = model_name or engine.model or DEFAULT_MODEL_NAME
+        # A request's `model` naming an adapter runs with it, as on the server; each adapter's
+        # config is checked before the engine starts (a bad one fails the replica, named).
+        loras = LoRAModules(self.model_name, engine.enable_lora, engine.max_lora_rank)
+        for name, path in (lora_modules or {}).items():
+            loras.add(LoRARequest(name, 1, path))
+        self.engine = AsyncEngine(engine)
         self.serving = OpenAIServing(self.engine, self.model_name, ServerMetrics())
+        self.serving.loras = loras
         self.responses = ResponsesServing(self.serving)
 
     async def completions(self, request):
@@ -108,9 +118,13 @@ def _body(model: type[BaseModel], request, drop: tuple[str, ...] = ()):
 def deploy(engine: EngineConfig | None = None, *, name: str = "gristmill", app_name: str = "gristmill",
            num_replicas: int = 1, ray_actor_options: dict | None = None,
            max_ongoing_requests: int = DEFAULT_MAX_ONGOING_REQUESTS, max_queued_requests: int = -1,
-           model_name: str | None = None, threads: int | None = None):
+           model_name: str | None = None, threads: int | None = None, lora_modules: dict[str, str] | None = None):
     """Run `engine` as the Ray Serve application `app_name` with deployment `name` and
     return its DeploymentHandle once every replica is ready (connects to or starts Ray).
+
+    `lora_modules` ({"name": "path"}): LoRA adapters a request's `model` (a processor row's
+    `lora` or `model` column) may name, as `gristmill serve --lora-modules`; they turn the
+    engine's enable_lora on (a slot per adapter, up to 4, unless it was on already).
 
     `max_queued_requests` caps the requests waiting for a replica (-1: no cap); past it
     callers get back-pressure, which processors retry a few times before failing the job.
@@ -126,6 +140,8 @@ def deploy(engine: EngineConfig | None = None, *, name: str = "gristmill", app_n
     engine = engine or EngineConfig()
     if not isinstance(engine, EngineConfig):
         raise RequestError(f"deploy takes an EngineConfig, got {type(engine).__name__}", param="engine")
+    lora_modules = check_lora_modules(lora_modules)
+    engine = with_adapters(engine, lora_modules)
     for key, value in (("name", name), ("app_name", app_name)):
         if not isinstance(value, str) or not value:
             raise RequestError(f"deploy: {key} must be a non-empty string, got {value!r}", param=key)
@@ -156,7 +172,8 @@ def deploy(engine: EngineConfig | None = None, *, name: str = "gristmill", app_n
     # user started (with HTTP) is joined as it is.
     serve.start(proxy_location="Disabled")
     # serve.run would wait for the replicas for ever when they cannot be placed: wait here.
-    [handle] = serve.run_many([serve.RunTarget(deployment.bind(engine, model_name, threads), name=app_name,
+    [handle] = serve.run_many([serve.RunTarget(deployment.bind(engine, model_name, threads, lora_modules or None),
+                                               name=app_name,
                                                route_prefix=None)], wait_for_applications_running=False)
     _wait_running(app_name, name, num_replicas, options)
     return handle

@@ -239,6 +239,20 @@ def test_every_path_gives_the_same_floats(rows):
         assert torch.equal(layer(x, "gelu"), portable(x, "gelu")), kernels.ISA_NAMES[layer.isa]
 
 
+@pytest.mark.parametrize("ggml_type", TYPES)
+def test_every_path_gives_the_same_floats_from_whole_panels(ggml_type):
+    # 48 rows: whole vectors of rows, which the panels take from the blocks as they lie
+    # (the odd parts above go through the decoded way); 736 inputs: a short last group
+    in_features = 736 if gguf.GGML_QUANT_SIZES[ggml_type][0] == 32 else 768
+    parts = [(ggml_type, _made(ggml_type, 48, in_features, seed=3))]
+    x = _inputs(40, in_features)
+    portable, *vector = (_layer(parts, in_features, isa=isa) for isa in range(BEST + 1))
+    if not vector:
+        pytest.skip("this CPU has no vector path")
+    for layer in vector:
+        assert torch.equal(layer(x), portable(x)), kernels.ISA_NAMES[layer.isa]
+
+
 @pytest.mark.parametrize("isa", PATHS)
 def test_gelu_in_the_output_step_is_gelu_of_the_output(isa):
     layer = _layer(_mixed_parts(256), 256, torch.randn(135), isa=isa)

@@ -35,6 +35,23 @@ struct Vec {
   static GGUF_TARGET F fnmadd(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
   static GGUF_TARGET void storef(float* p, F v) { _mm512_storeu_ps(p, v); }
   static GGUF_TARGET void store(void* p, I v) { _mm512_storeu_si512(p, v); }
+  static GGUF_TARGET F as_f(I v) { return _mm512_castsi512_ps(v); }
+  static GGUF_TARGET I and_(I a, I b) { return _mm512_and_si512(a, b); }
+  static GGUF_TARGET I or_(I a, I b) { return _mm512_or_si512(a, b); }
+  static GGUF_TARGET I xor_(I a, I b) { return _mm512_xor_si512(a, b); }
+  static GGUF_TARGET I bytes(char b) { return _mm512_set1_epi8(b); }
+  static GGUF_TARGET I shift16(I v, int n) { return n >= 0 ? _mm512_slli_epi16(v, n) : _mm512_srli_epi16(v, -n); }
+  static GGUF_TARGET I srli32(I v, int n) { return _mm512_srli_epi32(v, n); }
+  static GGUF_TARGET I slli32(I v, int n) { return _mm512_slli_epi32(v, n); }
+  static GGUF_TARGET I srai32(I v, int n) { return _mm512_srai_epi32(v, n); }
+  // Lane r: the 4 bytes at base + offset[r].
+  static GGUF_TARGET I gather(const uint8_t* base, I offset) { return _mm512_i32gather_epi32(offset, base, 1); }
+  // Lane r: the fp16 in the low 16 bits of v's lane r, as a float.
+  static GGUF_TARGET F half_lo(I v) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v)); }
+  static GGUF_TARGET I lanes_times(int64_t step) {
+    return _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                              _mm512_set1_epi32(int32_t(step)));
+  }
   // acc + codes . x, 4 products a lane; codes unsigned (Q8_0's shifted), x signed.
   template <bool kSigned>
   static GGUF_TARGET I dot(I acc, I codes, I x) { return _mm512_dpbusd_epi32(acc, codes, x); }
@@ -56,6 +73,25 @@ struct Vec {
   static GGUF_TARGET F fnmadd(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
   static GGUF_TARGET void storef(float* p, F v) { _mm256_storeu_ps(p, v); }
   static GGUF_TARGET void store(void* p, I v) { _mm256_storeu_si256((__m256i*)p, v); }
+  static GGUF_TARGET F as_f(I v) { return _mm256_castsi256_ps(v); }
+  static GGUF_TARGET I and_(I a, I b) { return _mm256_and_si256(a, b); }
+  static GGUF_TARGET I or_(I a, I b) { return _mm256_or_si256(a, b); }
+  static GGUF_TARGET I xor_(I a, I b) { return _mm256_xor_si256(a, b); }
+  static GGUF_TARGET I bytes(char b) { return _mm256_set1_epi8(b); }
+  static GGUF_TARGET I shift16(I v, int n) { return n >= 0 ? _mm256_slli_epi16(v, n) : _mm256_srli_epi16(v, -n); }
+  static GGUF_TARGET I srli32(I v, int n) { return _mm256_srli_epi32(v, n); }
+  static GGUF_TARGET I slli32(I v, int n) { return _mm256_slli_epi32(v, n); }
+  static GGUF_TARGET I srai32(I v, int n) { return _mm256_srai_epi32(v, n); }
+  static GGUF_TARGET I gather(const uint8_t* base, I offset) {
+    return _mm256_i32gather_epi32((const int*)base, offset, 1);
+  }
+  static GGUF_TARGET F half_lo(I v) {
+    const __m256i halves = _mm256_packus_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0xffff)), _mm256_setzero_si256());
+    return _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permute4x64_epi64(halves, 0x08)));
+  }
+  static GGUF_TARGET I lanes_times(int64_t step) {
+    return _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(int32_t(step)));
+  }
   template <bool kSigned>
   static GGUF_TARGET I dot(I acc, I codes, I x) { return kSigned ? dot_s8(acc, codes, x) : dot_u8(acc, codes, x); }
 };
@@ -91,123 +127,7 @@ inline void pass_starts(int64_t blocks, int64_t start[8]) {
   }
 }
 
-#if GGUF_VNNI
-// kLanes rows of 8 dwords (row r at src + r * stride) into columns: out[c] lane r = row
-// r's dword c. Rows r and r + 8 share a zmm; each 256-bit half is transposed as
-// transpose8 does, the last step across 128-bit lanes by vpermt2q.
-GGUF_TARGET inline void transpose_rows(const uint8_t* src, int64_t stride, __m512i out[8]) {
-  __m512i r[8], t[8], u[8];
-  for (int i = 0; i < 8; ++i)
-    r[i] = _mm512_inserti64x4(_mm512_castsi256_si512(load(src + i * stride)), load(src + (i + 8) * stride), 1);
-  for (int i = 0; i < 8; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 8; i += 4) {
-    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13), second = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
-  for (int c = 0; c < 4; ++c) {
-    out[c] = _mm512_permutex2var_epi64(u[c], first, u[c + 4]);
-    out[c + 4] = _mm512_permutex2var_epi64(u[c], second, u[c + 4]);
-  }
-}
-#else
-GGUF_TARGET inline void transpose_rows(const uint8_t* src, int64_t stride, __m256i out[8]) {
-  __m256i r[8];
-  for (int i = 0; i < 8; ++i) r[i] = load(src + i * stride);
-  transpose8(r, out);
-}
-#endif
-
-// A group's worth of decoded rows, row after row, before they are transposed into records.
-template <class G>
-struct Staged {
-  alignas(64) uint8_t codes[kLanes][kGroup];
-  alignas(64) float scale[kLanes][kGroupBlocks];
-  alignas(64) float min[kLanes][kGroupBlocks];
-  alignas(64) float lane[kLanes][16];  // Q6_K's lane scales
-};
-
-// Row r of a vector from group gi of `row` (nullptr: a padding row, zero weights).
-template <class G>
-GGUF_TARGET inline void stage_row(const uint8_t* row, int64_t row_bytes, int64_t gi, int64_t full, Staged<G>& s,
-                                  int r) {
-  constexpr int64_t kGroupBytes = G::kBlockBytes * (kGroup / G::kBlockSize);
-  if (row == nullptr) {
-    std::memset(s.codes[r], panel_offset<G>() == 128 ? 0x80 : 0, kGroup);
-    std::memset(s.scale[r], 0, sizeof(s.scale[r]));
-    std::memset(s.min[r], 0, sizeof(s.min[r]));
-    std::memset(s.lane[r], 0, sizeof(s.lane[r]));
-    return;
-  }
-  alignas(32) uint8_t tail[kGroupBytes] = {};
-  G g;
-  if (gi < full) {
-    g.load_group(row + gi * kGroupBytes);
-  } else {  // a 32-wide type's short last group: its blocks, then zeros
-    std::memcpy(tail, row + gi * kGroupBytes, row_bytes - gi * kGroupBytes);
-    g.load_group(tail);
-  }
-  const __m256i flip = _mm256_set1_epi8(panel_offset<G>() == 128 ? char(0x80) : 0);
-  for (int j = 0; j < 8; ++j) _mm256_store_si256((__m256i*)(s.codes[r] + 32 * j), _mm256_xor_si256(g.q[j], flip));
-  _mm256_store_ps(s.scale[r], g.scale);
-  if constexpr (G::kHasMin) _mm256_store_ps(s.min[r], g.min);
-  if constexpr (G::kSplit16) {
-    const __m128i ls = _mm_loadu_si128((const __m128i*)g.scales);
-    _mm256_store_ps(s.lane[r], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(ls)));
-    _mm256_store_ps(s.lane[r] + 8, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(ls, 8))));
-  }
-}
-
-// n_rows (<= 2 * kLanes) weight rows from `w` (row_bytes apart) into a panel at `dst`.
-template <class G>
-GGUF_TARGET void pack_rows(const uint8_t* w, int64_t row_bytes, int64_t n_rows, int64_t k, uint8_t* dst) {
-  const int nv = n_rows > kLanes ? 2 : 1;
-  const int64_t blocks = k / 32, groups = (k + kGroup - 1) / kGroup, full = k / kGroup;
-  const int64_t rec = record_bytes<G>(nv), vec_bytes = kLanes * 4;
-  int64_t start[8];
-  pass_starts(blocks, start);
-  Staged<G> s;
-  for (int64_t gi = 0; gi < groups; ++gi) {
-    const int in_group = int(std::min<int64_t>(kGroupBlocks, blocks - gi * kGroupBlocks));
-    for (int v = 0; v < nv; ++v) {
-      for (int r = 0; r < kLanes; ++r) {
-        const int64_t row = v * kLanes + r;
-        stage_row<G>(row < n_rows ? w + row * row_bytes : nullptr, row_bytes, gi, full, s, r);
-      }
-      Vec::I cols[8];
-      for (int b = 0; b < in_group; ++b) {
-        const int64_t j = gi * kGroupBlocks + b;
-        uint8_t* r = dst + (start[j % 8] + j / 8) * rec;
-        transpose_rows(&s.codes[0][32 * b], kGroup, cols);
-        for (int g = 0; g < 8; ++g) Vec::store(r + (g * nv + v) * vec_bytes, cols[g]);
-      }
-      transpose_rows((const uint8_t*)s.scale, sizeof(s.scale[0]), cols);
-      Vec::I mins[8], lanes_lo[8], lanes_hi[8];
-      if (G::kHasMin) transpose_rows((const uint8_t*)s.min, sizeof(s.min[0]), mins);
-      if (G::kSplit16) {
-        transpose_rows((const uint8_t*)s.lane, sizeof(s.lane[0]), lanes_lo);      // lane scales 0..7
-        transpose_rows((const uint8_t*)&s.lane[0][8], sizeof(s.lane[0]), lanes_hi);  // 8..15
-      }
-      for (int b = 0; b < in_group; ++b) {
-        const int64_t j = gi * kGroupBlocks + b;
-        uint8_t* r = dst + (start[j % 8] + j / 8) * rec + 8 * nv * vec_bytes;
-        Vec::store(r + v * vec_bytes, cols[b]);
-        uint8_t* extra = r + nv * vec_bytes;
-        if (G::kHasMin) Vec::store(extra + v * vec_bytes, mins[b]);
-        if (G::kSplit16) {  // lane scales 2b, 2b + 1: column 2b % 8 of the low or high half
-          const Vec::I* half = b < 4 ? lanes_lo : lanes_hi;
-          Vec::store(extra + v * vec_bytes, half[(2 * b) % 8]);
-          Vec::store(extra + (nv + v) * vec_bytes, half[(2 * b + 1) % 8]);
-        }
-      }
-    }
-  }
-}
+#include "gguf_pack_x86.h"
 
 // One record's S_j against MR activation rows (x: block j of each, ldx apart; x16: its
 // two sums of 16, ld16 apart), as floats (exact: |S_j| < 2^24): s[i][v].
