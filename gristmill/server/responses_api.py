@@ -1,18 +1,18 @@
 """`POST /v1/responses`, stateless, served by the chat path: the request is mapped onto a
-chat completion request (responses_protocol), run as one, and its answer reshaped
-into a `response` object or the Responses stream's events (responses_output): over HTTP
+chat completion request (responses_protocol), run as one, and its answer, read into
+pieces by `chat.answer`, shaped into a `response` object or the Responses stream's events
+(responses_output): over HTTP
 (`create`), or whole for other callers (`response`: a Ray Serve deployment)."""
 
 from __future__ import annotations
-
-from dataclasses import replace
 
 from fastapi import Request
 
 from gristmill.server.metrics import RequestTimer
 from gristmill.server.openai_serving import OpenAIServing
 from gristmill.server.serving import close_all
-from gristmill.server.chat_output import ChatJob, ChoiceStates
+from gristmill.chat.answer import AnswerReader
+from gristmill.server.chat_output import ChatJob
 from gristmill.server.responses_output import OutputEvents, ResponseShape
 from gristmill.server.responses_protocol import ResponsesRequest, responses_error, to_chat_request
 
@@ -59,13 +59,14 @@ class ResponsesServing:
     def _whole(shape: ResponseShape, job: ChatJob, finals) -> dict:
         """The response of the job's one choice, whole."""
         [c] = finals[0].outputs
-        pieces = ChoiceStates(1, 1).pieces(job, (0, 0), replace(c, delta_text=c.text))
-        return shape.whole(pieces, job.prompt_tokens, len(c.token_ids), c.finish_reason)
+        reader = AnswerReader(job.reasoning_parser, job.prompt_text, job.tools)
+        return shape.whole(reader.feed(c.text) + reader.finish(), job.prompt_tokens, len(c.token_ids),
+                           c.finish_reason)
 
     async def _events(self, shape: ResponseShape, job: ChatJob, timer: RequestTimer):
         """The stream of the job's one choice, as Responses events."""
         events = OutputEvents(shape)
-        choices = ChoiceStates(1, 1)
+        reader = AnswerReader(job.reasoning_parser, job.prompt_text, job.tools)
         output_tokens, finish_reason = 0, None
         try:
             for event in events.start():
@@ -74,9 +75,9 @@ class ResponsesServing:
                 for c in out.outputs:
                     output_tokens += len(c.token_ids)
                     timer.tokens(len(c.token_ids))
-                    for piece in choices.pieces(job, (0, 0), c):
-                        for event in events.feed(piece):
-                            yield event
+                    pieces = reader.feed(c.delta_text) + (reader.finish() if c.finish_reason is not None else [])
+                    for event in events.feed(pieces):
+                        yield event
                     finish_reason = c.finish_reason or finish_reason
             for event in events.finish(job.prompt_tokens, output_tokens, finish_reason):
                 yield event

@@ -1,6 +1,6 @@
-"""Responses API output: the `response` object and its output items, built from what
-the chat path made of the model's answer (its chat delta fields in the order it wrote
-them, `ChoiceStates.pieces`), and the stream's events, in the order the `openai`
+"""Responses API output: the `response` object and its output items, built from the
+model's answer as `chat.answer` reads it (typed pieces in the order it wrote them), and
+the stream's events, in the order the `openai`
 client's `responses.stream` reads them.
 
 One rule makes the items, whole or streamed (a whole response is the items its stream
@@ -18,6 +18,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Iterator
 
+from gristmill.chat.answer import CALL_PIECE, REASONING_PIECE, Piece
 from gristmill.server.errors import exception_status_and_body
 from gristmill.server.responses_protocol import ResponsesRequest
 
@@ -76,18 +77,17 @@ class ResponseShape:
                 "output_tokens_details": {"reasoning_tokens": self.count_tokens(reasoning) if reasoning else 0},
                 "total_tokens": prompt_tokens + output_tokens}
 
-    def whole(self, pieces: list[dict], prompt_tokens: int, output_tokens: int, finish_reason: str | None) -> dict:
-        """The response of a whole answer: `pieces`, its chat delta fields in order, made
-        into items as a stream of them would be (its events dropped)."""
+    def whole(self, pieces: list[Piece], prompt_tokens: int, output_tokens: int, finish_reason: str | None) -> dict:
+        """The response of a whole answer: its `pieces` in order, made into items as a
+        stream of them would be (its events dropped)."""
         events = OutputEvents(self)
-        for piece in pieces:
-            deque(events.feed(piece), maxlen=0)
+        deque(events.feed(pieces), maxlen=0)
         deque(events.finish(prompt_tokens, output_tokens, finish_reason), maxlen=0)
         return events.final
 
 
 class OutputEvents:
-    """The SSE events of a streamed response, fed a chat stream's deltas; `items` are the
+    """The SSE events of a streamed response, fed the answer's pieces; `items` are the
     output items finished so far."""
 
     def __init__(self, shape: ResponseShape):
@@ -110,14 +110,13 @@ class OutputEvents:
         yield self.event("response.created", response=response)
         yield self.event("response.in_progress", response=response)
 
-    def feed(self, delta: dict) -> Iterator[str]:
-        """The events of one chat delta (reasoning_content, content, tool_calls pieces)."""
-        if delta.get("reasoning_content"):
-            yield from self._text("reasoning", delta["reasoning_content"])
-        if delta.get("content"):
-            yield from self._text("message", delta["content"])
-        for piece in delta.get("tool_calls") or ():
-            yield from self._call(piece)
+    def feed(self, pieces: list[Piece]) -> Iterator[str]:
+        """The events of the answer's next pieces (reasoning, content, calls)."""
+        for piece in pieces:
+            if piece.kind == CALL_PIECE:
+                yield from self._call(piece)
+            elif piece.text:
+                yield from self._text("reasoning" if piece.kind == REASONING_PIECE else "message", piece.text)
 
     def finish(self, prompt_tokens: int, output_tokens: int, finish_reason: str | None) -> Iterator[str]:
         status = "incomplete" if finish_reason == "length" else "completed"
@@ -156,18 +155,16 @@ class OutputEvents:
             yield self.event("response.output_text.delta", **self._where(), content_index=0, delta=text,
                              logprobs=[])
 
-    def _call(self, piece: dict) -> Iterator[str]:
-        function = piece.get("function") or {}
-        if self.open is None or self.open.get("index") != piece["index"]:
+    def _call(self, piece: Piece) -> Iterator[str]:
+        if self.open is None or self.open.get("index") != piece.index:
             yield from self._close("completed")
-            self.open = {"kind": "function_call", "id": new_id("fc"), "text": "", "index": piece["index"],
-                         "call_id": piece["id"], "name": function["name"]}
-            item = call_item(self.open["id"], piece["id"], function["name"], "", "in_progress")
+            self.open = {"kind": "function_call", "id": new_id("fc"), "text": "", "index": piece.index,
+                         "call_id": piece.id, "name": piece.name}
+            item = call_item(self.open["id"], piece.id, piece.name, "", "in_progress")
             yield self.event("response.output_item.added", output_index=len(self.items), item=item)
-        if function.get("arguments"):
-            self.open["text"] += function["arguments"]
-            yield self.event("response.function_call_arguments.delta", **self._where(),
-                             delta=function["arguments"])
+        if piece.text:
+            self.open["text"] += piece.text
+            yield self.event("response.function_call_arguments.delta", **self._where(), delta=piece.text)
 
     def _close(self, status: str) -> Iterator[str]:
         """The events that finish the open item (with `status`), if one is open."""
