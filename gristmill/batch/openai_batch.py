@@ -4,7 +4,8 @@ into the line OpenAI's batch output holds. Lines to /v1/chat/completions and
 /v1/completions make a generating job; lines to /v1/embeddings an embedding job, whose
 output lines hold /v1/embeddings responses. A /v1/embeddings line with several inputs is
 a row per input (`embedding_inputs`), whose results make its one output line again
-(`job_rows.whole_lines`)."""
+(`job_rows.whole_lines`). In a job with LoRA adapters (or one sending its rows to a
+server) a line's `body.model` names the model it runs with, as a row's `model` column."""
 
 from __future__ import annotations
 
