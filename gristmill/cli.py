@@ -298,8 +298,10 @@ def build_parser() -> argparse.ArgumentParser:
     generate.set_defaults(func=cmd_generate)
 
     serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server",
-                                description="Serve /v1/completions, /v1/chat/completions, /v1/models, "
-                                            "/health and /metrics over one engine.")
+                                description="Serve OpenAI's /v1/completions, /v1/chat/completions, "
+                                            "/v1/responses, /v1/embeddings (and the pooling routes), "
+                                            "Anthropic's /v1/messages, /v1/models, /tokenize, /health and "
+                                            "/metrics over one engine.")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=_port, default=8000, help="0..65535 (default: 8000)")
     serve.add_argument("--served-model-name", default=None, help="model name clients send (default: --model)")
