@@ -22,14 +22,15 @@ from gristmill import gpus
 from gristmill.batch import runtime
 from gristmill.batch.adapters import RowAdapters
 from gristmill.batch.rows import Generated, Pooled, RowRequest
-from gristmill.chat.answer import read_answer
 from gristmill.batch.stages import LocalStages
+from gristmill.chat.answer import read_answer
 from gristmill.config import EngineConfig
 from gristmill.engine import restarts
 from gristmill.engine.async_engine import AsyncEngine
 from gristmill.engine.restarts import RestartBudget
 from gristmill.errors import EngineDeadError, RequestError
 from gristmill.pooling_params import PoolingParams
+from gristmill.pooling_tasks import POOLING_TASKS, cosine
 from gristmill.tokenizer import render_chat
 
 logger = logging.getLogger(__name__)
@@ -245,12 +246,11 @@ class _Replica:
             first, second = await asyncio.gather(self._encode(request.row_id, prompt, params, "embed", lora=lora),
                                                  self._encode(request.row_id, request.text_pair, params, "embed",
                                                               lora=lora))
-            cosine = sum(a * b for a, b in zip(first.outputs.embedding, second.outputs.embedding))
-            return Pooled(float(cosine), len(first.prompt_token_ids) + len(second.prompt_token_ids))
+            return Pooled(cosine(first.outputs.embedding, second.outputs.embedding),
+                          len(first.prompt_token_ids) + len(second.prompt_token_ids))
         out = await self._encode(request.row_id, prompt, request.pooling_params, request.task, request.text_pair,
                                  lora)
-        value = {"embed": lambda o: o.embedding, "classify": lambda o: o.probs,
-                 "score": lambda o: o.score}[request.task](out.outputs)
+        value = getattr(out.outputs, POOLING_TASKS[request.task].output)
         return Pooled(value, len(out.prompt_token_ids))
 
     async def _encode(self, row_id, prompt, params: PoolingParams, kind: str, text_pair: str | None = None,

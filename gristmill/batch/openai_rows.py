@@ -8,6 +8,7 @@ import json
 from gristmill.batch.rows import Generated, Pooled, RowRequest
 from gristmill.errors import GenerationError, RequestError
 from gristmill.openai_fields import sampling_body
+from gristmill.pooling_tasks import POOLING_TASKS
 
 
 def openai_request(request: RowRequest, model: str | None) -> tuple[str, dict]:
@@ -29,8 +30,8 @@ def openai_request(request: RowRequest, model: str | None) -> tuple[str, dict]:
     return method, body
 
 
-#: Where a pooling row goes on an OpenAI-compatible server (vLLM's and gristmill's).
-POOLING_PATHS = {"embed": "/embeddings", "classify": "/classify", "score": "/score"}
+#: Where a pooling row goes on an OpenAI-compatible server (vLLM's and gristmill's), under its /v1.
+POOLING_PATHS = {name: task.route.removeprefix("/v1") for name, task in POOLING_TASKS.items()}
 
 
 def pooling_request(request: RowRequest, model: str | None) -> tuple[str, dict]:
@@ -42,9 +43,7 @@ def pooling_request(request: RowRequest, model: str | None) -> tuple[str, dict]:
         body = {"text_1": prompt, "text_2": request.text_pair}
     else:
         body = {"input": prompt}
-    fields = {"embed": ("dimensions", "normalize", "truncate_prompt_tokens"),
-              "classify": ("use_activation", "truncate_prompt_tokens"),
-              "score": ("use_activation", "truncate_prompt_tokens")}[request.task]
+    fields = POOLING_TASKS[request.task].fields
     for name in ("dimensions", "normalize", "use_activation", "truncate_prompt_tokens"):
         value = getattr(params, name)
         if value is not None and name not in fields:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from gristmill.errors import RequestError, error_string
 from gristmill.pooling_params import PoolingParams
+from gristmill.pooling_tasks import POOLING_TASKS
 from gristmill.sampling import SamplingParams
 from gristmill.structured.spec import given_kinds
 
@@ -46,7 +47,7 @@ REASONING_COLUMN = "reasoning"
 TOOL_CALLS_COLUMN = "tool_calls"
 #: The column a pooling task's result goes in: `embeddings` and `probs` a list of float32,
 #: `score` a float.
-POOLED_COLUMNS = {"embed": "embeddings", "classify": "probs", "score": "score"}
+POOLED_COLUMNS = {name: task.column for name, task in POOLING_TASKS.items()}
 _SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams) if f.init)
 _POOLING_FIELDS = tuple(f.name for f in fields(PoolingParams))
 
