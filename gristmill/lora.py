@@ -180,3 +180,19 @@ def _pattern_value(patterns: dict, module: str, default):
         if re.fullmatch(rf"(.*\.)?{key}", module):
             return value
     return default
+
+
+def parse_lora_module(text: str) -> LoRARequest:
+    """`name=path`, or vLLM's JSON `{"name": ..., "path": ..., "base_model_name": ...}`, as
+    a LoRARequest (its id given when it is added); ValueError saying what to send."""
+    text = text.strip()
+    if text.startswith("{"):
+        try:
+            spec = json.loads(text)
+            return LoRARequest(spec["name"], 1, spec["path"], spec.get("base_model_name"))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"--lora-modules {text[:80]!r}: JSON must be {{\"name\": ..., \"path\": ...}} ({exc})")
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise ValueError(f"--lora-modules {text[:80]!r}: give each adapter as name=path (its PEFT directory)")
+    return LoRARequest(name, 1, path)

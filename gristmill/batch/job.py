@@ -21,18 +21,18 @@ import time
 from contextlib import closing, contextmanager
 
 from gristmill import extras
-from gristmill.batch import EngineProcessorConfig, HttpProcessorConfig, UserFunctionError, build_processor
+from gristmill.batch import UserFunctionError, build_processor
 from gristmill.batch.io import (CsvWriter, InputError, InputFile, JsonlWriter, ParquetWriter, check_writable,
                                 cut_at, file_format)
-from gristmill.batch.openai_batch import batch_output_line, batch_task, check_batch_line, is_batch_file
+from gristmill.batch.job_config import job_task, processor_config
+from gristmill.batch.openai_batch import batch_output_line, check_batch_line, is_batch_file
 from gristmill.batch.job_rows import INPUT_COLUMN, input_slots, merged, whole_lines
 from gristmill.batch.resume import ROW_ID, RowIds, skip_written, written_rows
 from gristmill.batch.rows import (ERROR_COLUMN, PROMPT_LOGPROBS_COLUMN, REASONING_COLUMN, TOOL_CALLS_COLUMN,
                                   output_columns)
 from gristmill.batch.tables import arrow_types
-from gristmill.engine_flags import engine_config, engine_flag, engine_options, model_load_error, run_figures
-from gristmill.errors import GristmillError, RequestError, error_string
-from gristmill.sampling import SamplingParams
+from gristmill.engine_flags import engine_flag, engine_options, model_load_error, run_figures
+from gristmill.errors import GristmillError, error_string
 
 
 class Interrupted(KeyboardInterrupt):
@@ -67,14 +67,14 @@ class Job:
         self.positional = not self.batch_file and args.id_column is None
         self.id_column = "custom_id" if self.batch_file else (args.id_column or ROW_ID)
         self._check_paths()
-        self.task = self._task()
+        self.task = job_task(args, self.source.first_row(), self.batch_file)
         self.output_columns = output_columns(self.task) + (
             (PROMPT_LOGPROBS_COLUMN,) if args.prompt_logprobs is not None and self.task == "generate" else ()) + (
             # (a CSV or Parquet file's columns are fixed before the model loads: named, a
             # parser's column is there; JSONL rows carry it whenever the engine split one)
             (REASONING_COLUMN,) if engine_options(args).get("reasoning_parser") not in (None, "none")
             and self.task == "generate" else ())
-        self.config = self._processor_config()
+        self.config = processor_config(args, self.task, self.id_column, self.batch_file)
         self.ids = RowIds(self.id_column, self.out_format, self.positional, self.batch_file)
         survey = self.source.survey(check=self._check_row,
                                     types=self.out_format == "parquet" and self.source.format == "jsonl")
@@ -125,96 +125,6 @@ class Job:
         if args.deployment_url and local_only:
             print(f"warning: engine flags ({', '.join(local_only)}) configure a local engine and are ignored "
                   f"with --deployment-url", file=sys.stderr)
-
-    def _task(self) -> str:
-        """The job's task: --task, else an OpenAI batch file's (its first line's url), else
-        the model's (an HF directory's: `tasks.resolve_task`), else "generate"."""
-        args = self.args
-        given = engine_options(args).get("task", "auto")
-        if given != "auto":
-            return given
-        if self.batch_file:
-            return batch_task(self.source.first_row())
-        model = engine_options(args).get("model")
-        if model is not None and not args.deployment_url:
-            from gristmill.paths import model_source
-            from gristmill.tasks import resolve_task
-            try:
-                source = model_source(model, engine_options(args).get("cache_dir"))
-            except (OSError, RuntimeError):  # (the engine's start says what is wrong with it)
-                return "generate"
-            if source.is_dir():  # (a name of a bundled model too; a GGUF file is a generative model)
-                return resolve_task("auto", source)
-        return "generate"
-
-    def _processor_config(self):
-        args = self.args
-        pooling = self.task != "generate"
-        sampling_flags = [flag for flag, given in (
-            ("--max-tokens", args.max_tokens), ("--temperature", args.temperature),
-            ("--repetition-penalty", args.repetition_penalty), ("--presence-penalty", args.presence_penalty),
-            ("--frequency-penalty", args.frequency_penalty), ("--json-schema", args.json_schema),
-            ("--prompt-logprobs", args.prompt_logprobs)) if given is not None]
-        pooling_flags = [flag for flag, given in (("--dimensions", args.dimensions),
-                                                  ("--truncate-prompt-tokens", args.truncate_prompt_tokens))
-                         if given is not None]
-        if pooling and sampling_flags:
-            raise InputError(f"{', '.join(sampling_flags)} set how rows generate, and this job runs task "
-                             f"{self.task!r}; leave {'it' if len(sampling_flags) == 1 else 'them'} out")
-        if not pooling and pooling_flags:
-            raise InputError(f"{', '.join(pooling_flags)} apply to a pooling job (--task embed, classify or score), "
-                             f"and this one generates text; leave {'it' if len(pooling_flags) == 1 else 'them'} out "
-                             f"or pass --task")
-        defaults = {name: getattr(args, name) for name in ("max_tokens", "temperature", "repetition_penalty",
-                                                           "presence_penalty", "frequency_penalty", "prompt_logprobs")
-                    if getattr(args, name) is not None}
-        if self.batch_file and args.max_tokens is None and not pooling:
-            defaults["max_tokens"] = None  # a request without max_tokens runs to the context, as OpenAI's
-        if args.json_schema:
-            defaults["structured_output"] = {"json": _read_schema(args.json_schema)}
-        pooling_defaults = {name: getattr(args, name) for name in ("dimensions", "truncate_prompt_tokens")
-                            if getattr(args, name) is not None}
-        # Row errors always come back as error rows: --fail-fast stops at the first one in
-        # input order (see _write_one), not at whichever of a batch's rows failed first.
-        common = dict(batch_size=args.batch_size, max_concurrent_batches=args.max_concurrent_batches,
-                      should_continue_on_error=True, sampling_params=defaults, id_column=self.id_column,
-                      task=self.task, pooling_params=pooling_defaults,
-                      chat_template_kwargs=_template_kwargs(args.chat_template_kwargs))
-        lora_modules = self._lora_modules()
-        try:
-            SamplingParams(**defaults)
-            if args.deployment_url:
-                return HttpProcessorConfig(url=_api_url(args.deployment_url), api_key=args.api_key, **common)
-            return EngineProcessorConfig(engine=engine_config(args), max_engine_restarts=args.max_engine_restarts,
-                                         concurrency=args.concurrency, lora_modules=lora_modules, **common)
-        except RequestError as exc:
-            flag = "--json-schema" if exc.param == "structured_output" else "--" + (exc.param or "").replace("_", "-")
-            raise InputError(f"{exc} (flag {'--deployment-url' if flag == '--url' else flag})") from None
-
-    def _lora_modules(self) -> dict[str, str] | None:
-        """--lora-modules as {name: path} (serve's syntax: name=path, or JSON)."""
-        args = self.args
-        if not args.lora_modules:
-            return None
-        if args.deployment_url:
-            raise InputError("--lora-modules gives a local engine its adapters; a server serves its own (gristmill "
-                             "serve --lora-modules), and rows name them in their 'lora' or 'model' column: leave "
-                             "--lora-modules out with --deployment-url")
-        if engine_options(args).get("enable_lora") is False:
-            raise InputError("--lora-modules runs LoRA adapters, and --no-enable-lora turns them off; leave one out")
-        from gristmill.server.lora_modules import parse_lora_module
-
-        modules: dict[str, str] = {}
-        for text in args.lora_modules:
-            try:
-                lora = parse_lora_module(text)
-            except (ValueError, RequestError) as exc:
-                raise InputError(str(exc)) from None
-            if lora.lora_name in modules:
-                raise InputError(f"--lora-modules names the adapter {lora.lora_name!r} twice; give each its own "
-                                 f"name")
-            modules[lora.lora_name] = lora.lora_path
-        return modules
 
     def _check_row(self, row: dict, position: int, where: str) -> None:
         """Before the model loads: each row's id is there and unique, each batch line whole."""
@@ -438,38 +348,3 @@ class Job:
         print(f"gristmill batch: {self.ok} rows ok, {self.failed} rows with errors{resumed}; "
               f"{run_figures(run_rows, self.tokens, run_time, start, self.task == 'generate')}; "
               f"output written to {self.args.output}{failed}", file=sys.stderr)
-
-
-def _read_schema(path: str) -> dict:
-    try:
-        with open(path) as f:
-            schema = json.load(f)
-    except OSError as exc:
-        raise InputError(f"--json-schema {path}: {exc.strerror}") from None
-    except ValueError as exc:
-        raise InputError(f"--json-schema {path} is not JSON: {exc}") from None
-    if not isinstance(schema, dict):
-        raise InputError(f"--json-schema {path} must hold a JSON schema object, got {type(schema).__name__}")
-    return schema
-
-
-def _api_url(url: str) -> str:
-    """http://host:port (no path) is read as the server's /v1 API."""
-    from urllib.parse import urlsplit
-
-    return url.rstrip("/") + "/v1" if urlsplit(url).path in ("", "/") else url
-
-
-def _template_kwargs(text: str | None) -> dict | None:
-    """--chat-template-kwargs: a JSON object of chat template variables."""
-    if text is None:
-        return None
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise InputError(f"--chat-template-kwargs must be a JSON object such as '{{\"enable_thinking\": false}}': "
-                         f"{exc}") from None
-    if not isinstance(value, dict):
-        raise InputError(f"--chat-template-kwargs must be a JSON object such as '{{\"enable_thinking\": false}}', "
-                         f"got {type(value).__name__}")
-    return value

@@ -9,14 +9,13 @@ fails only the requests that named it."""
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
 from pydantic import BaseModel, ConfigDict
 
 from gristmill.errors import RequestError
-from gristmill.lora import LoRARequest, read_adapter_config, weight_file
+from gristmill.lora import LoRARequest, parse_lora_module, read_adapter_config, weight_file
 from gristmill.server.errors import ModelNotFoundError
 
 RUNTIME_ENV = ("GRISTMILL_ALLOW_RUNTIME_LORA_UPDATING", "VLLM_ALLOW_RUNTIME_LORA_UPDATING")
@@ -35,22 +34,6 @@ class UnloadLoRARequest(BaseModel):
 
     lora_name: str
     lora_int_id: int | None = None  # (vLLM's body may carry it; the name decides)
-
-
-def parse_lora_module(text: str) -> LoRARequest:
-    """`name=path`, or vLLM's JSON `{"name": ..., "path": ..., "base_model_name": ...}`, as
-    a LoRARequest (its id given when it is added); ValueError saying what to send."""
-    text = text.strip()
-    if text.startswith("{"):
-        try:
-            spec = json.loads(text)
-            return LoRARequest(spec["name"], 1, spec["path"], spec.get("base_model_name"))
-        except (ValueError, KeyError, TypeError) as exc:
-            raise ValueError(f"--lora-modules {text[:80]!r}: JSON must be {{\"name\": ..., \"path\": ...}} ({exc})")
-    name, sep, path = text.partition("=")
-    if not sep or not name or not path:
-        raise ValueError(f"--lora-modules {text[:80]!r}: give each adapter as name=path (its PEFT directory)")
-    return LoRARequest(name, 1, path)
 
 
 def runtime_updating_allowed(flag: bool) -> bool:
