@@ -3,12 +3,18 @@ and the per-row low-rank update.
 
 Each projection an adapter may update (q/k/v/o, gate/up/down; q/k/v and gate/up fused
 into one layer where the backend fused them) is a `Site` holding, per slot, the adapter's
-A of every part stacked (P * R x in) and each part's scaled B (out_part x R), R being
-`max_lora_rank` (a smaller rank is zero padded). A forward hook on the site's layer adds,
-after the base matmul has run once for every row of the step, each slot's update on its
-own rows: h = x[rows] A^T once, then y[rows, part] += h[:, part's R] B_part^T. The step's rows per slot (`LoRAStep`) reach the
+A of every part side by side, transposed (in x P * R), and each part's scaled B,
+transposed, over the part's columns (R x out), R being `max_lora_rank` (a smaller rank
+is zero padded). A forward hook on the site's layer adds, after the base matmul has run
+once for every row of the step, each row's update from its own slot: h = x A^T, then
+y[:, part] += h[:, part's R] B_part^T. The step's rows by slot (`LoRAStep`) reach the
 hooks on the step's metadata, as attention's do; a step without adapter rows pays one
 attribute read per projection.
+
+How the update runs is chosen once, when the slots are made (`LoRAModel`): on CPU in
+float32 with the C++ kernels, one call a projection for all the step's adapter rows
+(csrc/lora_update.cpp, as Punica's SGMV); elsewhere (CUDA, no compiler) plain torch, a
+few calls per slot the step uses.
 
 Loading reads and checks the whole adapter (config, tensors, every shape) before it
 writes its slot; what does not fit is a LoRAAdapterError naming the adapter and the part,
@@ -39,26 +45,35 @@ _FUSED = dict([QKV, GATE_UP])
 
 @dataclass
 class LoRAStep:
-    """A step's rows by adapter slot: (slot, rows) for each slot some row uses, rows a
-    slice of the step's tokens where they are contiguous, else an index tensor."""
+    """A step's adapter rows by slot. `groups`: (slot, rows) for each slot some row uses,
+    rows a slice of the step's tokens where they are contiguous, else an index tensor on
+    the model's device (the torch update's form). `rows`, `group_slots`, `group_starts`:
+    the same as three int64 CPU tensors, the rows of group g being
+    rows[group_starts[g]:group_starts[g + 1]] (the kernel's form)."""
 
     groups: list[tuple[int, slice | torch.Tensor]]
+    rows: torch.Tensor
+    group_slots: torch.Tensor
+    group_starts: torch.Tensor
 
 
 class Site:
     """One projection layer of the model as it runs (fused or not) and its slots."""
 
-    def __init__(self, module: nn.Module, parts: tuple[str, ...], num_slots: int, rank: int, dtype, device):
-        self.module, self.parts, self.rank = module, parts, rank
+    def __init__(self, module: nn.Module, parts: tuple[str, ...], num_slots: int, rank: int, dtype, device,
+                 update):
+        self.module, self.parts, self.rank, self.update = module, parts, rank, update
         sizes = getattr(module, "split_sizes", None) or [module.out_features]
         starts = np.cumsum([0, *sizes])
         self.bounds = [(int(s), int(e)) for s, e in zip(starts[:-1], starts[1:])]
+        self.split_points = [int(s) for s in starts]
         self.in_features, self.out_features = module.in_features, module.out_features
-        # (slots, P * R, in): the parts' A stacked; (slots, out, R): each part's B on its rows
-        self.a = torch.zeros(num_slots, len(parts) * rank, self.in_features, dtype=dtype, device=device)
-        self.b = torch.zeros(num_slots, self.out_features, rank, dtype=dtype, device=device)
-        #: Per slot: the parts its adapter updates.
-        self.used: list[list[int]] = [[] for _ in range(num_slots)]
+        # (slots, in, P * R): the parts' A^T side by side; (slots, R, out): each part's
+        # B^T over its columns
+        self.a = torch.zeros(num_slots, self.in_features, len(parts) * rank, dtype=dtype, device=device)
+        self.b = torch.zeros(num_slots, rank, self.out_features, dtype=dtype, device=device)
+        #: (slots, parts): the parts each slot's adapter updates (a part it does not is zero)
+        self.parts_used = torch.zeros(num_slots, len(parts), dtype=torch.bool)
         module.register_forward_hook(self._hook)
 
     def _hook(self, module, args, output):
@@ -69,33 +84,47 @@ class Site:
             return None
         x = args[0].reshape(-1, self.in_features)  # (num_tokens, in)
         y = output.view(-1, self.out_features)  # (num_tokens, out), updated in place
-        rank = self.rank
-        for slot, rows in step.groups:
-            parts = self.used[slot]
-            if not parts:
-                continue
-            h = x[rows] @ self.a[slot].t()  # (rows, P * R)
-            for part in parts:
-                start, end = self.bounds[part]
-                delta = (h[:, part * rank:(part + 1) * rank] @ self.b[slot, start:end].t()).to(y.dtype)
-                if isinstance(rows, slice):
-                    y[rows, start:end] += delta
-                else:
-                    y[:, start:end].index_add_(0, rows, delta)
+        self.update(self, x, y, step)
         return output
 
     def clear(self, slot: int) -> None:
         self.a[slot].zero_()
         self.b[slot].zero_()
-        self.used[slot] = []
+        self.parts_used[slot] = False
 
     def put(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor) -> None:
         """Part `part`'s A (r, in) and scaled B (out_part, r) into `slot`."""
         r, (start, end) = a.shape[0], self.bounds[part]
         offset = part * self.rank
-        self.a[slot, offset:offset + r] = a.to(self.a.dtype)
-        self.b[slot, start:end, :r] = b.to(self.b.dtype)
-        self.used[slot] = sorted({*self.used[slot], part})
+        self.a[slot, :, offset:offset + r] = a.t().to(self.a.dtype)
+        self.b[slot, :r, start:end] = b.t().to(self.b.dtype)
+        self.parts_used[slot, part] = True
+
+
+def torch_update(site: Site, x: torch.Tensor, y: torch.Tensor, step: LoRAStep) -> None:
+    """y += each slot's update on its rows, in torch: per slot, x[rows] A^T, then one
+    matmul and add per part it updates."""
+    rank, used = site.rank, site.parts_used.tolist()
+    for slot, rows in step.groups:
+        parts = [p for p, on in enumerate(used[slot]) if on]
+        if not parts:
+            continue
+        h = x[rows] @ site.a[slot]  # (rows, P * R)
+        for part in parts:
+            start, end = site.bounds[part]
+            delta = (h[:, part * rank:(part + 1) * rank] @ site.b[slot, :, start:end]).to(y.dtype)
+            if isinstance(rows, slice):
+                y[rows, start:end] += delta
+            else:
+                y[:, start:end].index_add_(0, rows, delta)
+
+
+def kernel_update(ops):
+    """y += every adapter row's update in one C++ call (CPU, float32)."""
+    def update(site: Site, x: torch.Tensor, y: torch.Tensor, step: LoRAStep) -> None:
+        ops.lora_update_(y, x, site.a, site.b, site.parts_used, step.rows, step.group_slots,
+                         step.group_starts, site.split_points)
+    return update
 
 
 class LoRAModel:
@@ -104,6 +133,8 @@ class LoRAModel:
 
     def __init__(self, model: nn.Module, num_slots: int, max_rank: int, dtype: torch.dtype, device: torch.device):
         self.num_slots, self.max_rank, self.device = num_slots, max_rank, device
+        ops = _cpu_kernels() if device.type == "cpu" and dtype == torch.float32 else None
+        update = torch_update if ops is None else kernel_update(ops)
         #: (layer index, projection name as the checkpoint has it) -> (site, part index)
         self.parts: dict[tuple[int, str], tuple[Site, int]] = {}
         self.sites: list[Site] = []
@@ -115,7 +146,7 @@ class LoRAModel:
             parts = _FUSED.get(proj, (proj,))
             if not set(parts) <= set(TARGET_MODULES):
                 continue
-            site = Site(module, parts, num_slots, max_rank, dtype, device)
+            site = Site(module, parts, num_slots, max_rank, dtype, device, update)
             self.sites.append(site)
             for i, part in enumerate(parts):
                 self.parts[layer, part] = (site, i)
@@ -184,14 +215,25 @@ class LoRAModel:
         if not (by_seq >= 0).any():
             return None
         by_token = np.repeat(by_seq, np.diff(query_start))
-        groups = []
+        groups, rows_of = [], []
         for slot in np.unique(by_seq[by_seq >= 0]).tolist():
             rows = np.flatnonzero(by_token == slot)
+            rows_of.append(rows)
             if rows[-1] - rows[0] + 1 == len(rows):
                 groups.append((slot, slice(int(rows[0]), int(rows[-1]) + 1)))
             else:
                 groups.append((slot, torch.from_numpy(rows).to(self.device)))
-        return LoRAStep(groups)
+        starts = np.cumsum([0, *map(len, rows_of)])
+        return LoRAStep(groups, torch.from_numpy(np.concatenate(rows_of)),
+                        torch.tensor([slot for slot, _ in groups], dtype=torch.int64), torch.from_numpy(starts))
+
+
+def _cpu_kernels():
+    """The C++ kernels (with lora_update_), or None: the torch update then runs."""
+    from gristmill.model.cpu import kernels
+
+    ops = kernels.fused_ops()
+    return ops if ops is not None and hasattr(ops, "lora_update_") else None
 
 
 def _read_tensors(config: AdapterConfig) -> dict[str, torch.Tensor]:

@@ -28,7 +28,7 @@ _CSRC = Path(__file__).parent / "csrc"
 ISA_NAMES = {0: "portable", 1: "avx2", 2: "avx512_vnni"}
 # The 4-bit linear kernel is compiled in only for models that use it (q4=True).
 _SOURCES = ["bindings.cpp", "fused_ops.cpp", "paged_attention.cpp", "encoder_attention.cpp", "decode_stack.cpp",
-            "int8_linear.cpp", "gguf_linear.cpp", "isa.cpp"]
+            "int8_linear.cpp", "gguf_linear.cpp", "isa.cpp", "lora_update.cpp"]
 _Q4_SOURCES = _SOURCES + ["q4_linear.cpp"]
 
 

@@ -25,5 +25,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #if GRISTMILL_Q4
   m.def("q4_linear", &q4_linear, "4-bit weight linear layer: block scales and minimums, int8 activations");
 #endif
+  m.def("lora_update_", &lora_update_, "LoRA adapters' updates of one projection, every adapter row of a step");
   m.def("best_isa", &best_isa, "0 portable, 1 avx2, 2 avx512_vnni: the best this CPU runs");
 }

@@ -25,4 +25,8 @@ at::Tensor decode_stack(at::Tensor x, at::Tensor positions, at::Tensor slot_mapp
                            std::vector<at::Tensor> tensors, std::vector<int64_t> ints,
                            std::vector<double> scales, int64_t num_heads, int64_t num_kv_heads,
                            int64_t head_dim, int64_t activation, double norm_offset, double eps);
+// y[rows of each group] += (x A_slot^T) B_slot^T, part by part: every adapter row of a
+// step's projection in one call (lora_update.cpp).
+void lora_update_(at::Tensor y, at::Tensor x, at::Tensor a_t, at::Tensor b_t, at::Tensor parts_used,
+                  at::Tensor rows, at::Tensor group_slots, at::Tensor group_starts, std::vector<int64_t> bounds);
 void mask_logits(at::Tensor logits, at::Tensor bitmask, std::vector<int64_t> rows);
