@@ -13,22 +13,22 @@
 
 // Where vector v's records of group gi go: a record per block, in pass order.
 struct Records {
-  uint8_t* dst;
-  const int64_t* start;  // pass_starts
-  int64_t bytes;         // a record's
+  static constexpr int kVecBytes = kLanes * 4;
+  uint8_t* record[kGroupBlocks];  // block b's
   int nv, v;
   int64_t gi;
 
-  static constexpr int kVecBytes = kLanes * 4;
-  uint8_t* record(int b) const {
-    const int64_t j = gi * kGroupBlocks + b;
-    return dst + (start[j % 8] + j / 8) * bytes;
+  Records(uint8_t* dst, const int64_t start[8], int64_t bytes, int nv, int v, int64_t gi) : nv(nv), v(v), gi(gi) {
+    for (int b = 0; b < kGroupBlocks; ++b) {
+      const int64_t j = gi * kGroupBlocks + b;
+      record[b] = dst + (start[j % 8] + j / 8) * bytes;
+    }
   }
   // Block b's codes for 4 inputs from 4g.
-  GGUF_TARGET void codes(int b, int g, Vec::I c) const { Vec::store(record(b) + (g * nv + v) * kVecBytes, c); }
+  GGUF_TARGET void codes(int b, int g, Vec::I c) const { Vec::store(record[b] + (g * nv + v) * kVecBytes, c); }
   // Block b's floats: 0 its scale, then min (Q4_K) or lane scales (Q6_K).
   GGUF_TARGET void floats(int b, int which, Vec::F f) const {
-    Vec::storef(reinterpret_cast<float*>(record(b) + 8 * nv * kVecBytes) + (which * nv + v) * kLanes, f);
+    Vec::storef(reinterpret_cast<float*>(record[b] + 8 * nv * kVecBytes) + (which * nv + v) * kLanes, f);
   }
 };
 
