@@ -157,7 +157,7 @@ def deploy(engine: EngineConfig | None = None, *, name: str = "gristmill", app_n
     from gristmill.engine import builder
     builder.resolve_model_dir(engine)  # a missing model fails here, not in a loop of replica restarts
     options = {**DEFAULT_REPLICA_OPTIONS, **(ray_actor_options or {})}
-    from gristmill.ray.data import connect, engine_gpus
+    from gristmill.ray.cluster import connect, engine_gpus
     engine, options = engine_gpus(engine, options, connect().cluster_resources().get("GPU", 0.0))
     _check_fits(options, num_replicas)
     _wait_for_room(options, num_replicas, app_name)
@@ -182,7 +182,7 @@ def deploy(engine: EngineConfig | None = None, *, name: str = "gristmill", app_n
 def _check_fits(options: dict, num_replicas: int) -> None:
     """Fail now, saying what to change, when the replicas can never be placed (Serve
     would otherwise wait for resources for ever)."""
-    from gristmill.ray.data import connect, largest_node
+    from gristmill.ray.cluster import connect, largest_node
 
     total, needs = connect().cluster_resources(), _need(options, num_replicas)
     for resource, key in (("CPU", "num_cpus"), ("GPU", "num_gpus")):

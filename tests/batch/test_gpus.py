@@ -77,7 +77,7 @@ def test_this_machine_is_counted_as_cuda_counts_it():
 def test_engine_actors_on_ray_ask_for_a_gpu_and_share_one_by_its_memory():
     pytest.importorskip("ray", reason="Ray is not installed (the GPU machine has none)")
     from gristmill.errors import RequestError
-    from gristmill.ray.data import engine_gpus
+    from gristmill.ray.cluster import engine_gpus
 
     auto, cuda, cpu = EngineConfig(), EngineConfig(device="cuda"), EngineConfig(device="cpu")
     assert engine_gpus(auto, {"num_cpus": 1}, cluster_gpus=4) == (auto, {"num_cpus": 1, "num_gpus": 1})
