@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -23,7 +22,7 @@ from gristmill.server.gate import ENGINE_PATHS, Gate, Traffic
 from gristmill.lora import LoRARequest
 from gristmill.server.limits import ServerLimits
 from gristmill.server.lora_modules import LOAD_PATH, UNLOAD_PATH, LoadLoRARequest, LoRAModules, UnloadLoRARequest
-from gristmill.server.messages_api import MessagesServing, anthropic_error_body
+from gristmill.server.messages_api import AnthropicErrors, MessagesServing
 from gristmill.server.messages_protocol import COUNT_TOKENS_PATH, MESSAGES_PATH, MessagesRequest
 from gristmill.server.metrics import ServerMetrics
 from gristmill.server.openai_serving import OpenAIServing
@@ -82,20 +81,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
                                            "'x-api-key: <key>')", "invalid_request_error", code="invalid_api_key")
         return await call_next(request)
 
-    @app.middleware("http")
-    async def anthropic_errors(request: Request, call_next):
-        """Errors of the Messages API in Anthropic's envelope, wherever they were made."""
-        response = await call_next(request)
-        if response.status_code < 400 or not request.url.path.startswith(MESSAGES_PATH) \
-                or not response.headers.get("content-type", "").startswith("application/json"):
-            return response
-        body = b"".join([chunk async for chunk in response.body_iterator])
-        headers = {k: v for k, v in response.headers.items() if k.lower() not in ("content-length", "content-type")}
-        try:
-            payload = anthropic_error_body(response.status_code, json.loads(body))
-        except (ValueError, AttributeError):
-            return Response(body, response.status_code, headers, media_type="application/json")
-        return JSONResponse(payload, status_code=response.status_code, headers=headers)
+    app.add_middleware(AnthropicErrors)  # (outermost: auth and gate refusals too)
 
     @app.post(COMPLETIONS_PATH)
     async def completions(body: CompletionRequest, request: Request):

@@ -15,7 +15,7 @@ from fastapi import Request
 
 from gristmill.chat.answer import CALL_PIECE, REASONING_PIECE, AnswerReader, Piece
 from gristmill.server.errors import exception_status_and_body
-from gristmill.server.messages_protocol import MessagesRequest, messages_error, to_chat_request
+from gristmill.server.messages_protocol import MESSAGES_PATH, MessagesRequest, messages_error, to_chat_request
 from gristmill.server.metrics import RequestTimer
 from gristmill.server.openai_serving import OpenAIServing
 from gristmill.server.serving import close_all
@@ -34,6 +34,45 @@ def anthropic_error_body(status: int, openai_body: dict) -> dict:
     error = openai_body.get("error") or {}
     return {"type": "error", "error": {"type": _ERROR_TYPES.get(status, "api_error"),
                                        "message": error.get("message") or "error"}}
+
+
+class AnthropicErrors:
+    """ASGI middleware: the errors of the Messages API paths in Anthropic's envelope,
+    wherever they were made (auth, the gate, validation, the face). Every other path, and
+    every answer that is not a JSON error, passes through untouched."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not scope["path"].startswith(MESSAGES_PATH):
+            await self.app(scope, receive, send)
+            return
+        start: dict | None = None
+        body: list[bytes] = []
+
+        async def rewrite(message):
+            nonlocal start
+            if message["type"] == "http.response.start":
+                headers = dict(message.get("headers") or [])
+                if message["status"] >= 400 and headers.get(b"content-type", b"").startswith(b"application/json"):
+                    start = message  # (held until its body is whole)
+                    return
+            elif start is not None and message["type"] == "http.response.body":
+                body.append(message.get("body", b""))
+                if message.get("more_body"):
+                    return
+                try:
+                    payload = json.dumps(anthropic_error_body(start["status"], json.loads(b"".join(body)))).encode()
+                except (ValueError, AttributeError):
+                    payload = b"".join(body)
+                headers = [(k, v) for k, v in start.get("headers") or [] if k.lower() != b"content-length"]
+                await send({**start, "headers": [*headers, (b"content-length", str(len(payload)).encode())]})
+                await send({"type": "http.response.body", "body": payload})
+                return
+            await send(message)
+
+        await self.app(scope, receive, rewrite)
 
 
 class MessagesServing:
