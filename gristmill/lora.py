@@ -173,6 +173,13 @@ def weight_file(config: AdapterConfig) -> Path:
                            f"{WEIGHT_FILES[1]})", lora_name=config.name)
 
 
+def check_adapter(lora: LoRARequest, max_lora_rank: int) -> None:
+    """What can be checked of an adapter before an engine loads it: its config
+    (`read_adapter_config`) and that its weights file is there; LoRAAdapterError naming it.
+    Its weights' shapes are checked against the model when the engine loads them."""
+    weight_file(read_adapter_config(lora, max_lora_rank))
+
+
 def _pattern_value(patterns: dict, module: str, default):
     """PEFT's rank_pattern / alpha_pattern lookup: the value of the first key that matches
     the end of `module`'s dotted name (as a regular expression), else `default`."""

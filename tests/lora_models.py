@@ -62,3 +62,12 @@ def peft_model(base: Path, adapter: Path | None):
     if adapter is None:
         return model.eval()
     return peft.PeftModel.from_pretrained(model, adapter).eval()
+
+
+def broken_adapter(adapter: Path, directory: Path) -> Path:
+    """An adapter in `directory` whose config is `adapter`'s (it reads well) and whose
+    weights are not safetensors: it fails when an engine loads it, not before."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "adapter_config.json").write_text((adapter / "adapter_config.json").read_text())
+    (directory / "adapter_model.safetensors").write_bytes(b"not safetensors")
+    return directory

@@ -16,7 +16,7 @@ import os
 
 from gristmill.config import EngineConfig
 from gristmill.errors import LoRAAdapterError, RequestError
-from gristmill.lora import LoRARequest, read_adapter_config, weight_file
+from gristmill.lora import LoRARequest, check_adapter
 
 #: The columns that name a row's model, the first given winning.
 MODEL_COLUMNS = ("lora", "model")
@@ -90,7 +90,7 @@ class RowAdapters:
         model when the engine first loads them: one that fails there fails its rows."""
         for lora in self.loras.values():
             try:
-                weight_file(read_adapter_config(lora, self.max_lora_rank))
+                check_adapter(lora, self.max_lora_rank)
             except LoRAAdapterError as exc:
                 raise LoRAAdapterError(f"{exc.message} (given in lora_modules; gristmill batch: --lora-modules)",
                                        param="lora_modules", lora_name=lora.lora_name) from None

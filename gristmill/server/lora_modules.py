@@ -15,7 +15,7 @@ import time
 from pydantic import BaseModel, ConfigDict
 
 from gristmill.errors import RequestError
-from gristmill.lora import LoRARequest, parse_lora_module, read_adapter_config, weight_file
+from gristmill.lora import LoRARequest, check_adapter, parse_lora_module
 from gristmill.server.errors import ModelNotFoundError
 
 RUNTIME_ENV = ("GRISTMILL_ALLOW_RUNTIME_LORA_UPDATING", "VLLM_ALLOW_RUNTIME_LORA_UPDATING")
@@ -62,7 +62,7 @@ class LoRAModules:
             raise RequestError(f"the name {lora.lora_name!r} is taken (the base model or an adapter already "
                                f"served); unload it first or choose another name", param="lora_name")
         lora = LoRARequest(lora.lora_name, self._next_id, lora.lora_path, lora.base_model_name)
-        weight_file(read_adapter_config(lora, self.max_lora_rank))  # (each raises, naming the adapter)
+        check_adapter(lora, self.max_lora_rank)
         self._next_id += 1
         self.adapters[lora.lora_name] = lora
         self.created[lora.lora_name] = int(time.time())

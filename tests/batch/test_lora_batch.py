@@ -15,7 +15,7 @@ from gristmill import LLM, EngineConfig, LoRARequest, SamplingParams  # noqa: E4
 from gristmill.batch import (DeploymentProcessorConfig, EngineProcessorConfig, HttpProcessorConfig,  # noqa: E402
                              build_processor, deploy)
 from gristmill.batch import runtime  # noqa: E402
-from tests.lora_models import make_adapter, tiny_base  # noqa: E402
+from tests.lora_models import broken_adapter, make_adapter, tiny_base  # noqa: E402
 
 GREEDY = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
 PROMPTS = ["the quick brown fox", "a river runs through it"]
@@ -27,9 +27,7 @@ def adapters(tmp_path_factory):
     whose weights are not safetensors (it fails when the engine loads it)."""
     base = tiny_base("llama")
     alpha, beta = make_adapter(base, "alpha", seed=1), make_adapter(base, "beta", seed=2)
-    broken = tmp_path_factory.mktemp("broken-adapter")
-    (broken / "adapter_config.json").write_text((alpha / "adapter_config.json").read_text())
-    (broken / "adapter_model.safetensors").write_bytes(b"not safetensors")
+    broken = broken_adapter(alpha, tmp_path_factory.mktemp("broken-adapter"))
     return base, {"alpha": str(alpha), "beta": str(beta), "broken": str(broken)}
 
 

@@ -18,7 +18,7 @@ from gristmill import LLM, LoRARequest, SamplingParams  # noqa: E402
 from gristmill.batch import ERROR_COLUMN  # noqa: E402
 from tests.batch.inprocess import batch_main  # noqa: E402
 from tests.batch.test_cli_batch import batch_job, read_jsonl, wait_for_rows, write_jsonl  # noqa: E402
-from tests.lora_models import make_adapter, tiny_base  # noqa: E402
+from tests.lora_models import broken_adapter, make_adapter, tiny_base  # noqa: E402
 
 ENGINE_FLAGS = ("--device", "cpu", "--quantization", "none", "--max-model-len", "128", "--temperature", "0")
 
@@ -28,9 +28,7 @@ def adapters(tmp_path_factory):
     """(base, {name: adapter directory}); `broken` reads well and fails to load."""
     base = tiny_base("llama")
     alpha, beta = make_adapter(base, "alpha", seed=1), make_adapter(base, "beta", seed=2)
-    broken = tmp_path_factory.mktemp("broken-adapter")
-    (broken / "adapter_config.json").write_text((alpha / "adapter_config.json").read_text())
-    (broken / "adapter_model.safetensors").write_bytes(b"not safetensors")
+    broken = broken_adapter(alpha, tmp_path_factory.mktemp("broken-adapter"))
     return base, {"alpha": str(alpha), "beta": str(beta), "broken": str(broken)}
 
 

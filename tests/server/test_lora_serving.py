@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("peft")
 
 from gristmill import LLM, LoRARequest, SamplingParams  # noqa: E402
-from tests.lora_models import make_adapter, tiny_base  # noqa: E402
+from tests.lora_models import broken_adapter, make_adapter, tiny_base  # noqa: E402
 from tests.server.conftest import AppServer, start_engine  # noqa: E402
 
 BASE = "tiny-llama"
@@ -117,10 +117,7 @@ def test_an_adapter_that_fails_to_load_fails_only_its_requests(served, adapters,
     """Its config is fine, its weights are not: it fails when the engine loads it."""
     srv, client = served
     _, alpha, _ = adapters
-    broken = tmp_path / "broken"
-    broken.mkdir()
-    (broken / "adapter_config.json").write_text((alpha / "adapter_config.json").read_text())
-    (broken / "adapter_model.safetensors").write_bytes(b"not safetensors")
+    broken = broken_adapter(alpha, tmp_path / "broken")
     assert httpx.post(f"{srv.url}/v1/load_lora_adapter",
                       json={"lora_name": "broken", "lora_path": str(broken)}).status_code == 200
     with pytest.raises(openai.BadRequestError, match="broken"):
