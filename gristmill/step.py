@@ -52,7 +52,8 @@ class ScheduledRequest:
     #: bad words and the structured-output state read.
     token_ids: Sequence[int]
     num_prompt_tokens: int
-    sampling_params: SamplingParams
+    #: None for a pooling request (`pooling`).
+    sampling_params: SamplingParams | None
     #: Token ids that end the request unless `sampling_params.ignore_eos`.
     eos_token_ids: frozenset[int]
     #: `sampling_params.bad_words` as token id sequences.
@@ -113,8 +114,8 @@ class StepTokens:
     token_ids: list[int]
     #: Per row: {token_id: Logprob} of the sampled token and the top-k, or None.
     logprobs: list[dict[int, Logprob] | None]
-    #: A pooling step's results (a float32 numpy array per row; its `token_ids` are
-    #: then 0s, no token), else None.
+    #: A pooling step's results (a float32 numpy array per row; `token_ids` and
+    #: `logprobs` are then empty: a pooling request samples no token), else None.
     pooled: list | None = None
     #: request id -> the prompt logprobs this step computed for it (one entry per prompt
     #: token of its chunk that has a next prompt token), for requests that ask for them

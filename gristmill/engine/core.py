@@ -10,7 +10,7 @@ from gristmill import faults
 from gristmill.engine.kv_blocks import BlockManager
 from gristmill.engine.lora_slots import LoRASlots
 from gristmill.engine.messages import AddRequest, Capacity, RequestUpdate
-from gristmill.engine.processor import POOLING_SAMPLING, check_add_request
+from gristmill.engine.processor import check_add_request
 from gristmill.engine.request import Request
 from gristmill.engine.scheduler import Scheduler
 from gristmill.errors import RequestError
@@ -134,7 +134,7 @@ class EngineCore:
             return RequestError(f"request id {request_id!r} was sent while a request with that id was in the "
                                 f"engine; both were ended, send each request under its own id", param="request_id")
         if message.pooling is not None:
-            request = Request(request_id, list(message.prompt_token_ids), POOLING_SAMPLING, frozenset(),
+            request = Request(request_id, list(message.prompt_token_ids), None, frozenset(),
                               message.fault_tag, pooling=message.pooling,
                               token_type_ids=message.token_type_ids, send_at_end=True, lora=message.lora)
             self.scheduler.add_request(request)

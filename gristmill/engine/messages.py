@@ -60,7 +60,8 @@ class AddRequest:
 
     request_id: str
     prompt_token_ids: list[int]
-    sampling_params: SamplingParams
+    #: How it samples; None for a pooling request (`pooling`).
+    sampling_params: SamplingParams | None
     #: Token ids that end the request unless `sampling_params.ignore_eos`.
     eos_token_ids: frozenset[int]
     #: The prompt text, sent only while fault injection is on (its triggers match it).
@@ -76,7 +77,7 @@ class AddRequest:
     #: metrics (time to first token, between tokens).
     token_times: bool = False
     #: A pooling engine's request (embed, classify, score): computed in one step, no
-    #: sampling (`sampling_params` is ignored); its result is `RequestUpdate.pooled`.
+    #: sampling (`sampling_params` is None); its result is `RequestUpdate.pooled`.
     pooling: PoolingParams | None = None
     #: A text pair's token types (0: the first text, 1: the second), for the models
     #: that read them (BERT); None: all 0.

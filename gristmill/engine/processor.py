@@ -21,10 +21,6 @@ from gristmill.structured.reasoning_gate import ReasoningGate
 from gristmill.structured.spec import ToolCallGrammar
 
 
-#: The sampling params a pooling request carries (AddRequest needs some): it samples nothing.
-POOLING_SAMPLING = SamplingParams(max_tokens=1, temperature=0.0)
-
-
 class InputProcessor:
     def __init__(self, tokenizer, eos_token_ids: frozenset[int], capacity: Capacity,
                  reasoning_parser: ReasoningParser | None = None):
@@ -176,7 +172,7 @@ class InputProcessor:
         """The AddRequest of a pooling request (its params checked by the client); raises
         RequestError when its prompt does not fit."""
         check_pooling_fits(len(prompt_token_ids), self.capacity)
-        return AddRequest(request_id, prompt_token_ids, POOLING_SAMPLING, frozenset(),
+        return AddRequest(request_id, prompt_token_ids, None, frozenset(),
                           prompt if faults.ACTIVE else None, send_at_end=True, pooling=params,
                           token_type_ids=token_type_ids)
 

@@ -29,7 +29,8 @@ class Request:
 
     request_id: str
     prompt_token_ids: list[int]
-    sampling_params: SamplingParams
+    #: How it samples; None for a pooling request (`pooling`), which samples nothing.
+    sampling_params: SamplingParams | None
     #: Token ids that end the request unless `ignore_eos` (the model's EOS ids).
     eos_token_ids: frozenset[int] = frozenset()
     #: The prompt text, when there is one (fault-injection triggers match on it).
@@ -71,6 +72,9 @@ class Request:
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
+        if self.pooling is not None:
+            self._pooling_post_init()
+            return
         params = self.sampling_params
         #: It asks for a logits control (model/logits.py): a bias, a ban or a penalty.
         self.controlled = bool(params.logit_bias or params.min_tokens or self.bad_words_ids or params.penalized)
@@ -90,10 +94,16 @@ class Request:
         #: `num_tokens` at which it ends on length: max_tokens, and the context once the
         #: scheduler says how long that is (`limit_length`).
         self.length_limit = self.num_prompt_tokens + params.max_tokens if params.max_tokens is not None else 1 << 62
-        if self.pooling is not None:  # (its one step's "token" is its pooled result)
-            self.length_limit = self.num_prompt_tokens + 1
         #: What its first block's prefix-cache hash chains from: an adapter's key, so two
         #: adapters (or an adapter and the base) never share KV blocks.
+        self.hash_seed = self.lora.cache_key if self.lora is not None else b""
+
+    def _pooling_post_init(self) -> None:
+        """A pooling request's state: its prompt, computed in one step, and no token
+        after it (it ends with that step, `Scheduler.advance` / `resolve`)."""
+        self.controlled, self.plain, self.may_fast_forward = False, True, False
+        self.prompt_logprobs, self.stop_ids = None, frozenset()
+        self.length_limit = self.num_prompt_tokens
         self.hash_seed = self.lora.cache_key if self.lora is not None else b""
 
     def limit_length(self, max_model_len: int) -> None:

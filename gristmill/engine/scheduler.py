@@ -226,7 +226,10 @@ class Scheduler:
                 num_sampled += item.samples
                 continue
             request.num_computed_tokens += len(item.new_token_ids)
-            if item.samples:
+            if item.samples and request.pooling is not None:
+                num_sampled += 1  # (pooled, not sampled: no token follows its prompt)
+                request.last_pending = True
+            elif item.samples:
                 num_sampled += 1
                 token_ids = request.token_ids
                 token_ids.append(PLACEHOLDER)
@@ -241,13 +244,13 @@ class Scheduler:
         the same id is not pending yet (a step is advanced after the one before it is
         resolved), so neither is touched."""
         updates, requests, now = [], self.requests, time.monotonic()
+        if sampled.pooled is not None:
+            return self._resolve_pooled(out, sampled)
         if not len(sampled.request_ids) == len(sampled.token_ids) == len(sampled.logprobs) == out.num_sampled:
             # (else a row without its token would stay pending, and its placeholder be fed on)
             raise RuntimeError(f"the executor returned {len(sampled.request_ids)} request ids, "
                                f"{len(sampled.token_ids)} tokens and {len(sampled.logprobs)} logprobs "
                                f"for a step that samples {out.num_sampled} rows")
-        if sampled.pooled is not None:
-            return self._resolve_pooled(sampled)
         if sampled.prompt_logprobs:
             for request_id, entries in sampled.prompt_logprobs.items():
                 request = requests.get(request_id)
@@ -310,15 +313,17 @@ class Scheduler:
         return forced
 
 
-    def _resolve_pooled(self, sampled: StepTokens) -> list[RequestUpdate]:
+    def _resolve_pooled(self, out: SchedulerOutput, sampled: StepTokens) -> list[RequestUpdate]:
         """A pooling step's results: each request ends with its vector, no token."""
+        if not len(sampled.request_ids) == len(sampled.pooled) == out.num_sampled:
+            raise RuntimeError(f"the executor returned {len(sampled.request_ids)} request ids and "
+                               f"{len(sampled.pooled)} pooled results for a step of {out.num_sampled} rows")
         updates = []
         for request_id, pooled in zip(sampled.request_ids, sampled.pooled):
             request = self.requests.get(request_id)
-            if request is None or not request.pending:  # ended while the step ran
+            if request is None or not request.last_pending:  # ended while the step ran
                 continue
-            request.token_ids.pop()  # (its placeholder: a pooling request samples nothing)
-            request.pending = request.last_pending = False
+            request.last_pending = False
             self.finish_request(request_id, "stop")
             updates.append(RequestUpdate(request_id, [], None, "stop", pooled=pooled))
         return updates

@@ -401,8 +401,7 @@ class PooledStep:
         self.request_ids, self.pooled = request_ids, pooled
 
     def result(self) -> StepTokens:
-        count = len(self.request_ids)
-        return StepTokens(self.request_ids, [0] * count, [None] * count, self.pooled)
+        return StepTokens(self.request_ids, [], [], self.pooled)
 
 
 class LaunchedStep:

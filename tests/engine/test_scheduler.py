@@ -19,6 +19,7 @@ from gristmill.engine.request import Request, RequestStatus
 from gristmill.engine.scheduler import Scheduler
 from gristmill.errors import RequestError
 from gristmill.sampling import SamplingParams
+from gristmill.step import StepTokens
 from tests.engine.harness import EOS, VOCAB, Harness, prompt, step_tokens
 
 
@@ -513,6 +514,32 @@ def test_scheduler_direct_api():
     assert bm.num_free_blocks == 8 and sched.requests == {} and not sched.running
     out = sched.schedule()
     assert out.scheduled == [] and out.finished_request_ids == ["x"]
+
+
+def test_a_pooling_request_is_one_step_with_no_sampling_params_and_no_token_after_its_prompt():
+    # A pooling request does not pretend to generate: no SamplingParams, no placeholder
+    # token appended after its prompt while its step runs, no token ids in its result.
+    from gristmill.engine.kv_blocks import BlockManager
+    from gristmill.pooling_params import PoolingParams
+    bm = BlockManager(8, 4)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64)
+    pooled = [Request(name, [first, 6, 7, 8, 9], None, pooling=PoolingParams(), send_at_end=True)
+              for name, first in (("a", 5), ("b", 4))]
+    for r in pooled:
+        sched.add_request(r)
+    out = sched.schedule()
+    assert [(s.request_id, s.num_new_tokens, s.samples, s.sampling_params) for s in out.scheduled] == \
+        [("a", 5, True, None), ("b", 5, True, None)]
+    sched.advance(out)
+    assert out.num_sampled == 2 and all(r.token_ids == r.prompt_token_ids and not r.pending for r in pooled)
+    assert sched.schedule().scheduled == []  # (async scheduling: its step is not scheduled again)
+    with pytest.raises(RuntimeError, match="1 request ids and 1 pooled results for a step of 2 rows"):
+        sched.resolve(out, StepTokens(["a"], [], [], pooled=["va"]))
+    updates = sched.resolve(out, StepTokens(["a", "b"], [], [], pooled=["va", "vb"]))
+    assert [(u.request_id, u.new_token_ids, u.finish_reason, u.pooled) for u in updates] == \
+        [("a", [], "stop", "va"), ("b", [], "stop", "vb")]
+    assert all(r.token_ids == r.prompt_token_ids and r.is_finished for r in pooled)
+    assert bm.num_free_blocks == 8 and sched.requests == {} and not sched.running
 
 
 # -- randomized stress ---------------------------------------------------------------
