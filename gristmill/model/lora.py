@@ -7,7 +7,8 @@ A of every part side by side, transposed (in x P * R), and each part's scaled B,
 transposed, over the part's columns (R x out), R being `max_lora_rank` (a smaller rank
 is zero padded). A forward hook on the site's layer adds, after the base matmul has run
 once for every row of the step, each row's update from its own slot: h = x A^T, then
-y[:, part] += h[:, part's R] B_part^T. The step's rows by slot (`LoRAStep`) reach the
+y[:, part] += h[:, part's R] B_part^T (on CPU the decode stack, which runs a decode step's
+layers in one C++ call, makes the same update there). The step's rows by slot (`LoRAStep`) reach the
 hooks on the step's metadata, as attention's do; a step without adapter rows pays one
 attribute read per projection.
 
@@ -74,7 +75,12 @@ class Site:
         self.b = torch.zeros(num_slots, rank, self.out_features, dtype=dtype, device=device)
         #: (slots, parts): the parts each slot's adapter updates (a part it does not is zero)
         self.parts_used = torch.zeros(num_slots, len(parts), dtype=torch.bool)
+        #: Its update runs in the C++ kernels, so the CPU decode stack can run it too
+        #: (csrc/decode_stack.cpp) instead of the layers' hooks.
+        self.in_kernels = update is not torch_update
         module.register_forward_hook(self._hook)
+        #: (for the decode stack, which runs the layer's kernel itself, hooks unseen)
+        module.lora_site = self
 
     def _hook(self, module, args, output):
         if not has_metadata():

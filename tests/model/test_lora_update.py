@@ -80,3 +80,54 @@ def test_the_kernel_refuses_what_does_not_fit():
         kernel_update(ops)(site, torch.randn(2, 63), torch.zeros(2, 160), step)
     with pytest.raises(RuntimeError, match="row out of range"):
         kernel_update(ops)(site, torch.randn(1, 64), torch.zeros(1, 160), step)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "q4"])
+def test_decode_stack_with_adapter_rows_equals_the_layers_and_their_hooks(quantization):
+    """A decode step with adapter rows runs in the decode stack (csrc/decode_stack.cpp),
+    which makes each linear's LoRA update itself: its hidden states are bit-identical to
+    the layers run one by one, their forward hooks making the update, at every such step
+    (rows of two adapters and of the base, decoding from prompts of different lengths)."""
+    from gristmill.config import EngineConfig
+    from gristmill.engine.kv_blocks import BlockManager
+    from gristmill.engine.lora_slots import LoRASlots
+    from gristmill.engine.request import Request
+    from gristmill.engine.scheduler import Scheduler
+    from gristmill.lora import LoRARequest
+    from gristmill.model.backends.reference import Backend
+    from gristmill.model.context import forward_context
+    from gristmill.model.cpu.decode_stack import DecodeStack
+    from gristmill.model.runner import ModelRunner
+    from gristmill.sampling import SamplingParams
+    from tests.engine.harness import step_tokens
+    from tests.lora_models import make_adapter, tiny_base
+
+    base = tiny_base("llama")
+    runner = ModelRunner(EngineConfig(
+        model=str(base), device="cpu", dtype="float32", quantization=quantization, block_size=4,
+        num_kv_blocks=64, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64,
+        enable_lora=True, max_loras=2, max_lora_rank=8))
+    adapters = [LoRARequest(f"a{i}", i + 1, str(make_adapter(base, f"a{i}", seed=i))) for i in range(2)]
+    sched = Scheduler(BlockManager(runner.num_blocks, 4, True), 4, 64, runner.max_model_len,
+                      lora_slots=LoRASlots(2, runner.load_lora))
+    for rid, n, lora in (("a", 3, adapters[0]), ("b", 9, None), ("c", 6, adapters[1]), ("d", 5, adapters[0])):
+        sched.add_request(Request(rid, [(7 * i + n) % 100 + 1 for i in range(n)],
+                                  SamplingParams(max_tokens=8, temperature=0), lora=lora))
+    layers, backend = runner.model.model.layers, runner.backend
+    stacked_steps = 0
+    while sched.num_unfinished:
+        out = sched.schedule()
+        host, items = runner.host_step(out)
+        input_ids, positions, md, sample_indices = backend.upload(host)
+        md.lora = runner._lora_step(out, host)
+        with forward_context(md, backend):
+            x = runner.model.model.embed_tokens(input_ids)
+            stack = DecodeStack.of(layers) if md.num_decodes == md.num_seqs else None
+            one_by_one = Backend.run_layers(backend, layers, positions, x)  # the plain loop: hooks update
+            if stack is not None:
+                assert stack.runs_lora and md.lora is not None
+                stacked_steps += 1
+                assert torch.equal(stack(positions, x, md), one_by_one), f"step {stacked_steps}"
+        logits = runner.model.compute_logits(runner.model.model.norm(one_by_one)[sample_indices])
+        sched.update(out, step_tokens({item.request_id: int(logits[row].argmax()) for row, item in enumerate(items)}))
+    assert stacked_steps >= 5

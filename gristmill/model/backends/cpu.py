@@ -93,9 +93,10 @@ class CpuBackend(Backend):
     def run_layers(self, layers, positions, x):
         md = get_metadata()
         stack = None
-        # (a step with adapter rows runs layer by layer: the stack knows no LoRA update)
-        if self._ops_for(x) is not None and md.num_decodes == x.shape[0] == md.num_seqs and md.lora is None:
+        if self._ops_for(x) is not None and md.num_decodes == x.shape[0] == md.num_seqs:
             stack = DecodeStack.of(layers)
+            if stack is not None and md.lora is not None and not stack.runs_lora:
+                stack = None  # (adapter rows whose update only the layers' hooks make)
         if stack is None:
             return super().run_layers(layers, positions, x)
         return stack(positions, x, md)

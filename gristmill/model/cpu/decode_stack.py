@@ -10,6 +10,7 @@ from torch import nn
 from gristmill.model.cpu import kernels
 
 _EMPTY = torch.empty(0)
+_NO_ROWS = torch.empty(0, dtype=torch.int64)
 _STACK_ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu": 2}
 
 
@@ -39,6 +40,8 @@ class DecodeStack:
         if ext is None:
             raise ValueError("the decode stack needs the compiled kernels")
         tensors, ints, scales = [], [], []
+        #: Each linear's LoRA site tensors and split points (see csrc/decode_stack.cpp).
+        lora, lora_bounds, sites = [], [], []
         first = layers[0]
         for layer in layers:
             attn_module, mlp = layer.self_attn, layer.mlp
@@ -51,6 +54,10 @@ class DecodeStack:
             tensors += [n.float_weight() if n is not None else _EMPTY for n in norms]
             for lin in linears:
                 tensors += _slot(lin)
+                site = getattr(lin, "lora_site", None)
+                sites.append(site)
+                lora += [_EMPTY] * 3 if site is None else [site.a, site.b, site.parts_used]
+                lora_bounds += [0] if site is None else [len(site.split_points), *site.split_points]
             rotary, attn = attn_module.rotary, attn_module.attn
             tensors += [rotary.cos, rotary.sin, attn.k_cache, attn.v_cache]
             isa = {lin.isa for lin in linears} - {None}
@@ -60,13 +67,18 @@ class DecodeStack:
         norm = first.stack_norms()[0]
         attn = first.self_attn
         self.args = (tensors, ints, scales, attn.num_heads, attn.num_kv_heads, attn.head_dim,
-                     _STACK_ACTIVATIONS[first.mlp.activation], norm.offset, norm.eps)
+                     _STACK_ACTIVATIONS[first.mlp.activation], norm.offset, norm.eps, lora, lora_bounds)
+        #: It runs steps with adapter rows too: every LoRA site's update is the kernels'
+        #: (float32 slots on CPU); else such steps run layer by layer, through the hooks.
+        self.runs_lora = any(sites) and all(site.in_kernels for site in sites if site is not None)
 
     @staticmethod
     def key_of(layers: nn.ModuleList) -> tuple:
-        # What quantizing the model or reallocating the KV cache replaces (compared by identity).
+        # What quantizing the model, reallocating the KV cache or adding LoRA slots
+        # replaces (compared by identity).
         attn = layers[0].self_attn
-        return getattr(attn, "qkv_proj", None), attn.attn.k_cache, layers[-1].self_attn.attn.k_cache
+        qkv = getattr(attn, "qkv_proj", None)
+        return qkv, attn.attn.k_cache, layers[-1].self_attn.attn.k_cache, getattr(qkv, "lora_site", None)
 
     @classmethod
     def of(cls, layers: nn.ModuleList) -> "DecodeStack | None":
@@ -86,5 +98,7 @@ class DecodeStack:
         return stack
 
     def __call__(self, positions: torch.Tensor, x: torch.Tensor, md) -> torch.Tensor:
+        lora = md.lora
+        rows = (_NO_ROWS,) * 3 if lora is None else (lora.rows, lora.group_slots, lora.group_starts)
         return self.ops.decode_stack(x, positions, md.slot_mapping, md.decode_block_tables,
-                                md.decode_context_lens, *self.args)
+                                     md.decode_context_lens, *self.args, *rows)

@@ -24,7 +24,9 @@ at::Tensor decode_stack(at::Tensor x, at::Tensor positions, at::Tensor slot_mapp
                            at::Tensor block_tables, at::Tensor context_lens,
                            std::vector<at::Tensor> tensors, std::vector<int64_t> ints,
                            std::vector<double> scales, int64_t num_heads, int64_t num_kv_heads,
-                           int64_t head_dim, int64_t activation, double norm_offset, double eps);
+                           int64_t head_dim, int64_t activation, double norm_offset, double eps,
+                           std::vector<at::Tensor> lora, std::vector<int64_t> lora_bounds, at::Tensor lora_rows,
+                           at::Tensor lora_group_slots, at::Tensor lora_group_starts);
 // y[rows of each group] += (x A_slot^T) B_slot^T, part by part: every adapter row of a
 // step's projection in one call (lora_update.cpp).
 void lora_update_(at::Tensor y, at::Tensor x, at::Tensor a_t, at::Tensor b_t, at::Tensor parts_used,

@@ -12,6 +12,13 @@
 // holds kIntsPerLayer: each linear's kind (0 float, 1 int8, 2 q4, 3 gguf: each linear
 // its own) and out_features, the sliding window (0: none), and the code path of the
 // quantized kernels. `scales`: each layer's attention scale.
+//
+// LoRA adapters (an engine with enable_lora): `lora` holds, per layer and linear (qkv, o,
+// gate_up, down), the adapter slots' a_t, b_t and parts_used of lora_update.cpp (three
+// empty tensors where no adapter may update it), and `lora_bounds` each such linear's
+// split points, as its count then the points. When the step has adapter rows
+// (`lora_rows` not empty, grouped by slot as lora_update_ takes them), each linear's
+// output gets their update right after its matmul, as the layers' forward hooks do.
 #include "cpu_ops.h"
 #include "linear_common.h"
 
@@ -74,7 +81,9 @@ at::Tensor decode_stack(at::Tensor x, at::Tensor positions, at::Tensor slot_mapp
                            at::Tensor block_tables, at::Tensor context_lens,
                            std::vector<at::Tensor> tensors, std::vector<int64_t> ints,
                            std::vector<double> scales, int64_t num_heads, int64_t num_kv_heads,
-                           int64_t head_dim, int64_t activation, double norm_offset, double eps) {
+                           int64_t head_dim, int64_t activation, double norm_offset, double eps,
+                           std::vector<at::Tensor> lora, std::vector<int64_t> lora_bounds, at::Tensor lora_rows,
+                           at::Tensor lora_group_slots, at::Tensor lora_group_starts) {
   const int64_t num_layers = static_cast<int64_t>(scales.size());
   TORCH_CHECK(static_cast<int64_t>(tensors.size()) == num_layers * kTensorsPerLayer &&
                   static_cast<int64_t>(ints.size()) == num_layers * kIntsPerLayer,
@@ -86,6 +95,29 @@ at::Tensor decode_stack(at::Tensor x, at::Tensor positions, at::Tensor slot_mapp
   const int64_t n = x.size(0), q_width = num_heads * head_dim, kv_width = num_kv_heads * head_dim;
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   x = x.contiguous();
+  // Each linear's LoRA split points (empty: no adapter updates it), when the step has adapter rows.
+  std::vector<std::vector<int64_t>> site_bounds;
+  if (lora_rows.numel() > 0) {
+    TORCH_CHECK(static_cast<int64_t>(lora.size()) == num_layers * 4 * 3,
+                "decode_stack: the step has LoRA rows, but not three LoRA tensors per linear");
+    size_t at = 0;
+    for (int64_t site = 0; site < num_layers * 4; ++site) {
+      TORCH_CHECK(at < lora_bounds.size() && at + 1 + lora_bounds[at] <= lora_bounds.size(),
+                  "decode_stack: lora_bounds is short");
+      const auto count = static_cast<size_t>(lora_bounds[at]);
+      site_bounds.emplace_back(lora_bounds.begin() + at + 1, lora_bounds.begin() + at + 1 + count);
+      at += 1 + count;
+    }
+  }
+  // y += the adapter rows' update of linear `j` of layer `l` (its input `in`)
+  auto adapted = [&](at::Tensor y, const at::Tensor& in, int64_t l, int64_t j) {
+    if (site_bounds.empty()) return y;
+    const int64_t site = l * 4 + j;
+    const at::Tensor* s = lora.data() + site * 3;
+    if (s[0].numel() > 0)
+      lora_update_(y, in, s[0], s[1], s[2], lora_rows, lora_group_slots, lora_group_starts, site_bounds[site]);
+    return y;
+  };
   for (int64_t l = 0; l < num_layers; ++l) {
     const at::Tensor* t = tensors.data() + l * kTensorsPerLayer;
     const int64_t* li = ints.data() + l * kIntsPerLayer;
@@ -93,16 +125,18 @@ at::Tensor decode_stack(at::Tensor x, at::Tensor positions, at::Tensor slot_mapp
     at::Tensor k_cache = t[24], v_cache = t[25];
 
     auto h = rms_norm(x, t[0], norm_offset, eps);
-    auto qkv = linear_of(h, t + 6, li[0], li[4], isa);
+    auto qkv = adapted(linear_of(h, t + 6, li[0], li[4], isa), h, l, 0);
     auto heads = qkv_rotary(qkv.narrow(1, 0, q_width), qkv.narrow(1, q_width, kv_width),
                             qkv.narrow(1, q_width + kv_width, kv_width), num_heads, num_kv_heads, head_dim,
                             t[4], t[5], norm_offset, eps, t[22], t[23], positions);
     write_cache(heads[1], heads[2], k_cache, v_cache, slots, n);
     auto attn = paged_decode_attention(heads[0], k_cache, v_cache, block_tables, context_lens, scales[l], li[8]);
-    auto o = linear_of(attn.view({n, q_width}), t + 10, li[1], li[5], isa);
+    auto attn_rows = attn.view({n, q_width});
+    auto o = adapted(linear_of(attn_rows, t + 10, li[1], li[5], isa), attn_rows, l, 1);
     auto res = residual_norm(x, o, t[1], t[2], norm_offset, eps);
-    auto gate_up = linear_of(res[1], t + 14, li[2], li[6], isa);
-    auto down = linear_of(act_mul(gate_up, activation), t + 18, li[3], li[7], isa);
+    auto gate_up = adapted(linear_of(res[1], t + 14, li[2], li[6], isa), res[1], l, 2);
+    auto act = act_mul(gate_up, activation);
+    auto down = adapted(linear_of(act, t + 18, li[3], li[7], isa), act, l, 3);
     x = residual_norm(res[0], down, t[3], x.new_empty({0}), norm_offset, eps)[0];
   }
   return x;
