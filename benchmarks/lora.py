@@ -23,10 +23,10 @@ projection then adds every row's low-rank update from its own slot, h = x A^T an
 y += h B^T, in one C++ call for all the step's adapter rows (gristmill/model/lora.py,
 csrc/lora_update.cpp; `--updates torch` runs the torch update instead, a few calls per
 slot and projection, as on CUDA). Its arithmetic, 2 * rank * (in + out) multiply-adds a
-row and projection, is ~1% of the base's on these models. What an adapter row costs
-beyond it: (a) a decode step with adapter rows runs the layers one by one instead of as
-the C++ decode stack (one call for all layers); (b) each slot the step uses is read
-whole, in float32, once per step: 4 * rank * (in + out) bytes per projection, 0.84 MB a
+row and projection, is ~1% of the base's on these models; a decode step with adapter
+rows runs in the C++ decode stack like one without (the stack makes each projection's
+update right after its matmul). What an adapter row costs beyond the arithmetic: each
+slot the step uses is read whole, in float32, once per step: 4 * rank * (in + out) bytes per projection, 0.84 MB a
 layer on the 270M and 2.8 MB on the 1B, so 16 adapters read 243 MB (270M) and 720 MB
 (1B) a step, more than the base's quantized layer weights (~0.06 GB and ~0.55 GB). At
 batch 16 with 16 adapters each row has its own slot: the update is memory-bound there.

@@ -201,7 +201,7 @@ def _add_metadata(writer, shape: ModelShape, file_type: str) -> None:
 def _copy_tokenizer(writer, vocab_path: Path) -> None:
     """Every `tokenizer.*` key of llama.cpp's vocab-only file, with its types. (Read with
     gristmill's GGUF reader: gguf.GGUFReader takes most of a minute over 400k strings.)"""
-    from gristmill.model.loader.gguf_file import GGUFFile
+    from gristmill.gguf_file import GGUFFile
 
     vocab = GGUFFile(vocab_path)
     for key, value in vocab.fields.items():
@@ -214,7 +214,7 @@ def _copy_tokenizer(writer, vocab_path: Path) -> None:
 def weight_bytes_per_token(path: Path) -> tuple[int, int]:
     """(the file's tensor bytes, the bytes a batch-1 decode step reads: all of them but
     the embedding table where it is not also the LM head, as a lookup reads one row)."""
-    from gristmill.model.loader.gguf_file import GGUFFile
+    from gristmill.gguf_file import GGUFFile
 
     tensors = {t.name: t.n_bytes for t in GGUFFile(path).tensors}
     total = sum(tensors.values())

@@ -4,7 +4,7 @@ the engine core both read it; the weights are the model's: gristmill/model/lora.
 
 An adapter is a PEFT LoRA directory: `adapter_config.json` and `adapter_model.safetensors`
 (or `adapter_model.bin`), over the projections q/k/v/o and gate/up/down of the model it
-runs on. Anything PEFT can add that changes the arithmetic beyond `W x + s * B A x`
+runs on; or llama.cpp's LoRA GGUF file of one (gristmill/lora_gguf.py). Anything PEFT can add that changes the arithmetic beyond `W x + s * B A x`
 (DoRA, LoRA biases, modules_to_save, ...) is refused, never ignored.
 """
 
@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gristmill.errors import LoRAAdapterError
+from gristmill.lora_gguf import adapter_fields, is_gguf_adapter
 
 #: The projections an adapter may update, as PEFT (and the checkpoints) name them.
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -37,7 +38,7 @@ class LoRARequest:
     """An adapter a request runs with, as vLLM's `LoRARequest(lora_name, lora_int_id,
     lora_path)`: `lora_int_id` (> 0) names the adapter inside the engine (its slot, its
     prefix-cache blocks), so give each adapter its own id; `lora_path` is its PEFT
-    directory."""
+    directory, or its llama.cpp LoRA GGUF file."""
 
     lora_name: str
     lora_int_id: int
@@ -54,7 +55,8 @@ class LoRARequest:
                                    f"{self.lora_int_id!r}", lora_name=self.lora_name)
         if not isinstance(self.lora_path, str) or not self.lora_path:
             raise LoRAAdapterError(f"LoRARequest {self.lora_name!r}: lora_path must be the adapter's directory "
-                                   f"(adapter_config.json and adapter_model.safetensors), got {self.lora_path!r}",
+                                   f"(adapter_config.json and adapter_model.safetensors) or LoRA GGUF file, got "
+                                   f"{self.lora_path!r}",
                                    lora_name=self.lora_name)
 
     # vLLM's accessors
@@ -103,6 +105,8 @@ class AdapterConfig:
     rank_pattern: dict
     alpha_pattern: dict
     base_model: str | None
+    #: A llama.cpp LoRA GGUF's architecture (its file is `path`), else None: a PEFT directory.
+    gguf_arch: str | None = None
 
     def rank_of(self, module: str) -> int:
         """The rank PEFT gives `module` (a dotted name): its rank_pattern's, or r."""
@@ -121,6 +125,8 @@ def read_adapter_config(lora: LoRARequest, max_lora_rank: int) -> AdapterConfig:
     LoRAAdapterError naming the adapter and what does not fit otherwise."""
     name = lora.lora_name
     path = Path(lora.lora_path).expanduser()
+    if is_gguf_adapter(path):
+        return _gguf_config(name, path, max_lora_rank)
     config_file = path / CONFIG_FILE
     if not config_file.is_file():
         raise LoRAAdapterError(f"LoRA adapter {name!r}: {config_file} does not exist; lora_path must be a PEFT "
@@ -156,16 +162,35 @@ def read_adapter_config(lora: LoRARequest, max_lora_rank: int) -> AdapterConfig:
     config = AdapterConfig(name, path, r, float(alpha), bool(raw.get("use_rslora")), targets or (),
                            dict(raw.get("rank_pattern") or {}), dict(raw.get("alpha_pattern") or {}),
                            raw.get("base_model_name_or_path"))
-    ranks = [r, *config.rank_pattern.values()]
-    if max(ranks) > max_lora_rank:
-        raise LoRAAdapterError(f"LoRA adapter {name!r} has rank {max(ranks)}, more than max_lora_rank="
-                               f"{max_lora_rank}; start the engine with max_lora_rank >= {max(ranks)}",
-                               lora_name=name)
+    _check_rank(config, max_lora_rank)
     return config
 
 
+def _gguf_config(name: str, path: Path, max_lora_rank: int) -> AdapterConfig:
+    """A llama.cpp LoRA GGUF's config: its alpha, and each module's rank (that of its A)."""
+    fields = adapter_fields(name, path)
+    if not fields["ranks"]:
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: {path} holds no LoRA weights", lora_name=name)
+    ranks = {re.escape(module): rank for module, rank in fields["ranks"].items()}
+    config = AdapterConfig(name, path, max(ranks.values()), fields["alpha"], False, fields["targets"], ranks, {},
+                           f"a {fields['arch']} model", gguf_arch=fields["arch"])
+    _check_rank(config, max_lora_rank)
+    return config
+
+
+def _check_rank(config: AdapterConfig, max_lora_rank: int) -> None:
+    rank = max([config.r, *config.rank_pattern.values()])
+    if rank > max_lora_rank:
+        raise LoRAAdapterError(f"LoRA adapter {config.name!r} has rank {rank}, more than max_lora_rank="
+                               f"{max_lora_rank}; start the engine with max_lora_rank >= {rank}",
+                               lora_name=config.name)
+
+
 def weight_file(config: AdapterConfig) -> Path:
-    """The adapter's weights file: adapter_model.safetensors, else adapter_model.bin."""
+    """The adapter's weights file: adapter_model.safetensors, else adapter_model.bin (a
+    LoRA GGUF: the file itself)."""
+    if config.gguf_arch is not None:
+        return config.path
     for file_name in WEIGHT_FILES:
         if (config.path / file_name).is_file():
             return config.path / file_name
@@ -201,5 +226,6 @@ def parse_lora_module(text: str) -> LoRARequest:
             raise ValueError(f"--lora-modules {text[:80]!r}: JSON must be {{\"name\": ..., \"path\": ...}} ({exc})")
     name, sep, path = text.partition("=")
     if not sep or not name or not path:
-        raise ValueError(f"--lora-modules {text[:80]!r}: give each adapter as name=path (its PEFT directory)")
+        raise ValueError(f"--lora-modules {text[:80]!r}: give each adapter as name=path (its PEFT directory or "
+                         f"LoRA GGUF file)")
     return LoRARequest(name, 1, path)

@@ -1,5 +1,5 @@
-"""llama.cpp's own HF -> GGUF converter, for tests: `convert_hf_to_gguf.py`, its
-`conversion/` package and the `gguf-py` it is written against, with the vocabulary-only
+"""llama.cpp's own HF -> GGUF converter, for tests: `convert_hf_to_gguf.py` (and
+`convert_lora_to_gguf.py`, its PEFT adapter -> LoRA GGUF one), its `conversion/` package and the `gguf-py` it is written against, with the vocabulary-only
 GGUF files of real models llama.cpp ships for its tokenizer tests
 (`models/ggml-vocab-*.gguf`: Llama 3's, Qwen2's, and the texts and token ids beside them).
 All are read from llama-cpp-python's source archive (tests.real_templates.LLAMA_CPP_PYTHON,
@@ -11,6 +11,7 @@ finds them missing fetches them then, and fails saying what to run where it cann
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import shutil
 import subprocess
@@ -21,12 +22,14 @@ from pathlib import Path
 
 from tests.real_templates import LLAMA_CPP_PYTHON, TEST_DATA, download
 
-CONVERTER_DIR = TEST_DATA / "llama.cpp" / LLAMA_CPP_PYTHON.sha256[:16]
 _ROOT = "llama_cpp_python-0.3.36/vendor/llama.cpp/"
 # What is kept of the archive, by path under _ROOT (a name ending in "/": all under it;
 # otherwise the file and those beside it whose names go on from it: ".inp", ".out").
-_KEPT = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/gguf/", "models/ggml-vocab-llama-bpe.gguf",
-         "models/ggml-vocab-qwen2.gguf")
+_KEPT = ("convert_hf_to_gguf.py", "convert_lora_to_gguf.py", "conversion/", "gguf-py/gguf/",
+         "models/ggml-vocab-llama-bpe.gguf", "models/ggml-vocab-qwen2.gguf")
+# (named by what it keeps too: a cache fetched before something was added is fetched again)
+CONVERTER_DIR = TEST_DATA / "llama.cpp" / (
+    LLAMA_CPP_PYTHON.sha256[:16] + "-" + hashlib.sha256("\n".join(_KEPT).encode()).hexdigest()[:8])
 
 # Runs convert_hf_to_gguf.py's main once per "model<TAB>outfile" line of its input, in one
 # process: torch, transformers and the converter are imported once, while the models to
@@ -100,6 +103,21 @@ class Converter:
         self._log.seek(0)
         output = self._log.read().decode("utf-8", "replace")
         return RuntimeError(f"convert_hf_to_gguf.py failed (exit {returncode}):\n{output[-4000:]}")
+
+
+def convert_lora(adapter_dir: Path, base_dir: Path, gguf_path: Path, outtype: str = "f32") -> Path:
+    """llama.cpp's convert_lora_to_gguf.py: the PEFT adapter `adapter_dir` over the HF model
+    `base_dir` as a LoRA GGUF file, as llama.cpp users make one."""
+    root = converter_dir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "gguf-py"), str(root)])}
+    env.pop("NO_LOCAL_GGUF", None)
+    result = subprocess.run([sys.executable, str(root / "convert_lora_to_gguf.py"), "--base", str(base_dir),
+                             "--outfile", str(gguf_path), "--outtype", outtype, str(adapter_dir)],
+                            env=env, capture_output=True, text=True, timeout=300)
+    if result.returncode != 0:
+        raise RuntimeError(f"convert_lora_to_gguf.py failed (exit {result.returncode}):\n"
+                           f"{(result.stdout + result.stderr)[-4000:]}")
+    return gguf_path
 
 
 def _kept(name: str) -> str | None:

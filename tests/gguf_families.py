@@ -128,7 +128,7 @@ def _gemma3_config():
 
 def _vocab(name: str) -> tuple[list[str], list[int], list[str]]:
     """(tokens, token types, merges) of llama.cpp's vocabulary-only GGUF `name`."""
-    from gristmill.model.loader.gguf_file import GGUFFile
+    from gristmill.gguf_file import GGUFFile
 
     reader = GGUFFile(gguf_converter.vocab_file(name))
     return (reader.fields["tokenizer.ggml.tokens"], reader.fields["tokenizer.ggml.token_type"].tolist(),
@@ -250,7 +250,7 @@ def _build_gemma3_tokenizer(gguf_path: Path, out: Path) -> None:
     from sentencepiece import sentencepiece_model_pb2 as sp_model
     from transformers import AutoTokenizer
 
-    from gristmill.model.loader.gguf_file import GGUFFile
+    from gristmill.gguf_file import GGUFFile
 
     fields = GGUFFile(gguf_path).fields
     tokens = fields["tokenizer.ggml.tokens"]

@@ -150,10 +150,10 @@ def test_no_two_parts_of_the_package_import_each_other():
 
 def test_every_import_counts():
     source = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from gristmill.engine import core\n"
-              "def load():\n    from .loader import gguf_file\n    import gristmill.paths\n")
+              "def load():\n    from .loader import gguf_model\n    import gristmill.paths\n")
     module, path = "gristmill.model.runner", ROOT / "gristmill" / "model" / "runner.py"
     assert _imports(ast.parse(source), module, path, _modules()) == {
-        "gristmill.engine.core", "gristmill.model.loader.gguf_file", "gristmill.paths"}
+        "gristmill.engine.core", "gristmill.model.loader.gguf_model", "gristmill.paths"}
 
 
 def test_the_cycle_finders_find_one():

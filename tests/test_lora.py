@@ -104,6 +104,36 @@ def test_greedy_tokens_and_logprobs_are_peft_s(family):
 
 # -- rows of several adapters in one step ------------------------------------------------------
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_a_llama_cpp_lora_gguf_gives_what_its_peft_directory_gives(family, tmp_path):
+    """llama.cpp's LoRA GGUF of an adapter (its own convert_lora_to_gguf.py, as llama.cpp
+    users make one) runs as the PEFT directory it came from: the same tokens and logprobs
+    (a llama file's q/k B rows put back from llama.cpp's rotary order); one that is not
+    a LoRA GGUF fails only its requests, saying what it is."""
+    from tests.gguf_converter import convert_lora
+
+    base = tiny_base(family)
+    adapter = make_adapter(base, "to-gguf", seed=21, r=8, lora_alpha=32)
+    gguf = convert_lora(adapter, base, tmp_path / f"{family}-lora.gguf")
+    llm = _engine(base, max_loras=2)
+    by_dir = llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=LoRARequest("dir", 1, str(adapter)))
+    by_gguf = llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=LoRARequest("gguf", 2, str(gguf)))
+    plain = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    for a, b, c in zip(by_dir, by_gguf, plain):
+        _same(a, b)
+        moved = [abs(ea[t].logprob - ec[t].logprob) for ea, ec in zip(a.outputs[0].logprobs, c.outputs[0].logprobs)
+                 for t in ea.keys() & ec.keys()]
+        # (the adapter changes the output, so the comparison can fail)
+        assert a.outputs[0].token_ids != c.outputs[0].token_ids or max(moved) > 1e-2
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(gguf.read_bytes()[:200])
+    [bad, good] = llm.generate([PROMPTS[0]] * 2, GREEDY, use_tqdm=False,
+                               lora_request=[LoRARequest("cut", 3, str(truncated)), LoRARequest("gguf", 2, str(gguf))])
+    assert bad.outputs[0].error.startswith("LoRAAdapterError: LoRA adapter 'cut': ")
+    assert "not a readable GGUF file" in bad.outputs[0].error
+    _same(good, by_gguf[0])
+
+
 @pytest.fixture(scope="module")
 def llama():
     base = tiny_base("llama")

@@ -157,6 +157,11 @@ class LoRAModel:
             for i, part in enumerate(parts):
                 self.parts[layer, part] = (site, i)
         self.num_layers = 1 + max((layer for layer, _ in self.parts), default=-1)
+        #: Heads of q and k, whose B rows a llama LoRA GGUF holds in llama.cpp's rotary order.
+        attention = next((m for m in model.modules() if hasattr(m, "num_kv_heads") and hasattr(m, "num_heads")),
+                         None)
+        self.rotary_heads = {} if attention is None else {"q_proj": attention.num_heads,
+                                                          "k_proj": attention.num_kv_heads}
 
     def load(self, slot: int, lora: LoRARequest) -> None:
         """Put adapter `lora` in `slot` in place of what it held. Everything is read and
@@ -166,7 +171,10 @@ class LoRAModel:
             raise LoRAAdapterError(f"LoRA adapter {lora.lora_name!r}: this model has no layers an adapter can "
                                    f"update (q/k/v/o, gate/up/down projections of a decoder)", lora_name=lora.lora_name)
         config = read_adapter_config(lora, self.max_rank)
-        updates = self._updates(config, _read_tensors(config))
+        tensors = _read_tensors(config)
+        if config.gguf_arch == "llama":
+            self._rotary_to_checkpoint_order(tensors)
+        updates = self._updates(config, tensors)
         for site in self.sites:
             site.clear(slot)
         for (site, part), (a, b) in updates.items():
@@ -214,6 +222,17 @@ class LoRAModel:
             updates[site, part] = (a, b.float() * config.scale_of(module))
         return updates
 
+    def _rotary_to_checkpoint_order(self, tensors: dict[str, torch.Tensor]) -> None:
+        """q's and k's B rows of a llama LoRA GGUF back in the checkpoint's order (llama.cpp's
+        converter interleaves each head's two rotary halves, as in the model's own q and k)."""
+        from gristmill.model.loader.gguf_model import unpermute_rotary
+
+        for key, tensor in tensors.items():
+            match = _TENSOR_NAME.fullmatch(key)
+            heads = self.rotary_heads.get(match.group(3)) if match and match.group(4) == "B" else None
+            if heads is not None and tensor.shape[0] % (2 * heads) == 0:
+                tensors[key] = torch.from_numpy(unpermute_rotary(tensor.numpy(), heads))
+
     def step_of(self, slots: list[int], query_start: np.ndarray) -> LoRAStep | None:
         """The step's rows by slot, from each sequence's slot (-1: the base) and where its
         tokens start (`HostStep.query_start`); None when no row uses an adapter."""
@@ -244,6 +263,9 @@ def _cpu_kernels():
 
 def _read_tensors(config: AdapterConfig) -> dict[str, torch.Tensor]:
     path = weight_file(config)
+    if config.gguf_arch is not None:
+        from gristmill.lora_gguf import read_tensors
+        return {key: torch.from_numpy(value) for key, value in read_tensors(config.name, path).items()}
     try:
         if path.suffix == ".safetensors":
             from safetensors.torch import load_file

@@ -146,7 +146,7 @@ def weight_bytes(model_dir: Path, quantization: str | None, dtype_bytes: int = 4
 
     link = model_dir / GGUF_LINK
     if link.exists():
-        from gristmill.model.loader.gguf_file import GGUFFile
+        from gristmill.gguf_file import GGUFFile
 
         tensors = [(t.n_elements, t.n_bytes, t.tensor_type.name, len(t.shape)) for t in GGUFFile(link).tensors]
         if quantization == "gguf":

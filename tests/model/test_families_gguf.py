@@ -123,7 +123,7 @@ def test_token_ids_are_llama_cpps_own(family):
 def test_gemma3_vocabulary_is_the_bundled_models(family_files):
     """The tiny Gemma 3's GGUF holds the vocabulary of a real Gemma 3 GGUF, token for token
     (text, score and type): the tokenizer.model it was converted from is Gemma 3's."""
-    from gristmill.model.loader.gguf_file import GGUFFile
+    from gristmill.gguf_file import GGUFFile
     from gristmill.paths import default_model_path
 
     ours, real = GGUFFile(family_files["gemma3"].gguf).fields, GGUFFile(default_model_path()).fields

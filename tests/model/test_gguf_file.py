@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFValueType
 
-from gristmill.model.loader.gguf_file import GGUFFile
+from gristmill.gguf_file import GGUFFile
 
 V = GGUFValueType
 SCALARS = [

@@ -19,7 +19,7 @@ import torch
 
 from gristmill.model.cpu import kernels
 from gristmill.model.cpu.gguf_linear import SUPPORTED_TYPES, GGUFEmbedding, GGUFLinear
-from gristmill.model.loader.gguf_file import GGUFFile
+from gristmill.gguf_file import GGUFFile
 from gristmill.paths import default_model_path
 from tests.model.gelu_bound import assert_gelu_of
 

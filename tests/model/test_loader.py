@@ -262,7 +262,7 @@ def test_gemma_tokenizer_written_directly_is_what_transformers_writes(tmp_path, 
     from transformers import AutoTokenizer
 
     from gristmill.model.loader import gguf_tokenizer
-    from gristmill.model.loader.gguf_file import GGUFFile
+    from gristmill.gguf_file import GGUFFile
 
     path = write_tiny_gguf(tmp_path / "src" / "tiny.gguf", "gemma3", "llama", GEMMA_VARIANTS[variant])
     written = []
@@ -496,7 +496,7 @@ def _gemma3_config_of(path: Path, layers: int, hidden: int, heads: int, head_dim
     their "gemma3." prefix left out) besides."""
     import gguf
 
-    from gristmill.model.loader.gguf_file import GGUFFile
+    from gristmill.gguf_file import GGUFFile
     from gristmill.model.loader.gguf_model import model_config
 
     writer = gguf.GGUFWriter(str(path), "gemma3")

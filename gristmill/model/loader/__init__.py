@@ -69,7 +69,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, weights: bool = True) -> None:
     weights dequantized into model.safetensors (float32: what transformers loads, for
     comparisons) or, with weights=False, a link to the file itself (GGUF_LINK), from
     which the engine reads them."""
-    from gristmill.model.loader.gguf_file import GGUFFile
+    from gristmill.gguf_file import GGUFFile
 
     reader = GGUFFile(gguf_path)
     arch, config = model_config(reader)

@@ -1,7 +1,7 @@
 """A GGUF file's tokenizer as HF tokenizer files: what transformers 5 writes for
 `AutoTokenizer.from_pretrained(dir, gguf_file=name).save_pretrained(out_dir)`
 (tokenizer.json, tokenizer_config.json, chat_template.jinja where the file has a
-template), from the metadata gristmill.model.loader.gguf_file has already read.
+template), from the metadata gristmill.gguf_file has already read.
 
 A Gemma vocabulary (sentencepiece pieces without merges, as the bundled model's) is
 written here with the tokenizers library and json alone: the Rust tokenizer that

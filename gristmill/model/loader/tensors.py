@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gristmill.model.loader.gguf_file import GGUFFile
+from gristmill.gguf_file import GGUFFile
 from gristmill.model.loader.gguf_model import (GGUF_LINK, dequantize, hf_tensor_name, hf_transform, model_config,
                                                rotary_rows)
 from gristmill.model.loader.safetensors_io import SafetensorsReader
