@@ -17,8 +17,6 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import numpy as np
-
 from gristmill.errors import LoRAAdapterError
 
 #: llama.cpp's name of each projection an adapter may update -> PEFT's (and the checkpoints').
@@ -77,11 +75,12 @@ def adapter_fields(name: str, path: Path) -> dict:
             "arch": reader.get("general.architecture")}
 
 
-def read_tensors(name: str, path: Path) -> dict[str, np.ndarray]:
-    """The adapter's matrices as float32 arrays under PEFT's names and shapes (A: rank x in,
+def read_tensors(name: str, path: Path) -> dict:
+    """The adapter's matrices as float32 numpy arrays under PEFT's names and shapes (A: rank x in,
     B: out x rank), as they are in the file (q and k's B rows still in llama.cpp's order
     for a llama adapter)."""
     import gguf
+    import numpy as np
 
     reader = open_adapter(name, path)
     tensors = {}

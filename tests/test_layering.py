@@ -223,3 +223,21 @@ def fresh_imports() -> dict:
     assert done.returncode == 0, done.stderr[-3000:]
     [line] = [line for line in done.stdout.splitlines() if line.startswith("REPORT ")]
     return json.loads(line.removeprefix("REPORT "))
+
+
+def test_the_kernels_build_needs_nothing_but_torch():
+    """`make test` builds the kernels (`python -m gristmill.model.cpu.kernels`) while pip
+    installs the rest, in a venv that holds torch and ninja only: importing gristmill for it
+    must need nothing else, or the build fails there and the first tests compile the
+    kernels instead, both workers waiting (numpy, gguf, transformers... blocked here)."""
+    code = ("import importlib.abc, sys\n"
+            "class Block(importlib.abc.MetaPathFinder):\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name.split('.')[0] in {'numpy', 'gguf', 'transformers', 'tokenizers', 'safetensors', "
+            "'jinja2', 'llguidance', 'pydantic', 'yaml'}:\n"
+            "            raise ImportError(f'{name} is blocked')\n"
+            "sys.meta_path.insert(0, Block())\n"
+            "import gristmill.model.cpu.kernels as kernels\n"
+            "assert callable(kernels.extension)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
