@@ -15,6 +15,7 @@ pytest.importorskip("peft")
 
 from gristmill import LLM, LoRAAdapterError, LoRARequest, RequestError, SamplingParams  # noqa: E402
 from tests.lora_models import make_adapter, peft_model, tiny_base  # noqa: E402
+from tests.pooling_models import with_tokenizer  # noqa: E402
 
 MAX_TOKENS = 6
 TOP = 3
@@ -102,7 +103,22 @@ def test_greedy_tokens_and_logprobs_are_peft_s(family):
     assert _idle(llm)
 
 
-# -- rows of several adapters in one step ------------------------------------------------------
+def test_an_adapter_gives_what_its_merged_weights_give(tmp_path):
+    """An adapter's rows equal the base with the adapter merged into its weights (peft's
+    merge_and_unload, saved as a plain checkpoint, run without LoRA): the update is the
+    low-rank form of exactly that weight change."""
+    base = tiny_base("llama")
+    adapter = make_adapter(base, "all-r8", 11)
+    merged_dir = tmp_path / "merged"
+    peft_model(base, adapter).merge_and_unload().save_pretrained(merged_dir)
+    with_tokenizer(merged_dir)
+    with_adapter = _engine(base, max_loras=1).generate(PROMPTS, GREEDY, use_tqdm=False,
+                                                       lora_request=_lora(adapter, 1))
+    merged = LLM(str(merged_dir), device="cpu", quantization=None, max_model_len=64, num_kv_blocks=64,
+                 block_size=4).generate(PROMPTS, GREEDY, use_tqdm=False)
+    for a, b in zip(with_adapter, merged):
+        _same(a, b, atol=ATOL)
+
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_a_llama_cpp_lora_gguf_gives_what_its_peft_directory_gives(family, tmp_path):
@@ -133,6 +149,8 @@ def test_a_llama_cpp_lora_gguf_gives_what_its_peft_directory_gives(family, tmp_p
     assert "not a readable GGUF file" in bad.outputs[0].error
     _same(good, by_gguf[0])
 
+
+# -- rows of several adapters in one step ------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def llama():
