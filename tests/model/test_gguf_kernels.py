@@ -374,12 +374,9 @@ def test_decode_stack_with_gguf_layers_equals_layer_by_layer(tmp_path):
     from gristmill.engine.kv_blocks import BlockManager
     from gristmill.engine.request import Request
     from gristmill.engine.scheduler import Scheduler
-    from gristmill.model.backends.reference import Backend
-    from gristmill.model.context import forward_context
-    from gristmill.model.cpu.decode_stack import DecodeStack
     from gristmill.model.runner import ModelRunner
     from gristmill.sampling import SamplingParams
-    from tests.engine.harness import step_tokens
+    from tests.model.decode_stack_check import run_comparing_stack_and_layers
 
     config = transformers.LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, head_dim=64,
@@ -394,19 +391,5 @@ def test_decode_stack_with_gguf_layers_equals_layer_by_layer(tmp_path):
     for rid, n in (("a", 3), ("b", 9)):
         prompt = torch.randint(256, (n,), generator=torch.Generator().manual_seed(n)).tolist()
         sched.add_request(Request(rid, prompt, SamplingParams(max_tokens=5, temperature=0)))
-    layers, backend = runner.model.model.layers, runner.backend
-    stacked_steps = 0
-    while sched.num_unfinished:
-        out = sched.schedule()
-        host, items = runner.host_step(out)
-        input_ids, positions, md, sample_indices = backend.upload(host)
-        with forward_context(md, backend):
-            x = runner.model.model.embed_tokens(input_ids)
-            stack = DecodeStack.of(layers) if md.num_decodes == md.num_seqs else None
-            one_by_one = Backend.run_layers(backend, layers, positions, x)
-            if stack is not None:
-                stacked_steps += 1
-                assert torch.equal(stack(positions, x, md), one_by_one), f"step {stacked_steps}"
-        logits = runner.model.compute_logits(runner.model.model.norm(one_by_one)[sample_indices])
-        sched.update(out, step_tokens({item.request_id: int(logits[row].argmax()) for row, item in enumerate(items)}))
+    stacked_steps, _ = run_comparing_stack_and_layers(runner, sched)
     assert stacked_steps >= 3

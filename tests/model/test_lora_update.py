@@ -94,12 +94,9 @@ def test_decode_stack_with_adapter_rows_equals_the_layers_and_their_hooks(quanti
     from gristmill.engine.request import Request
     from gristmill.engine.scheduler import Scheduler
     from gristmill.lora import LoRARequest
-    from gristmill.model.backends.reference import Backend
-    from gristmill.model.context import forward_context
-    from gristmill.model.cpu.decode_stack import DecodeStack
     from gristmill.model.runner import ModelRunner
     from gristmill.sampling import SamplingParams
-    from tests.engine.harness import step_tokens
+    from tests.model.decode_stack_check import run_comparing_stack_and_layers
     from tests.lora_models import make_adapter, tiny_base
 
     base = tiny_base("llama")
@@ -113,21 +110,5 @@ def test_decode_stack_with_adapter_rows_equals_the_layers_and_their_hooks(quanti
     for rid, n, lora in (("a", 3, adapters[0]), ("b", 9, None), ("c", 6, adapters[1]), ("d", 5, adapters[0])):
         sched.add_request(Request(rid, [(7 * i + n) % 100 + 1 for i in range(n)],
                                   SamplingParams(max_tokens=8, temperature=0), lora=lora))
-    layers, backend = runner.model.model.layers, runner.backend
-    stacked_steps = 0
-    while sched.num_unfinished:
-        out = sched.schedule()
-        host, items = runner.host_step(out)
-        input_ids, positions, md, sample_indices = backend.upload(host)
-        md.lora = runner._lora_step(out, host)
-        with forward_context(md, backend):
-            x = runner.model.model.embed_tokens(input_ids)
-            stack = DecodeStack.of(layers) if md.num_decodes == md.num_seqs else None
-            one_by_one = Backend.run_layers(backend, layers, positions, x)  # the plain loop: hooks update
-            if stack is not None:
-                assert stack.runs_lora and md.lora is not None
-                stacked_steps += 1
-                assert torch.equal(stack(positions, x, md), one_by_one), f"step {stacked_steps}"
-        logits = runner.model.compute_logits(runner.model.model.norm(one_by_one)[sample_indices])
-        sched.update(out, step_tokens({item.request_id: int(logits[row].argmax()) for row, item in enumerate(items)}))
-    assert stacked_steps >= 5
+    stacked_steps, with_lora = run_comparing_stack_and_layers(runner, sched)
+    assert stacked_steps == with_lora >= 5  # (every one with adapter rows, in the stack)

@@ -20,12 +20,10 @@ from gristmill.config import EngineConfig  # noqa: E402
 from gristmill.engine.kv_blocks import BlockManager  # noqa: E402
 from gristmill.engine.request import Request  # noqa: E402
 from gristmill.engine.scheduler import Scheduler  # noqa: E402
-from gristmill.model.backends.reference import Backend  # noqa: E402
-from gristmill.model.context import forward_context  # noqa: E402
-from gristmill.model.cpu.decode_stack import DecodeStack  # noqa: E402
 from gristmill.model.runner import ModelRunner  # noqa: E402
 from gristmill.sampling import SamplingParams  # noqa: E402
 from tests.engine.harness import step_tokens  # noqa: E402
+from tests.model.decode_stack_check import run_comparing_stack_and_layers  # noqa: E402
 
 ATOL = 1e-4
 VOCAB = 256
@@ -313,21 +311,5 @@ def test_decode_stack_equals_layer_by_layer(family, quantization):
     sched = Scheduler(bm, 4, 64, runner.max_model_len)
     for rid, n in (("a", 3), ("b", 12), ("c", 7)):
         sched.add_request(Request(rid, _prompt(n, seed=n), SamplingParams(max_tokens=6 + n, temperature=0)))
-    layers, backend = runner.model.model.layers, runner.backend
-    stacked_steps = 0
-    while sched.num_unfinished:
-        out = sched.schedule()
-        host, items = runner.host_step(out)
-        input_ids, positions, md, sample_indices = backend.upload(host)  # as the eager forward takes them
-        with forward_context(md, backend):
-            x = runner.model.model.embed_tokens(input_ids)
-            if name.startswith("gemma"):
-                x = x * torch.tensor(runner.model.model.embed_scale)
-            stack = DecodeStack.of(layers) if md.num_decodes == md.num_seqs else None
-            one_by_one = Backend.run_layers(backend, layers, positions, x)  # the plain layer loop
-            if stack is not None:
-                stacked_steps += 1
-                assert torch.equal(stack(positions, x, md), one_by_one), f"step {stacked_steps}"
-        logits = runner.model.compute_logits(runner.model.model.norm(one_by_one)[sample_indices])
-        sched.update(out, step_tokens({item.request_id: int(logits[row].argmax()) for row, item in enumerate(items)}))
+    stacked_steps, _ = run_comparing_stack_and_layers(runner, sched)
     assert stacked_steps >= 10
