@@ -106,11 +106,7 @@ struct Q4_KZ {
   __m512i q[4];
   __m256 scale, min;
   GGUF_TARGET void load_group(const uint8_t* p) {
-    const __m128i s = k_scales_x86(p + 4);
-    const __m128 d = _mm_cvtph_ps(_mm_cvtsi32_si128(int(u32_at(p))));  // d, dmin
-    scale = _mm256_mul_ps(_mm256_broadcastss_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(s)));
-    min = _mm256_mul_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(d)),
-                        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(s, 8))));
+    k_scale_min_x86(p, scale, min);
     const uint8_t* qs = p + (kFifthBit ? 48 : 16);
     const __m512i low4 = _mm512_set1_epi8(0x0f), bit4 = _mm512_set1_epi8(0x10);
     const __m512i qh = kFifthBit ? both_halves(p + 16) : _mm512_setzero_si512();

@@ -108,6 +108,15 @@ GGUF_TARGET inline __m128i k_scales_x86(const uint8_t* s) {
                       _mm_and_si128(top, _mm_setr_epi32(0, 0x30303030, 0, 0x30303030)));
 }
 
+// A Q4_K / Q5_K block's 8 sub-block scales and mins as floats: d x scale, dmin x min.
+GGUF_TARGET inline void k_scale_min_x86(const uint8_t* p, __m256& scale, __m256& min) {
+  const __m128i s = k_scales_x86(p + 4);
+  const __m128 d = _mm_cvtph_ps(_mm_cvtsi32_si128(int(u32_at(p))));  // d, dmin
+  scale = _mm256_mul_ps(_mm256_broadcastss_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(s)));
+  min = _mm256_mul_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(d)),
+                      _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(s, 8))));
+}
+
 // -offset x each 32-block's activation sum (lane j), from the sums of each 16.
 template <int kOffset>
 GGUF_TARGET inline __m256i offset_sums(const int16_t* x16) {
@@ -163,11 +172,7 @@ struct Q4_K {  // and Q5_K
   __m256i q[8];
   __m256 scale, min;
   GGUF_TARGET void load_group(const uint8_t* p) {
-    const __m128i s = k_scales_x86(p + 4);
-    const __m128 d = _mm_cvtph_ps(_mm_cvtsi32_si128(int(u32_at(p))));  // d, dmin
-    scale = _mm256_mul_ps(_mm256_broadcastss_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(s)));
-    min = _mm256_mul_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(d)),
-                        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(s, 8))));
+    k_scale_min_x86(p, scale, min);
     const uint8_t* qs = p + (kFifthBit ? 48 : 16);
     const __m256i low4 = _mm256_set1_epi8(0x0f);
     for (int i = 0; i < 4; ++i) {
