@@ -148,6 +148,11 @@ def test_a_llama_cpp_lora_gguf_gives_what_its_peft_directory_gives(family, tmp_p
     assert bad.outputs[0].error.startswith("LoRAAdapterError: LoRA adapter 'cut': ")
     assert "not a readable GGUF file" in bad.outputs[0].error
     _same(good, by_gguf[0])
+    # a model's GGUF given as an adapter: refused before any engine loads it, saying so
+    from gristmill.lora import check_adapter
+    from gristmill.paths import default_model_path
+    with pytest.raises(LoRAAdapterError, match=r"LoRA adapter 'model': .* is a model, not an adapter"):
+        check_adapter(LoRARequest("model", 4, str(default_model_path())), 16)
 
 
 # -- rows of several adapters in one step ------------------------------------------------------
