@@ -60,6 +60,27 @@ _MIN_KV_BYTES = 8 + 4 + 1  # key length, value type, one byte of value
 _MIN_TENSOR_INFO_BYTES = 8 + 4 + 4 + 8  # name length, dim count, ggml type, offset
 
 
+def open_gguf(path: str | os.PathLike) -> GGUFFile:
+    """The parsed GGUF file at `path`, shared within this process while the file is
+    unchanged (its size and modification time): an engine start reads a file's header for
+    its memory check and again to load it, and a 262k-token vocabulary takes ~0.4 s to
+    parse. The last two files opened are kept."""
+    real = os.path.realpath(path)
+    stat = os.stat(real)
+    key = (real, stat.st_size, stat.st_mtime_ns)
+    for i, (kept, file) in enumerate(_OPENED):
+        if kept == key:
+            _OPENED.insert(0, _OPENED.pop(i))
+            return file
+    file = GGUFFile(real)
+    _OPENED.insert(0, (key, file))
+    del _OPENED[2:]
+    return file
+
+
+_OPENED: list[tuple[tuple, GGUFFile]] = []  # (path, size, mtime), most recent first
+
+
 class GGUFTensor(NamedTuple):
     """One tensor: `shape` lists dimensions fastest-moving first (ggml order), as
     `gguf.GGUFReader` does; `data` is a view of the file shaped like its `data`."""

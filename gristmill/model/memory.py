@@ -146,9 +146,9 @@ def weight_bytes(model_dir: Path, quantization: str | None, dtype_bytes: int = 4
 
     link = model_dir / GGUF_LINK
     if link.exists():
-        from gristmill.gguf_file import GGUFFile
+        from gristmill.gguf_file import open_gguf
 
-        tensors = [(t.n_elements, t.n_bytes, t.tensor_type.name, len(t.shape)) for t in GGUFFile(link).tensors]
+        tensors = [(t.n_elements, t.n_bytes, t.tensor_type.name, len(t.shape)) for t in open_gguf(link).tensors]
         if quantization == "gguf":
             total = sum(n_bytes if kind in KERNEL_TYPES or dims < 2 else _int8_bytes(n)
                         for n, n_bytes, kind, dims in tensors)

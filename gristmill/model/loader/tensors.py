@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gristmill.gguf_file import GGUFFile
+from gristmill.gguf_file import open_gguf
 from gristmill.model.loader.gguf_model import (GGUF_LINK, dequantize, hf_tensor_name, hf_transform, model_config,
                                                rotary_rows)
 from gristmill.model.loader.safetensors_io import SafetensorsReader
@@ -74,7 +74,7 @@ class GGUFTensors(CheckpointTensors):
     HF's rotary order: those two are copied)."""
 
     def __init__(self, path: Path):
-        self.file = GGUFFile(path)
+        self.file = open_gguf(path)
         self.arch, self.config = model_config(self.file)
         self._tensors = {}
         for tensor in self.file.tensors:
