@@ -64,10 +64,11 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
     """The parsed GGUF file at `path`, shared within this process while the file is
     unchanged (its size and modification time): an engine start reads a file's header for
     its memory check and again to load it, and a 262k-token vocabulary takes ~0.4 s to
-    parse. The last two files opened are kept."""
+    parse. The last two files opened are kept; a file replaced or rewritten (another
+    inode, size or modification time) is read again."""
     real = os.path.realpath(path)
     stat = os.stat(real)
-    key = (real, stat.st_size, stat.st_mtime_ns)
+    key = (real, stat.st_ino, stat.st_size, stat.st_mtime_ns)
     for i, (kept, file) in enumerate(_OPENED):
         if kept == key:
             _OPENED.insert(0, _OPENED.pop(i))
@@ -78,7 +79,7 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
     return file
 
 
-_OPENED: list[tuple[tuple, GGUFFile]] = []  # (path, size, mtime), most recent first
+_OPENED: list[tuple[tuple, GGUFFile]] = []  # (key, file), most recent first
 
 
 class GGUFTensor(NamedTuple):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFValueType
 
-from gristmill.gguf_file import GGUFFile
+from gristmill.gguf_file import GGUFFile, open_gguf
 
 V = GGUFValueType
 SCALARS = [
@@ -125,6 +125,22 @@ def test_tensors_match_gguf_reader(gguf_path):
 def _data_end(path) -> int:
     """Where the last tensor's data ends (the writer pads the file past it)."""
     return max(t.data_offset + t.n_bytes for t in GGUFFile(path).tensors)
+
+
+def test_open_gguf_shares_a_parse_until_the_file_changes(gguf_path, tmp_path):
+    copy = tmp_path / "copy.gguf"
+    copy.write_bytes(gguf_path.read_bytes())
+    first = open_gguf(copy)
+    assert open_gguf(str(copy)) is first  # the same file, unchanged: one parse
+    assert list(first.fields) == list(GGUFFile(copy).fields)
+    other = tmp_path / "other.gguf"
+    _write(other, alignment=64)
+    assert open_gguf(other).fields["general.alignment"] == 64
+    copy.write_bytes(other.read_bytes())  # rewritten in place
+    assert open_gguf(copy) is not first and open_gguf(copy).fields["general.alignment"] == 64
+    copy.write_bytes(gguf_path.read_bytes()[:100])  # now truncated: read again, and refused
+    with pytest.raises(ValueError, match="truncated"):
+        open_gguf(copy)
 
 
 def test_every_truncation_is_a_value_error(gguf_path, tmp_path):
