@@ -74,6 +74,8 @@ template <>
 constexpr bool kPacksAsStored<Q6_K> = true;
 template <>
 constexpr bool kPacksAsStored<Q8_0> = true;
+template <bool kFifthBit>
+constexpr bool kPacksAsStored<Q4_0<kFifthBit>> = true;
 
 // Q4_K, Q5_K: d, dmin and the 12 bytes of scales are 4 dwords gathered into lanes and
 // decoded there (k_scales); block pair 2i, 2i + 1 from one transpose of its 32 bytes.
@@ -160,6 +162,38 @@ inline GGUF_TARGET void pack_as_stored(Q8_0, const uint8_t* rows, int64_t row_by
     Vec::I cols[8];
     transpose_rows(block + 2, row_bytes, cols);
     for (int c = 0; c < 8; ++c) out.codes(j, c, Vec::xor_(cols[c], flip));
+  }
+}
+
+// Q4_0, Q5_0: a block's d and each 4 bytes of its nibbles gathered into lanes (the block
+// is 18 or 22 bytes: no row of it transposes whole); bytes 4c..4c + 3 hold values
+// 4c..4c + 3 (low nibbles) and 16 + 4c.. (high). Q5_0's fifth bits: bits 4c..4c + 3 of
+// qh spread to bit 4 of each byte (shifted copies that overlap nowhere, so or = sum).
+template <bool kFifthBit>
+GGUF_TARGET void pack_as_stored(Q4_0<kFifthBit>, const uint8_t* rows, int64_t row_bytes, Vec::I lanes,
+                                const Records& out) {
+  constexpr int kBytes = Q4_0<kFifthBit>::kBlockBytes, kCodes = kFifthBit ? 6 : 2;
+  const uint8_t* b = rows + out.gi * 8 * kBytes;
+  const Vec::I low4 = Vec::bytes(0x0f), four = Vec::set1(0xf), ones = Vec::set1(0x01010101);
+  const auto fifth = [&](Vec::I qh, int bit) {  // bits bit..bit + 3 of each lane to bit 4 of its 4 bytes
+    const Vec::I t = Vec::and_(Vec::srli32(qh, bit), four);
+    const Vec::I spread = Vec::or_(Vec::or_(t, Vec::slli32(t, 7)), Vec::or_(Vec::slli32(t, 14), Vec::slli32(t, 21)));
+    return Vec::slli32(Vec::and_(spread, ones), 4);
+  };
+  for (int j = 0; j < 8; ++j) {
+    const uint8_t* block = b + j * kBytes;
+    out.floats(j, 0, Vec::half_lo(Vec::gather(block, lanes)));
+    const Vec::I qh = kFifthBit ? Vec::gather(block + 2, lanes) : Vec::set1(0);
+    for (int c = 0; c < 4; ++c) {
+      const Vec::I q = Vec::gather(block + kCodes + 4 * c, lanes);
+      Vec::I low = Vec::and_(q, low4), high = Vec::and_(Vec::shift16(q, -4), low4);
+      if (kFifthBit) {
+        low = Vec::or_(low, fifth(qh, 4 * c));
+        high = Vec::or_(high, fifth(qh, 16 + 4 * c));
+      }
+      out.codes(j, c, low);
+      out.codes(j, 4 + c, high);
+    }
   }
 }
 
