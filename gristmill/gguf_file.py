@@ -61,25 +61,37 @@ _MIN_TENSOR_INFO_BYTES = 8 + 4 + 4 + 8  # name length, dim count, ggml type, off
 
 
 def open_gguf(path: str | os.PathLike) -> GGUFFile:
-    """The parsed GGUF file at `path`, shared within this process while the file is
-    unchanged (its size and modification time): an engine start reads a file's header for
-    its memory check and again to load it, and a 262k-token vocabulary takes ~0.4 s to
-    parse. The last two files opened are kept; a file replaced or rewritten (another
-    inode, size or modification time) is read again."""
+    """The GGUF file at `path`, its header parsed once within this process while the file
+    is unchanged: an engine start reads a file's header for its memory check and again to
+    load it, and a 262k-token vocabulary takes ~0.4 s to parse. Only the parsed header is
+    kept (its arrays copied out of the file), for the last two files opened: each call
+    maps the file afresh, so a model's mapping goes with the model. A file replaced or
+    rewritten (another inode, size or modification time) is parsed again."""
     real = os.path.realpath(path)
     stat = os.stat(real)
     key = (real, stat.st_ino, stat.st_size, stat.st_mtime_ns)
-    for i, (kept, file) in enumerate(_OPENED):
+    for i, (kept, header) in enumerate(_PARSED):
         if kept == key:
-            _OPENED.insert(0, _OPENED.pop(i))
-            return file
+            _PARSED.insert(0, _PARSED.pop(i))
+            return GGUFFile(real, _header=header)
     file = GGUFFile(real)
-    _OPENED.insert(0, (key, file))
-    del _OPENED[2:]
+    _PARSED.insert(0, (key, file._kept_header()))
+    del _PARSED[2:]
     return file
 
 
-_OPENED: list[tuple[tuple, GGUFFile]] = []  # (key, file), most recent first
+_PARSED: list[tuple[tuple, tuple]] = []  # (key, header), most recent first
+
+
+def _detached(value: Any) -> Any:
+    """A metadata value with its number arrays copied out of the mapping (read-only)."""
+    if isinstance(value, np.ndarray):
+        copy = np.array(value)
+        copy.setflags(write=False)
+        return copy
+    if isinstance(value, list) and value and isinstance(value[0], (list, np.ndarray)):
+        return [_detached(item) for item in value]
+    return value
 
 
 class GGUFTensor(NamedTuple):
@@ -104,18 +116,29 @@ class GGUFFile:
     key to `(value type, element type)`, the element type None unless it is an array.
     """
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, *, _header: tuple | None = None):
         self.path = str(path)
         self._buffer = _map_file(self.path)
         self._size = len(self._buffer)
-        self.fields: dict[str, Any] = {}
-        self.field_types: dict[str, tuple[GGUFValueType, GGUFValueType | None]] = {}
-        pos, tensor_count, kv_count = self._read_header()
-        pos = self._read_metadata(pos, kv_count)
-        infos, pos = self._read_tensor_infos(pos, tensor_count)
-        self.alignment = self._alignment()
-        self.data_offset = -(-pos // self.alignment) * self.alignment  # next multiple
+        if _header is not None:  # (open_gguf: this file's header as parsed before)
+            fields, self.field_types, infos, self.alignment, self.data_offset = _header
+            self.fields = dict(fields)
+        else:
+            self.fields: dict[str, Any] = {}
+            self.field_types: dict[str, tuple[GGUFValueType, GGUFValueType | None]] = {}
+            pos, tensor_count, kv_count = self._read_header()
+            pos = self._read_metadata(pos, kv_count)
+            infos, pos = self._read_tensor_infos(pos, tensor_count)
+            self.alignment = self._alignment()
+            self.data_offset = -(-pos // self.alignment) * self.alignment  # next multiple
+        self._infos = infos
         self.tensors = [self._tensor(*info) for info in infos]
+
+    def _kept_header(self) -> tuple:
+        """What open_gguf keeps of this file: its header, with no view of the mapping (a
+        number array is a view of it: copied)."""
+        return ({key: _detached(value) for key, value in self.fields.items()}, dict(self.field_types),
+                list(self._infos), self.alignment, self.data_offset)
 
     def get(self, key: str, default: Any = None) -> Any:
         """The value of metadata `key`, or `default` when the file has no such key."""

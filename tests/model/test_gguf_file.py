@@ -131,16 +131,32 @@ def test_open_gguf_shares_a_parse_until_the_file_changes(gguf_path, tmp_path):
     copy = tmp_path / "copy.gguf"
     copy.write_bytes(gguf_path.read_bytes())
     first = open_gguf(copy)
-    assert open_gguf(str(copy)) is first  # the same file, unchanged: one parse
-    assert list(first.fields) == list(GGUFFile(copy).fields)
+    again = open_gguf(str(copy))  # the same file, unchanged: its header as parsed, mapped afresh
+    fresh = GGUFFile(copy)
+    assert again is not first and list(again.fields) == list(fresh.fields)
+    assert {key: _plain(value) for key, value in again.fields.items()} == \
+        {key: _plain(value) for key, value in fresh.fields.items()}
+    assert [(t.name, t.shape, t.data_offset) for t in again.tensors] == [(t.name, t.shape, t.data_offset) for t in fresh.tensors]
+    for kept, made in zip(again.tensors, fresh.tensors):
+        assert np.array_equal(kept.data, made.data)
+    # what is kept holds no view of a mapping (the model's pages go with the model)
+    header_arrays = [v for v in _kept_fields(copy) if isinstance(v, np.ndarray)]
+    assert header_arrays and all(a.base is None and a.flags.owndata for a in header_arrays)  # copies, not views
     other = tmp_path / "other.gguf"
     _write(other, alignment=64)
     assert open_gguf(other).fields["general.alignment"] == 64
     copy.write_bytes(other.read_bytes())  # rewritten in place
-    assert open_gguf(copy) is not first and open_gguf(copy).fields["general.alignment"] == 64
+    assert open_gguf(copy).fields["general.alignment"] == 64
     copy.write_bytes(gguf_path.read_bytes()[:100])  # now truncated: read again, and refused
     with pytest.raises(ValueError, match="truncated"):
         open_gguf(copy)
+
+
+def _kept_fields(path) -> list:
+    from gristmill import gguf_file
+
+    real = str(path.resolve())
+    return [value for key, header in gguf_file._PARSED if key[0] == real for value in header[0].values()]
 
 
 def test_every_truncation_is_a_value_error(gguf_path, tmp_path):
