@@ -3,7 +3,9 @@ milliseconds a call, GB/s of weight bytes read, and that against the memory-copy
 bandwidth measured in the same run (a 1 GiB torch copy_, counted as bytes read plus
 bytes written, as STREAM's Copy counts it). At one row a call is bound by the bytes of
 its weights, so the ratio says how close the kernel comes to what the memory gives.
-The int8 kernel (Int8Linear) on the same shape is timed beside them.
+The int8 kernel (Int8Linear) on the same shape is timed beside them; with --panels, each
+type also with its panels packed once (GGUFLinear.pack_panels, as the loader packs them
+where memory allows: "Q4_K+p"), its GB/s still counted in the file's bytes.
 
 Each call reads weights that are not in any cache: the matrix is cycled through copies
 totalling at least 256 MB, as a decode step reads a model's layers one after another.
@@ -11,7 +13,7 @@ Times are the median (and best) of repeated calls; on a machine that other proce
 share, the best is the steadier figure, and the ratio is the best call's GB/s over the
 best copy, the copy measured again before each shape.
 
-    python benchmarks/gguf_kernels.py [--threads 2] [--rows 1 16 64] [--types Q4_K Q8_0]
+    python benchmarks/gguf_kernels.py [--threads 2] [--rows 1 16 64] [--types Q4_K Q8_0] [--panels]
 """
 
 from __future__ import annotations
@@ -90,24 +92,26 @@ def main() -> None:
     parser.add_argument("--types", nargs="+", default=TYPES, choices=TYPES)
     parser.add_argument("--shapes", nargs="+", default=[f"{n}x{k}" for n, k in SHAPES],
                         help="out x in, e.g. 4096x4096")
+    parser.add_argument("--panels", action="store_true", help="also each type with its panels packed once")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     ext = kernels.int8_extension()
     if ext is None:
         raise SystemExit("the kernels did not build")
     print(f"CPU flags: {cpu_flags()}; code path: {kernels.ISA_NAMES[ext.best_isa()]}; threads: {args.threads}\n")
-    print(f"{'type':6} {'shape':>11} {'rows':>4} {'ms':>8} {'best ms':>8} {'GB/s':>6} {'best':>6} {'/copy':>6}")
+    print(f"{'type':7} {'shape':>11} {'rows':>4} {'ms':>8} {'best ms':>8} {'GB/s':>6} {'best':>6} {'/copy':>6}")
     rng = np.random.default_rng(0)
     for shape in args.shapes:
         n, k = map(int, shape.split("x"))
         copy = copy_bandwidth()
         print(f"memory copy: {copy:.1f} GB/s (read + write; {copy / 2:.1f} GB/s copied)")
-        for name in args.types + ["int8"]:
+        names = [f"{t}{suffix}" for t in args.types for suffix in ("", "+p")[:1 + args.panels]]
+        for name in names + ["int8"]:
             layers = _layers(name, n, k, rng)
             weight_bytes = _weight_bytes(layers[0])
             for rows in args.rows:
                 median, best = time_layers(layers, rows, k)
-                print(f"{name:6} {shape:>11} {rows:4} {median * 1e3:8.3f} {best * 1e3:8.3f} "
+                print(f"{name:7} {shape:>11} {rows:4} {median * 1e3:8.3f} {best * 1e3:8.3f} "
                       f"{weight_bytes / median / 1e9:6.1f} {weight_bytes / best / 1e9:6.1f} "
                       f"{weight_bytes / best / 1e9 / copy:6.0%}")
         print()
@@ -127,10 +131,14 @@ def _layers(name: str, n: int, k: int, rng) -> list:
                 setattr(layer, buffer, getattr(first, buffer).clone())
             layers.append(layer)
         return layers
-    ggml_type = T[name]
+    ggml_type = T[name.removesuffix("+p")]
     first = GGUFLinear([(ggml_type, random_blocks(ggml_type, n, k, rng))], k)
     copies = -(-COLD_BYTES // _weight_bytes(first))
-    return [first] + [GGUFLinear([(ggml_type, first.parts[0][1].clone())], k) for _ in range(copies - 1)]
+    layers = [first] + [GGUFLinear([(ggml_type, first.parts[0][1].clone())], k) for _ in range(copies - 1)]
+    if name.endswith("+p"):
+        for layer in layers:
+            layer.pack_panels()
+    return layers
 
 
 def _weight_bytes(layer) -> int:

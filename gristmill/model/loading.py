@@ -66,10 +66,13 @@ def load_model(config: EngineConfig, device: torch.device, model_dir: Path | Non
                            f"{hf_config.max_position_embeddings} positions {model_dir.name} "
                            f"supports; lower it or leave it out", param="max_model_len")
     gguf = (model_dir / GGUF_LINK).exists()
+    panel_budget = 0
     if device.type == "cpu":  # before anything loads: a model that cannot fit is refused with the figures
-        cpu_memory_need(model_dir, hf_config, config, max_model_len,
-                        quant.planned_quantization(config.quantization, device, gguf),
-                        torch.finfo(dtype).bits // 8).check()
+        need = cpu_memory_need(model_dir, hf_config, config, max_model_len,
+                               quant.planned_quantization(config.quantization, device, gguf),
+                               torch.finfo(dtype).bits // 8)
+        need.check()
+        panel_budget = need.panel_budget
     quantization = quant.resolve_quantization(config.quantization, device, gguf)
     backend = pick_backend(device, dtype)
     memory_at_start = None
@@ -78,7 +81,8 @@ def load_model(config: EngineConfig, device: torch.device, model_dir: Path | Non
         memory_at_start = MemoryAtStart.read(device)
     weights = {"gguf": "weights as stored"}.get(quantization, quantization) or str(dtype).removeprefix("torch.")
     with startup.phase(f"loading {model_dir.name} ({weights}) on {device}"):
-        model = build_model(config, hf_config, model_dir, max_model_len, dtype, device, quantization)
+        model = build_model(config, hf_config, model_dir, max_model_len, dtype, device, quantization,
+                            panel_budget)
     task = resolve_task(config.task, model_dir)
     loaded = LoadedModel(model_dir, hf_config, max_model_len, dtype, quantization, backend, model, task,
                          memory_at_start=memory_at_start)
@@ -88,7 +92,7 @@ def load_model(config: EngineConfig, device: torch.device, model_dir: Path | Non
 
 
 def build_model(config: EngineConfig, hf_config, model_dir: Path, max_model_len: int, dtype: torch.dtype,
-                device: torch.device, quantization: str | None) -> torch.nn.Module:
+                device: torch.device, quantization: str | None, panel_budget: int = 0) -> torch.nn.Module:
     clear_rotary_cache()
     # Built where it runs, in the dtype it runs in: an 8B model on a GPU never passes
     # through host memory, and random weights are made on the device.
@@ -106,7 +110,7 @@ def build_model(config: EngineConfig, hf_config, model_dir: Path, max_model_len:
         if quantization is not None:  # the linears one by one, never the float model
             cache_file = None if quantization == "gguf" else \
                 quant.cache_file_for(model_dir, cache_root(config.cache_dir), quantization)
-            held = quant.quantize_from_checkpoint(model, checkpoint, quantization, cache_file)
+            held = quant.quantize_from_checkpoint(model, checkpoint, quantization, cache_file, panel_budget)
         _materialize(model, dtype, device)
         _tie_weights(model)
         load_weights(model, checkpoint, skip=held)

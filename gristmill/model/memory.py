@@ -23,6 +23,10 @@ from gristmill.errors import InsufficientMemoryError
 AVAILABLE_ENV = "GRISTMILL_AVAILABLE_MEMORY"
 # What an engine takes beyond its weights and KV cache.
 OVERHEAD_BYTES = 1 << 30
+# What a GGUF model's layers may take besides, in panels packed once at load (what the
+# kernel otherwise lays out afresh at every call of many rows: cpu/quant.pack_panels),
+# out of the memory left once the engine's need is met.
+PANEL_BYTES = int(os.environ.get("GRISTMILL_PANEL_BYTES", 256 << 20))
 _GB = 1 << 30
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
           "g": _GB, "gb": _GB, "gib": _GB, "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40}
@@ -122,6 +126,12 @@ class MemoryNeed:
     @property
     def total(self) -> int:
         return self.weights + self.kv_cache + self.overhead
+
+    @property
+    def panel_budget(self) -> int:
+        """Bytes of panels a GGUF model may pack once at load: PANEL_BYTES, or what is
+        available beyond the need where that is less."""
+        return max(0, min(PANEL_BYTES, self.available - self.total))
 
     def figures(self) -> str:
         return (f"{self.model} needs about {_gb(self.total)}: weights {_gb(self.weights)} ({self.weights_how}) "

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import functools
 import math
+import mmap
 import warnings
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -251,6 +253,91 @@ def test_every_path_gives_the_same_floats_from_whole_panels(ggml_type):
         pytest.skip("this CPU has no vector path")
     for layer in vector:
         assert torch.equal(layer(x), portable(x)), kernels.ISA_NAMES[layer.isa]
+
+
+VECTOR_PATHS = [p for p in PATHS if p.values[0] > 0]
+
+
+def _packed(layer: GGUFLinear) -> GGUFLinear:
+    assert layer.pack_panels() == sum(layer.panel_bytes()) > 0
+    return layer
+
+
+@pytest.mark.parametrize("isa", VECTOR_PATHS)
+@pytest.mark.parametrize("ggml_type", TYPES)
+def test_panels_packed_once_give_the_same_floats(isa, ggml_type):
+    # 70 rows: two whole panels (32 on avx512_vnni, 16 on avx2) and a short last one; each
+    # row count of ROWS (below kPrepackedRows the K types read their bytes, Q8_0 its panels)
+    in_features = 736 if gguf.GGML_QUANT_SIZES[ggml_type][0] == 32 else 768
+    parts = [(ggml_type, _made(ggml_type, 70, in_features, seed=5))]
+    bias = torch.randn(70)
+    plain, packed = _layer(parts, in_features, bias, isa=isa), _packed(_layer(parts, in_features, bias, isa=isa))
+    for rows in ROWS:
+        x = _inputs(rows, in_features, seed=rows)
+        assert torch.equal(packed(x), plain(x)), rows
+        assert torch.equal(packed(x, "gelu"), plain(x, "gelu")), rows
+
+
+@pytest.mark.parametrize("isa", VECTOR_PATHS)
+def test_panels_packed_once_of_odd_parts_give_the_same_floats(isa):
+    # parts that start inside a tile: their runs there do not line up with their panels,
+    # and are packed (or read) as before; the rest read the panels
+    parts = _mixed_parts(512)
+    plain, packed = _layer(parts, 512, isa=isa), _packed(_layer(parts, 512, isa=isa))
+    for rows in ROWS:
+        x = _inputs(rows, 512, seed=rows)
+        assert torch.equal(packed(x), plain(x)), rows
+
+
+def test_panels_packed_for_another_path_are_not_read():
+    if BEST < 2:
+        pytest.skip("this CPU has one vector path")
+    parts = [(T.Q8_0, _made(T.Q8_0, 64, 512))]
+    layer = _layer(parts, 512, isa=2)
+    assert layer.pack_panels() > 0 and layer.panels_isa == 2
+    x = _inputs(17, 512)
+    for isa in range(BEST + 1):  # avx2 and portable read the bytes; the same floats
+        layer.isa = isa
+        assert torch.equal(layer(x), _layer(parts, 512, isa=isa)(x)), isa
+    assert _layer(parts, 512, isa=0).pack_panels() == 0  # the portable path has no panels
+    assert "panels for avx512_vnni" in repr(layer)
+
+
+def _resident_bytes_of(path) -> int:
+    """This process's resident bytes of its mappings of `path` (/proc/self/smaps)."""
+    real, total, inside = str(Path(path).resolve()), 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if fields and "-" in fields[0] and len(fields) >= 5 and not fields[0].endswith(":"):
+            inside = fields[-1] == real
+        elif inside and fields[0] == "Rss:":
+            total += int(fields[1]) * 1024
+    return total
+
+
+def test_the_loader_packs_panels_within_its_budget_and_releases_q8_0_pages():
+    from gristmill.model.cpu.quant import pack_panels
+    from gristmill.model.loader.tensors import GGUFTensors
+
+    if BEST == 0:
+        pytest.skip("this CPU has no vector path, which the panels are for")
+    checkpoint = GGUFTensors(default_model_path())
+    names = ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.v_proj.weight"]  # Q5_0, Q8_0
+    (q_type, q_rows), (v_type, v_rows) = (checkpoint.stored(n) for n in names)
+    assert (q_type, v_type) == (T.Q5_0, T.Q8_0) and checkpoint.in_file(names[1])
+    q, v = GGUFLinear([(q_type, q_rows)], 640), GGUFLinear([(v_type, v_rows)], 640)
+    x = _inputs(5, 640)
+    before = q(x), v(x)  # (v's pages of the file now resident)
+    resident = _resident_bytes_of(default_model_path())
+    # q's panels do not fit in the budget; v's cost only what they add to its bytes
+    v_cost = sum(v.panel_bytes()) - v_rows.numel()
+    assert 0 < v_cost < 0.1 * v_rows.numel()
+    spent = pack_panels([(q, names[:1]), (v, names[1:])], checkpoint, budget=sum(q.panel_bytes()) - 1)
+    assert spent == v_cost and q.panels == () and len(v.panels) == 1
+    assert resident - _resident_bytes_of(default_model_path()) >= v_rows.numel() - 2 * mmap.PAGESIZE
+    assert torch.equal(q(x), before[0]) and torch.equal(v(x), before[1])
+    assert pack_panels([(q, names[:1])], checkpoint, budget=0) == 0 and q.panels == ()
+    checkpoint.close()
 
 
 @pytest.mark.parametrize("isa", PATHS)

@@ -165,3 +165,28 @@ def test_a_matrix_type_without_a_kernel_runs_in_int8_and_the_start_names_it(tmp_
     assert isinstance(runner.model.lm_head, Int8Linear) and isinstance(runner.model.model.layers[0].mlp.down_proj,
                                                                          Int8Linear)
     assert isinstance(runner.model.model.embed_tokens, GGUFEmbedding)  # Q8_0: read as stored
+
+
+@pytest.mark.parametrize("arch, mix", [("qwen3", "q8_0"), ("llama", "q4_0-q5_0"), ("gemma3", "q4_k_m")])
+def test_32_wide_matrices_get_their_panels_packed_at_load_and_give_the_same_floats(arch, mix, tmp_path, monkeypatch):
+    from gristmill.model import memory
+    from gristmill.model.cpu import kernels
+
+    if kernels.int8_extension().best_isa() == 0:
+        pytest.skip("this CPU has no vector path, which the panels are for")
+    path = write_quantized_gguf(tmp_path / f"{arch}.gguf", arch, MIXES[mix])
+    packed = _runner(path, tmp_path / "cache", "auto")
+    monkeypatch.setattr(memory, "PANEL_BYTES", 0)  # no memory for panels: every call packs its own
+    plain = _runner(path, tmp_path / "cache", "auto")
+    layers = {name: m for name, m in packed.model.named_modules() if isinstance(m, GGUFLinear)}
+    for name, layer in layers.items():  # Q8_0, Q4_0 and Q5_0 parts have them; the K types not
+        assert len(layer.panels) == sum(t in (T.Q8_0, T.Q4_0, T.Q5_0) for t, _ in layer.parts), name
+    assert any(layer.panels for layer in layers.values()) == (mix != "q4_k_m")
+    assert not any(m.panels for m in plain.model.modules() if isinstance(m, GGUFLinear))
+    ids = list(range(2, 40))
+    assert torch.equal(packed.score(ids), plain.score(ids))
+    for n in (1, 5):  # decode-sized calls: Q8_0 reads its panels at every row count
+        x = torch.randn(n, HIDDEN)
+        for name, layer in layers.items():
+            if layer.in_features == HIDDEN:
+                assert torch.equal(layer(x), plain.model.get_submodule(name)(x)), (name, n)

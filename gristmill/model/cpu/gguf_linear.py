@@ -11,6 +11,13 @@ A layer is one or more *parts* stacked along the output dimension (a fused q/k/v
 gate/up projection; Q4_K_M files mix Q4_K and Q6_K parts in one layer). The layer keeps
 the parts' tensors, so the kernel's pointers into them stay valid.
 
+Many activation rows meet a matrix's weights laid out afresh as *panels* (the same codes
+and float scales, in the order the vector units take them). The kernel packs a tile's
+panels at each call; `pack_panels` packs a layer's once, where memory allows (the loader
+decides: `gristmill.model.cpu.quant`), and the kernel reads those instead: from 4 rows,
+and for Q8_0 (whose panels are its bytes' size) at every row count, so that the file's
+pages of it can go.
+
 Without the compiled extension, each runs the same arithmetic in plain torch, with
 `gguf`'s own dequantization.
 """
@@ -51,9 +58,10 @@ def _type_names() -> str:
     return ", ".join(sorted(t.name for t in SUPPORTED_TYPES))
 
 
-def _layout(parts: list[tuple[int, int, int]]) -> torch.Tensor:
-    """The kernels' (P, 3) int64 layout: [ggml_type, rows, data_ptr] per part."""
-    return torch.tensor(parts, dtype=torch.int64).view(-1, 3)
+def _layout(parts: list[tuple[int, ...]]) -> torch.Tensor:
+    """The kernels' int64 layout: [ggml_type, rows, data_ptr] per part, (P, 3); or (P, 5)
+    with [panels_ptr, panels_isa] after them."""
+    return torch.tensor(parts, dtype=torch.int64).view(len(parts), -1)
 
 
 class GGUFLinear(QuantizedLinear):
@@ -74,6 +82,8 @@ class GGUFLinear(QuantizedLinear):
                 raise ValueError(f"bias must have {out_features} values, not shape {tuple(bias.shape)}")
             self.bias = bias.detach().float().contiguous()
         self.parts = checked  # kept: the layout points into them
+        self.panels = ()  # (pack_panels) each part's, and the code path they are for
+        self.panels_isa = None
         self.layout = _layout([(int(t), data.shape[0], data.data_ptr()) for t, data in checked])
         rows = [data.shape[0] for _, data in checked]
         self.split_sizes = rows if len(checked) > 1 else None
@@ -84,13 +94,43 @@ class GGUFLinear(QuantizedLinear):
         """Whether the kernels multiply by blocks of this ggml type as they are."""
         return int(ggml_type) in SUPPORTED_TYPES
 
+    def panel_bytes(self, isa: int | None = None, types=SUPPORTED_TYPES) -> list[int]:
+        """The bytes `pack_panels` would take for each part (of `types`; others 0) on code
+        path `isa` (None: the layer's); zeros where the path has no panels (portable) or
+        the kernels are not built."""
+        ext = kernels.int8_extension()
+        if ext is None:
+            return [0] * len(self.parts)
+        isa = self._isa(ext) if isa is None else isa
+        return [ext.gguf_panel_bytes(int(t), data.shape[0], self.in_features, isa) if t in types else 0
+                for t, data in self.parts]
+
+    def pack_panels(self, isa: int | None = None, types=SUPPORTED_TYPES) -> int:
+        """Pack the panels of each part of `types` once, for code path `isa` (None: the
+        layer's), which the kernel then reads instead of packing them at every call (module
+        docstring). The outputs stay the same floats. Returns the bytes they take (0: none
+        packed, where the path has no panels). On another path the layer reads its bytes."""
+        ext = kernels.int8_extension()
+        if ext is None or not any(self.panel_bytes(isa, types)):
+            return 0
+        isa = self._isa(ext) if isa is None else isa
+        panels = tuple(ext.gguf_pack_panels(data, int(t), self.in_features, isa) if t in types else None
+                       for t, data in self.parts)
+        self.panels, self.panels_isa = tuple(p for p in panels if p is not None), isa
+        self.layout = _layout([(int(t), data.shape[0], data.data_ptr(), 0 if p is None else p.data_ptr(), isa)
+                               for (t, data), p in zip(self.parts, panels)])
+        return sum(p.numel() for p in self.panels)
+
+    def _isa(self, ext) -> int:
+        return ext.best_isa() if self.isa is None else self.isa
+
     def _bind(self):
         ext = kernels.int8_extension()
         if ext is None:
             call = lambda flat, out, activation: self.reference(flat, activation)  # noqa: E731
         else:
             kernel, layout, k = ext.gguf_linear, self.layout, self.in_features
-            isa = ext.best_isa() if self.isa is None else self.isa
+            isa = self._isa(ext)
             bias = self.bias.float() if self.bias is not None else _EMPTY
 
             def call(flat, out, activation):
@@ -156,7 +196,8 @@ class GGUFLinear(QuantizedLinear):
 
     def extra_repr(self) -> str:
         types = "+".join(f"{t.name}x{data.shape[0]}" for t, data in self.parts)
-        return f"{super().extra_repr()}, blocks={types}"
+        panels = f", panels for {kernels.ISA_NAMES[self.panels_isa]}" if self.panels else ""
+        return f"{super().extra_repr()}, blocks={types}{panels}"
 
 
 class GGUFEmbedding(nn.Module):

@@ -71,20 +71,22 @@ def quantize_model(model: nn.Module, scheme: str = "int8") -> None:
     embed_from_head(model)
 
 
-def quantize_from_checkpoint(model: nn.Module, checkpoint, scheme: str, cache_file: Path | None) -> set[str]:
+def quantize_from_checkpoint(model: nn.Module, checkpoint, scheme: str, cache_file: Path | None,
+                             panel_budget: int = 0) -> set[str]:
     """Fill `model` (built on the meta device) with quantized linears, one at a time from
     `checkpoint` (loader.tensors): each from `cache_file` where it holds the layer, else
     as the checkpoint stores it where a kernel multiplies by that (scheme "gguf": a GGUF's
     blocks), else quantized to `scheme` from its float weights, which are then dropped.
     At no time is more than one layer's float weights in memory. Writes the cache when it
-    lacked a layer (not for "gguf": the file is the cache). Returns the checkpoint names
-    of the tensors the model now holds, to skip when the rest is loaded."""
+    lacked a layer (not for "gguf": the file is the cache; its layers' panels are packed
+    once within `panel_budget` bytes: `pack_panels`). Returns the checkpoint names of the
+    tensors the model now holds, to skip when the rest is loaded."""
     held = {f"{name}.{kind}" for name, module in model.named_modules()
             if isinstance(module, nn.Linear) for kind in ("weight", "bias")}
     fuse_projections(model)
     sources = _checkpoint_names(model, checkpoint)
     cached = _open_cache(cache_file) if scheme != "gguf" else None
-    built_now, fallbacks = False, {}
+    built_now, fallbacks, stored = False, {}, []
     what = f"quantizing the weights to {scheme}"
     with contextlib.ExitStack() as stack:
         if cached is not None:
@@ -97,6 +99,11 @@ def quantize_from_checkpoint(model: nn.Module, checkpoint, scheme: str, cache_fi
                 layer = _layer_from_checkpoint(checkpoint, scheme, name, linear, sources, fallbacks)
                 built_now = True
             _put(model, name, layer, linear)
+            if getattr(layer, "kernel", None) == "gguf_linear":
+                stored.append((name, layer, [sources[p] for p in _parts(name, linear, "weight")]))
+    if stored and panel_budget > 0:
+        stored.sort(key=lambda entry: entry[0] != "lm_head")  # the head first, then in order
+        pack_panels([(layer, names) for _, layer, names in stored], checkpoint, panel_budget)
     for type_name, tensors in fallbacks.items():
         are = "matrix is" if len(tensors) == 1 else "matrices are"
         startup.warn(f"{len(tensors)} {are} {type_name} (e.g. {tensors[0]}), which no kernel "
@@ -109,6 +116,34 @@ def quantize_from_checkpoint(model: nn.Module, checkpoint, scheme: str, cache_fi
     if embed_from_head(model) or (scheme == "gguf" and _embed_from_blocks(model, checkpoint, sources)):
         held.add("model.embed_tokens.weight")
     return held
+
+
+def pack_panels(layers: list, checkpoint, budget: int) -> int:
+    """Pack the panels of `layers`' 32-wide parts once (GGUFLinear.pack_panels: what the
+    kernel lays out afresh at every call of many rows), in the order given, each layer
+    whose cost fits in what is left of `budget` bytes. The K types' panels are not packed:
+    over twice their bytes, read from memory they took as long as packing them afresh
+    (benchmarks/gguf_kernels.py --panels). A Q8_0 part read where it lies in the file
+    costs only what its panels add to its bytes (36 a row and block against 34): the
+    kernel reads its panels at every row count, so its pages of the file are released.
+    `layers`: (GGUFLinear, the checkpoint's names of its parts). Returns the bytes spent."""
+    from gguf import GGMLQuantizationType as T
+
+    types = {T.Q8_0, T.Q4_0, T.Q5_0}
+    spent = 0
+    for layer, names in layers:
+        sizes = layer.panel_bytes(types=types)
+        freed = [data.numel() if t == T.Q8_0 and size and checkpoint.in_file(name) else 0
+                 for (t, data), name, size in zip(layer.parts, names, sizes)]
+        cost = sum(sizes) - sum(freed)
+        if not any(sizes) or spent + cost > budget:
+            continue
+        layer.pack_panels(types=types)
+        spent += cost
+        for name, released in zip(names, freed):
+            if released:
+                checkpoint.release(name)
+    return spent
 
 
 def _linears(model: nn.Module) -> dict[str, nn.Linear]:

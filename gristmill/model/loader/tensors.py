@@ -39,6 +39,14 @@ class CheckpointTensors:
     def stored(self, name: str) -> tuple[int, torch.Tensor] | None:
         return None
 
+    def in_file(self, name: str) -> bool:
+        """Whether `stored(name)` is a view of the mapped file (`release` can drop its pages)."""
+        return False
+
+    def release(self, name: str) -> None:
+        """Drop the mapped file's pages of tensor `name` from this process: its values are
+        held elsewhere now (reading the tensor again maps them again)."""
+
     def close(self) -> None:
         pass
 
@@ -124,6 +132,14 @@ class GGUFTensors(CheckpointTensors):
         with warnings.catch_warnings():  # a read-only mapping: the kernels only read it
             warnings.simplefilter("ignore", UserWarning)
             return int(tensor.tensor_type), torch.from_numpy(rows)
+
+    def in_file(self, name: str) -> bool:
+        tensor = self._tensors[name]
+        return (tensor.data.dtype == np.uint8 and len(tensor.shape) == 2
+                and rotary_rows(self.arch, name, self.config, tensor.shape[1]) is None)
+
+    def release(self, name: str) -> None:
+        self.file.release(self._tensors[name])
 
 
 def open_checkpoint(model_dir: Path, exclude: tuple[str, ...] = ()) -> CheckpointTensors:

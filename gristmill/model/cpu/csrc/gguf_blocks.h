@@ -206,7 +206,8 @@ struct Kernels {
   RowsFn rows;
   PackFn pack;
   PanelFn panel;
-  int panel_rows;  // rows a panel holds
+  int panel_rows;        // rows a panel holds
+  int panel_block_bytes;  // bytes a panel holds a row and 32-block
 };
 
 // Room for a panel of `rows` rows of K weights: 32 codes and at most 3 floats a row and

@@ -13,7 +13,9 @@
 // tiles for longer than the other kernels, which pack nothing per call). Few activation
 // rows (decode) read a tile from the file's bytes, each group of 256 weights loaded once
 // for up to 4 rows; many rows first pack the tile into panels (Tiles::prepare), which
-// every row of the chunk then meets. Code
+// every row of the chunk then meets. A part whose panels were packed once (at load:
+// gguf_pack_panels, a layout of 5 columns) has its tiles' panels read from there
+// instead, from kPrepackedRows rows (Q8_0: from one). Code
 // paths, chosen at run time: avx512_vnni and avx2 (gguf_x86.h), and portable; all give
 // the same floats, whichever way a row goes.
 #include "gguf_blocks.h"
@@ -41,25 +43,32 @@ using gguf::kGroupBlocks;
 struct Part {
   int64_t type, start, rows, row_bytes;
   const uint8_t* data;
+  const uint8_t* panels;  // packed once for the call's code path (gguf_pack_panels), or null
 };
 
-// The parts of a layout, checked against K; their rows total N.
-std::vector<Part> parts_of(const at::Tensor& layout, int64_t k, const char* who) {
+// The parts of a layout, checked against K; their rows total N. A layout of 5 columns
+// adds each part's panels and the code path they were packed for: a call on another path
+// reads the part's bytes.
+std::vector<Part> parts_of(const at::Tensor& layout, int64_t k, const char* who, int64_t isa = -1) {
   TORCH_CHECK(layout.device().is_cpu() && layout.scalar_type() == at::kLong && layout.dim() == 2 &&
-                  layout.size(1) == 3 && layout.is_contiguous(),
-              who, ": layout must be a contiguous int64 CPU tensor (P, 3) of [ggml_type, rows, data_ptr]");
+                  (layout.size(1) == 3 || layout.size(1) == 5) && layout.is_contiguous(),
+              who, ": layout must be a contiguous int64 CPU tensor (P, 3) of [ggml_type, rows, data_ptr], "
+              "or (P, 5) with [panels_ptr, panels_isa] after them");
   TORCH_CHECK(k > 0, who, ": in_features must be positive");
+  const int64_t cols = layout.size(1);
   const int64_t* l = layout.data_ptr<int64_t>();
   std::vector<Part> parts;
   int64_t start = 0;
-  for (int64_t p = 0; p < layout.size(0); ++p, l += 3) {
+  for (int64_t p = 0; p < layout.size(0); ++p, l += cols) {
     const Format f = gguf::format_of(l[0]);
     TORCH_CHECK(f.block_size > 0, who, ": ggml type ", l[0], " is not supported (Q4_0 = 2, Q5_0 = 6, Q8_0 = 8, ",
                 "Q4_K = 12, Q5_K = 13, Q6_K = 14 are)");
     TORCH_CHECK(k % f.block_size == 0, who, ": in_features ", k, " is not a multiple of ggml type ", l[0],
                 "'s block of ", f.block_size);
     TORCH_CHECK(l[1] >= 0 && (l[1] == 0 || l[2] != 0), who, ": part ", p, " has ", l[1], " rows at address ", l[2]);
-    parts.push_back({l[0], start, l[1], k / f.block_size * f.type_size, reinterpret_cast<const uint8_t*>(l[2])});
+    const bool panels = cols == 5 && l[3] != 0 && l[4] == isa;
+    parts.push_back({l[0], start, l[1], k / f.block_size * f.type_size, reinterpret_cast<const uint8_t*>(l[2]),
+                     panels ? reinterpret_cast<const uint8_t*>(l[3]) : nullptr});
     start += l[1];
   }
   return parts;
@@ -133,36 +142,61 @@ constexpr int64_t kPanelRows = 16;
 #endif
 constexpr Split kSplit{GGUF_SPLIT};
 
-// One call's tiles: the parts and their kernels, and on each thread the tile it packed.
+// Rows of a chunk from which a part's panels packed once (at load) are read instead of
+// its bytes: Q8_0's panels are its bytes' size (36 bytes a row and block against 34), so
+// from one row; the others' are about twice their bytes, which a few rows read as fast.
+constexpr int64_t kPrepackedRows = 4;
+
+int64_t prepacked_rows(int64_t type) { return type == gguf::kQ8_0 ? 1 : kPrepackedRows; }
+
+// The bytes between a part's panels packed once: every panel holds room for panel_rows.
+int64_t panel_stride(const gguf::Kernels& kernels, int64_t k) {
+  return ((k / 32) * kernels.panel_rows * kernels.panel_block_bytes + 63) / 64 * 64;
+}
+
+// One call's tiles: the parts and their kernels, and on each thread the runs of the tile
+// it last prepared (its panels: the part's own, or packed there).
 class Tiles {
  public:
   Tiles(const std::vector<Part>& parts, int64_t isa, int64_t k, int64_t n_out) : parts_(parts), k_(k), n_out_(n_out) {
-    for (const Part& p : parts) kernels_.push_back(kernels_for(p.type, isa));
+    for (const Part& p : parts) {
+      kernels_.push_back(kernels_for(p.type, isa));
+      prepacked_ = prepacked_ || (p.panels != nullptr && kernels_.back().pack != nullptr);
+    }
   }
 
-  // Before a chunk of `rows` rows passes over tile t: its panels, where worth packing.
+  // Before a chunk of `rows` rows passes over tile t: its runs, each from panels where
+  // the part has them, else packed here where worth it, else from the bytes.
   void prepare(int64_t t, int64_t rows) const {
-    Packed& packed = packed_here();
-    packed.runs.clear();
-    if (rows < kPanelRows || kernels_[0].pack == nullptr) return;
+    Prepared& prepared = prepared_here();
+    prepared.runs.clear();
+    const bool pack = rows >= kPanelRows && kernels_[0].pack != nullptr;
+    if (!pack && !prepacked_) return;  // every run from the bytes (run's loop)
     const int64_t n0 = t * kTileN, width = std::min<int64_t>(kTileN, n_out_ - n0);
     const int64_t most = kernels_[0].panel_rows, bytes = gguf::panel_bytes(k_, most);
     // runs of up to `most` rows within one part: one more for each part that starts in the tile
-    std::vector<std::pair<const Part*, int64_t>> runs;  // (part, first column)
+    int64_t to_pack = 0;
     for (int64_t c = 0; c < width;) {
       const Part& p = part_at(parts_, n0 + c);
-      runs.emplace_back(&p, c);
-      c += std::min({width - c, p.start + p.rows - (n0 + c), most});
+      const int64_t r0 = n0 + c - p.start, n = std::min({width - c, p.rows - r0, most});
+      const uint8_t* panel = nullptr;
+      if (prepacked_ && p.panels != nullptr && rows >= prepacked_rows(p.type) && r0 % most == 0 &&
+          n == std::min(most, p.rows - r0))
+        panel = p.panels + r0 / most * panel_stride(kernels_[&p - parts_.data()], k_);
+      else if (pack)
+        to_pack += 1;
+      prepared.runs.push_back({panel, &p, c, r0, n});
+      c += n;
     }
-    if (packed.room.size() < runs.size() * bytes + 64) packed.room.resize(runs.size() * bytes + 64);
-    uint8_t* room = packed.room.data() + (-reinterpret_cast<uintptr_t>(packed.room.data()) & 63);  // whole lines
-    for (size_t i = 0; i < runs.size(); ++i) {
-      const Part& p = *runs[i].first;
-      const int64_t c = runs[i].second, r0 = n0 + c - p.start, n = std::min({width - c, p.rows - r0, most});
-      const gguf::Kernels& kernels = kernels_[&p - parts_.data()];
-      uint8_t* panel = room + i * bytes;
-      kernels.pack(p.data + r0 * p.row_bytes, p.row_bytes, n, k_, panel);
-      packed.runs.push_back({panel, kernels.panel, c, n});
+    if (to_pack == 0) return;
+    if (prepared.room.size() < to_pack * bytes + 64) prepared.room.resize(to_pack * bytes + 64);
+    uint8_t* room = prepared.room.data() + (-reinterpret_cast<uintptr_t>(prepared.room.data()) & 63);  // whole lines
+    for (Run& run : prepared.runs) {
+      if (run.panel != nullptr) continue;
+      const Part& p = *run.part;
+      kernels_[&p - parts_.data()].pack(p.data + run.r0 * p.row_bytes, p.row_bytes, run.rows, k_, room);
+      run.panel = room;
+      room += bytes;
     }
   }
 
@@ -170,9 +204,16 @@ class Tiles {
   // rows; its columns past the last row zeros (the fused activation runs over the tile).
   void run(const Acts& acts, int mb, int64_t blk, float* acc) const {
     const int64_t n0 = blk * kBlock, width = std::min<int64_t>(kTileN, n_out_ - n0);
-    const Packed& packed = packed_here();
-    if (!packed.runs.empty()) {
-      for (const Run& run : packed.runs) run.kernel(run.panel, run.rows, k_, acts, mb, acc + run.column);
+    const Prepared& prepared = prepared_here();
+    if (!prepared.runs.empty()) {
+      for (const Run& run : prepared.runs) {
+        const Part& p = *run.part;
+        const gguf::Kernels& kernels = kernels_[&p - parts_.data()];
+        if (run.panel != nullptr)
+          kernels.panel(run.panel, run.rows, k_, acts, mb, acc + run.column);
+        else
+          kernels.rows(p.type, p.data + run.r0 * p.row_bytes, p.row_bytes, run.rows, k_, acts, mb, acc + run.column);
+      }
     } else {
       for (int64_t c = 0; c < width;) {
         const Part& p = part_at(parts_, n0 + c);
@@ -186,21 +227,22 @@ class Tiles {
 
  private:
   struct Run {
-    const uint8_t* panel;
-    gguf::PanelFn kernel;
-    int64_t column, rows;
+    const uint8_t* panel;  // null: from the part's bytes
+    const Part* part;
+    int64_t column, r0, rows;
   };
-  struct Packed {
+  struct Prepared {
     std::vector<uint8_t> room;
     std::vector<Run> runs;
   };
-  static Packed& packed_here() {
-    thread_local Packed packed;
-    return packed;
+  static Prepared& prepared_here() {
+    thread_local Prepared prepared;
+    return prepared;
   }
 
   const std::vector<Part>& parts_;
   std::vector<gguf::Kernels> kernels_;
+  bool prepacked_ = false;
   int64_t k_, n_out_;
 };
 
@@ -213,7 +255,7 @@ at::Tensor gguf_linear(at::Tensor x, at::Tensor layout, at::Tensor bias, int64_t
                        int64_t activation, at::Tensor out) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) == in_features,
               "gguf_linear: x must be (M, in_features) float32");
-  const std::vector<Part> parts = parts_of(layout, in_features, "gguf_linear");
+  const std::vector<Part> parts = parts_of(layout, in_features, "gguf_linear", isa);
   const int64_t n_out = rows_of(parts), k = in_features;
   TORCH_CHECK(bias.numel() == 0 || (bias.scalar_type() == at::kFloat && bias.is_contiguous() && bias.numel() == n_out),
               "gguf_linear: bias must be float32 (N,)");
@@ -260,4 +302,36 @@ at::Tensor gguf_dequantize(at::Tensor layout, int64_t in_features) {
     }
   });
   return out;
+}
+
+// The panels of one part ((rows, row_bytes) uint8 blocks of ggml type `type`) for code
+// path `isa`, packed once: panel i holds rows [i * R, (i + 1) * R), R the path's
+// panel_rows, at i * stride. What a (P, 5) layout's panels_ptr points to.
+at::Tensor gguf_pack_panels(at::Tensor data, int64_t type, int64_t in_features, int64_t isa) {
+  const Format f = gguf::format_of(type);
+  TORCH_CHECK(f.block_size > 0 && in_features > 0 && in_features % f.block_size == 0,
+              "gguf_pack_panels: ggml type ", type, " with ", in_features, " inputs is not supported");
+  const int64_t row_bytes = in_features / f.block_size * f.type_size;
+  TORCH_CHECK(data.scalar_type() == at::kByte && data.dim() == 2 && data.size(1) == row_bytes && data.is_contiguous(),
+              "gguf_pack_panels: data must be contiguous uint8 (rows, ", row_bytes, ")");
+  TORCH_CHECK(isa >= kPortable && isa <= best_isa(), "gguf_pack_panels: this CPU cannot run isa ", isa);
+  const gguf::Kernels kernels = kernels_for(type, isa);
+  TORCH_CHECK(kernels.pack != nullptr, "gguf_pack_panels: code path ", isa, " has no panels");
+  const int64_t rows = data.size(0), most = kernels.panel_rows, stride = panel_stride(kernels, in_features);
+  const int64_t panels = (rows + most - 1) / most;
+  at::Tensor out = data.new_empty({panels * stride});
+  const uint8_t* w = data.data_ptr<uint8_t>();
+  uint8_t* o = out.data_ptr<uint8_t>();
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      kernels.pack(w + i * most * row_bytes, row_bytes, std::min(most, rows - i * most), in_features, o + i * stride);
+  });
+  return out;
+}
+
+// The bytes gguf_pack_panels makes of `rows` rows (0 where the path has no panels).
+int64_t gguf_panel_bytes(int64_t type, int64_t rows, int64_t in_features, int64_t isa) {
+  const gguf::Kernels kernels = kernels_for(type, isa);
+  if (kernels.pack == nullptr) return 0;
+  return (rows + kernels.panel_rows - 1) / kernels.panel_rows * panel_stride(kernels, in_features);
 }

@@ -294,25 +294,31 @@ void rows(int64_t, const uint8_t* w, int64_t row_bytes, int64_t n_rows, int64_t 
 #include "gguf_decode_avx512.h"
 #endif
 
+// A format's kernels on this path: rows from the bytes by `rows`, panels of G.
+template <class G>
+Kernels kernels_of(RowsFn rows) {
+  return {rows, pack<G>, panel<G>, 2 * kLanes, 32 + 4 * record_floats<G>()};
+}
+
 // This path's kernels of a format.
 inline Kernels kernels_for(int64_t type) {
 #if GGUF_VNNI  // tiles from the bytes in zmm registers
   switch (type) {
-    case kQ8_0: return {rows<Q8_0Z>, pack<Q8_0>, panel<Q8_0>, 2 * kLanes};
-    case kQ4_0: return {rows<Q4_0Z<false>>, pack<Q4_0<false>>, panel<Q4_0<false>>, 2 * kLanes};
-    case kQ5_0: return {rows<Q4_0Z<true>>, pack<Q4_0<true>>, panel<Q4_0<true>>, 2 * kLanes};
-    case kQ4_K: return {rows<Q4_KZ<false>>, pack<Q4_K<false>>, panel<Q4_K<false>>, 2 * kLanes};
-    case kQ5_K: return {rows<Q4_KZ<true>>, pack<Q4_K<true>>, panel<Q4_K<true>>, 2 * kLanes};
-    default: return {rows<Q6_KZ>, pack<Q6_K>, panel<Q6_K>, 2 * kLanes};
+    case kQ8_0: return kernels_of<Q8_0>(rows<Q8_0Z>);
+    case kQ4_0: return kernels_of<Q4_0<false>>(rows<Q4_0Z<false>>);
+    case kQ5_0: return kernels_of<Q4_0<true>>(rows<Q4_0Z<true>>);
+    case kQ4_K: return kernels_of<Q4_K<false>>(rows<Q4_KZ<false>>);
+    case kQ5_K: return kernels_of<Q4_K<true>>(rows<Q4_KZ<true>>);
+    default: return kernels_of<Q6_K>(rows<Q6_KZ>);
   }
 #endif
   switch (type) {
-    case kQ8_0: return {rows<Q8_0>, pack<Q8_0>, panel<Q8_0>, 2 * kLanes};
-    case kQ4_0: return {rows<Q4_0<false>>, pack<Q4_0<false>>, panel<Q4_0<false>>, 2 * kLanes};
-    case kQ5_0: return {rows<Q4_0<true>>, pack<Q4_0<true>>, panel<Q4_0<true>>, 2 * kLanes};
-    case kQ4_K: return {rows<Q4_K<false>>, pack<Q4_K<false>>, panel<Q4_K<false>>, 2 * kLanes};
-    case kQ5_K: return {rows<Q4_K<true>>, pack<Q4_K<true>>, panel<Q4_K<true>>, 2 * kLanes};
-    default: return {rows<Q6_K>, pack<Q6_K>, panel<Q6_K>, 2 * kLanes};
+    case kQ8_0: return kernels_of<Q8_0>(rows<Q8_0>);
+    case kQ4_0: return kernels_of<Q4_0<false>>(rows<Q4_0<false>>);
+    case kQ5_0: return kernels_of<Q4_0<true>>(rows<Q4_0<true>>);
+    case kQ4_K: return kernels_of<Q4_K<false>>(rows<Q4_K<false>>);
+    case kQ5_K: return kernels_of<Q4_K<true>>(rows<Q4_K<true>>);
+    default: return kernels_of<Q6_K>(rows<Q6_K>);
   }
 }
 

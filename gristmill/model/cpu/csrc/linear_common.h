@@ -26,10 +26,13 @@ at::Tensor int8_linear(at::Tensor x, at::Tensor qweight, at::Tensor wscale, at::
 at::Tensor q4_linear(at::Tensor x, at::Tensor qweight, at::Tensor wscale, at::Tensor wmin,
                         at::Tensor bias, int64_t out_features, int64_t isa, int64_t activation, at::Tensor out);
 // GGUF blocks as they lie in the file (gguf_linear.cpp): layout (P, 3) int64, one row
-// [ggml_type, rows, data_ptr] per part of the output dimension.
+// [ggml_type, rows, data_ptr] per part of the output dimension, or (P, 5) with each
+// part's panels packed once (gguf_pack_panels) and the code path they are for.
 at::Tensor gguf_linear(at::Tensor x, at::Tensor layout, at::Tensor bias, int64_t in_features, int64_t isa,
                        int64_t activation, at::Tensor out);
 at::Tensor gguf_dequantize(at::Tensor layout, int64_t in_features);
+at::Tensor gguf_pack_panels(at::Tensor data, int64_t type, int64_t in_features, int64_t isa);
+int64_t gguf_panel_bytes(int64_t type, int64_t rows, int64_t in_features, int64_t isa);
 
 namespace linear {
 
