@@ -11,7 +11,8 @@ import json
 import pytest
 
 from gristmill import LLM, InsufficientMemoryError
-from gristmill.model.memory import AVAILABLE_ENV, PANEL_BYTES, MemoryNeed, available_memory, oom_kills, parse_size
+from gristmill.model.memory import (AVAILABLE_ENV, PANEL_BYTES, PANEL_ENV, MemoryNeed, available_memory, oom_kills,
+                                    parse_size)
 from tests.batch.inprocess import run_main, tiny_model, without_faults
 from tests.batch.test_cli_edges import refused_cleanly
 
@@ -66,13 +67,20 @@ def test_llm_refuses_a_model_too_big_before_loading_it(tiny, tmp_path, monkeypat
     assert llm.generate("Hello", use_tqdm=False)[0].outputs[0].finish_reason in ("stop", "length")
 
 
-def test_panels_packed_at_load_take_only_memory_left_beyond_the_need():
+def test_panels_packed_at_load_take_only_memory_left_beyond_the_need(monkeypatch):
     need = MemoryNeed("m", weights=3 << 30, weights_how="as stored", kv_cache=1 << 30, kv_how="", available=0,
                       available_how="")
     left = lambda spare: MemoryNeed(**{**need.__dict__, "available": need.total + spare})  # noqa: E731
     assert left(-1).panel_budget == 0 and left(0).panel_budget == 0
     assert left(5 << 20).panel_budget == 5 << 20
     assert left(8 << 30).panel_budget == PANEL_BYTES > 0
+    monkeypatch.setenv(PANEL_ENV, "64MB")
+    assert left(8 << 30).panel_budget == 64 << 20 and left(5 << 20).panel_budget == 5 << 20
+    monkeypatch.setenv(PANEL_ENV, "0")
+    assert left(8 << 30).panel_budget == 0
+    monkeypatch.setenv(PANEL_ENV, "lots")
+    with pytest.raises(ValueError, match=f"{PANEL_ENV}='lots': give a size such as"):
+        left(8 << 30).panel_budget
 
 
 @pytest.mark.parametrize("text, size", [("6GB", 6 << 30), ("512 MiB", 512 << 20), ("1.5g", 3 << 29),

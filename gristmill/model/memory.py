@@ -25,8 +25,9 @@ AVAILABLE_ENV = "GRISTMILL_AVAILABLE_MEMORY"
 OVERHEAD_BYTES = 1 << 30
 # What a GGUF model's layers may take besides, in panels packed once at load (what the
 # kernel otherwise lays out afresh at every call of many rows: cpu/quant.pack_panels),
-# out of the memory left once the engine's need is met.
-PANEL_BYTES = int(os.environ.get("GRISTMILL_PANEL_BYTES", 256 << 20))
+# out of the memory left once the engine's need is met; PANEL_ENV sets another figure.
+PANEL_BYTES = 256 << 20
+PANEL_ENV = "GRISTMILL_PANEL_BYTES"
 _GB = 1 << 30
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
           "g": _GB, "gb": _GB, "gib": _GB, "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40}
@@ -34,11 +35,12 @@ _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 
 _NO_LIMIT = 1 << 60
 
 
-def parse_size(text: str) -> int:
-    """Bytes of "12GB", "512 MiB", "1.5g" or "123456" (units of 1024)."""
+def parse_size(text: str, name: str = AVAILABLE_ENV) -> int:
+    """Bytes of "12GB", "512 MiB", "1.5g" or "123456" (units of 1024); `name` is what the
+    error names."""
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
     if match is None or match.group(2).lower() not in _UNITS:
-        raise ValueError(f"{AVAILABLE_ENV}={text!r}: give a size such as 6GB, 512MiB or a number of bytes")
+        raise ValueError(f"{name}={text!r}: give a size such as 6GB, 512MiB or a number of bytes")
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
@@ -129,9 +131,10 @@ class MemoryNeed:
 
     @property
     def panel_budget(self) -> int:
-        """Bytes of panels a GGUF model may pack once at load: PANEL_BYTES, or what is
-        available beyond the need where that is less."""
-        return max(0, min(PANEL_BYTES, self.available - self.total))
+        """Bytes of panels a GGUF model may pack once at load: PANEL_BYTES (or PANEL_ENV's
+        figure), or what is available beyond the need where that is less."""
+        wanted = parse_size(os.environ[PANEL_ENV], PANEL_ENV) if os.environ.get(PANEL_ENV) else PANEL_BYTES
+        return max(0, min(wanted, self.available - self.total))
 
     def figures(self) -> str:
         return (f"{self.model} needs about {_gb(self.total)}: weights {_gb(self.weights)} ({self.weights_how}) "
