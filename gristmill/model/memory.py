@@ -26,7 +26,7 @@ OVERHEAD_BYTES = 1 << 30
 # What a GGUF model's layers may take besides, in panels packed once at load (what the
 # kernel otherwise lays out afresh at every call of many rows: cpu/quant.pack_panels),
 # out of the memory left once the engine's need is met; PANEL_ENV sets another figure.
-PANEL_BYTES = 256 << 20
+PANEL_BYTES = 128 << 20
 PANEL_ENV = "GRISTMILL_PANEL_BYTES"
 _GB = 1 << 30
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
