@@ -128,11 +128,11 @@ gguf::Kernels kernels_for(int64_t type, int64_t isa) {
 }
 
 // Rows of a chunk from which a tile's weights are packed into panels first; fewer read
-// them from the file's bytes, decoding them once per 4 rows. Packing a row of 256
-// weights costs about what one pass over it from the bytes does, and a panel pass about
-// half that: from 16 rows on, panels are the faster (2048 x 2048 Q4_K on one thread:
-// equal at 16 rows, 1.8x faster at 64).
-constexpr int64_t kPanelRows = 16;
+// them from the file's bytes, decoding them once per 4 rows. With the blocks packed as
+// stored, packing costs less than the second pass over the bytes that 5-8 rows take: at
+// 8 rows panels are as fast or faster, at 12 rows 1.3-2x (Q4_K, Q6_K, Q8_0 at 2048 and
+// 8192 x 2048, 2 threads; docs/performance.md, "Panels packed once").
+constexpr int64_t kPanelRows = 8;
 
 // Packing a tile costs about what 16 activation rows' pass over its panels does (Q4_K):
 // rows go through the output tiles split between threads (each tile packed once) up to
