@@ -27,17 +27,6 @@ GGUF_TARGET inline __m256i dot_group(const __m512i q[4], const int8_t* x) {
   return sum4(v);
 }
 
-// The 32-bit words at p, p + stride, ... (8), as a ymm.
-GGUF_TARGET inline __m256i words8(const uint8_t* p, int64_t stride) {
-  return _mm256_i32gather_epi32((const int*)p, _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
-                                                                   _mm256_set1_epi32(int(stride))), 1);
-}
-
-// The fp16 scales of 8 blocks `stride` bytes apart, as floats (block_scales, gathered).
-GGUF_TARGET inline __m256 block_scales8(const uint8_t* p, int64_t stride) {
-  return _mm256_cvtph_ps(_mm256_cvtepi32_epi16(words8(p, stride)));
-}
-
 // Each half's 16-bit lanes shifted left by its own count (negative: right).
 GGUF_TARGET inline __m512i shift_halves(__m512i v, int low, int high) {
   if (low >= 0 && high >= 0)
@@ -63,7 +52,7 @@ struct Q8_0Z {
       const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(load(b)), load(b + kBlockBytes), 1);
       q[k] = _mm512_xor_si512(both, flip);
     }
-    scale = block_scales8(p, kBlockBytes);
+    scale = block_scales(p, kBlockBytes);
   }
   GGUF_TARGET __m256i block_sums(const int8_t* x, const int16_t* x16) const {
     return _mm256_add_epi32(dot_group(q, x), offset_sums<128>(x16));
@@ -90,7 +79,7 @@ struct Q4_0Z {
         q[k] = _mm512_or_si512(q[k], _mm512_maskz_mov_epi8(bits, _mm512_set1_epi8(0x10)));
       }
     }
-    scale = block_scales8(p, kBlockBytes);
+    scale = block_scales(p, kBlockBytes);
   }
   GGUF_TARGET __m256i block_sums(const int8_t* x, const int16_t* x16) const {
     return _mm256_add_epi32(dot_group(q, x), offset_sums<kOffset>(x16));

@@ -68,7 +68,8 @@ GGUF_TARGET inline void transpose8(const __m256i r[8], __m256i out[8]) {
   }
 }
 
-// The fp16 scales of 8 blocks `stride` bytes apart, as floats.
+// The fp16 scales of 8 blocks `stride` bytes apart, as floats (loaded one by one: a
+// gather of them made Q4_0 and Q5_0 at one activation row 1.2-1.5x slower).
 GGUF_TARGET inline __m256 block_scales(const uint8_t* p, int64_t stride) {
   __m128i h = _mm_setzero_si128();
   h = _mm_insert_epi16(h, u16_at(p), 0);
@@ -121,7 +122,8 @@ GGUF_TARGET inline void k_scale_min_x86(const uint8_t* p, __m256& scale, __m256&
 template <int kOffset>
 GGUF_TARGET inline __m256i offset_sums(const int16_t* x16) {
   const __m256i sums = _mm256_madd_epi16(load(x16), _mm256_set1_epi16(1));
-  return _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_mullo_epi32(sums, _mm256_set1_epi32(kOffset)));
+  static_assert((kOffset & (kOffset - 1)) == 0, "a power of two: a shift multiplies by it");
+  return _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(sums, __builtin_ctz(kOffset)));
 }
 
 // Each format: load_group(p) (a whole group: 8 blocks, or one super-block) into codes
