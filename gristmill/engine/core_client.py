@@ -42,6 +42,8 @@ logger = logging.getLogger(__name__)
 
 # How often the monitor reads the heartbeat while the core is alive.
 _WATCH_INTERVAL_S = 0.05
+# How long a death's report waits for the memory figures still being worked out.
+_NEED_WAIT_S = 0.2
 # The child's whole program: import the core module by name and run it. The package
 # root goes first on sys.path, so the core runs the very gristmill its client imported
 # (not another copy in its working directory) wherever the client could import it.
@@ -81,6 +83,8 @@ class CoreClient:
         self._writer = _thread(self._write, "gristmill-core-writer")
         self._reader: threading.Thread | None = None
         self._monitor: threading.Thread | None = None
+        self._need: memory.MemoryNeed | None = None
+        self._need_thread: threading.Thread | None = None
 
     @property
     def pid(self) -> int:
@@ -117,6 +121,7 @@ class CoreClient:
         """Start delivering the core's messages and watching it (after wait_ready)."""
         self._reader = _thread(self._read, "gristmill-core-reader")
         self._monitor = _thread(self._watch, "gristmill-core-monitor")
+        self._need_thread = _thread(self._work_out_need, "gristmill-core-need")
 
     # -- the writer thread ------------------------------------------------------------
 
@@ -241,13 +246,27 @@ class CoreClient:
         said = ("it ran out of memory (the kernel's OOM killer ended it)"
                 if kills is not None and self._oom_kills_at_start is not None and kills > self._oom_kills_at_start
                 else "most likely it ran out of memory (the kernel's OOM killer sends SIGKILL)")
+        need = self._memory_need()
+        return said if need is None else f"{said}; {need.figures()}; {need.advice()}"
+
+    def _memory_need(self) -> memory.MemoryNeed | None:
+        """The engine's memory figures. A running core's are worked out beside it, once
+        (`start`): reading a model's header can take a second (a GGUF's vocabulary), and a
+        death is reported within one, with the figures where they are ready by then. A
+        core that died starting (`wait_ready`) has them worked out here."""
+        if self._need_thread is None:
+            self._work_out_need()
+        else:
+            self._need_thread.join(timeout=_NEED_WAIT_S)
+        return self._need
+
+    def _work_out_need(self) -> None:
         from gristmill.engine.builder import resolve_model_dir
 
         try:
-            need = memory.memory_need_of(self.config, resolve_model_dir(self.config))
+            self._need = memory.memory_need_of(self.config, resolve_model_dir(self.config))
         except Exception:  # noqa: BLE001 - the figures help the message; they never replace it
-            need = None
-        return said if need is None else f"{said}; {need.figures()}; {need.advice()}"
+            self._need = None
 
     def _die(self, reason: str) -> None:
         if self.dead_error is not None:
