@@ -25,15 +25,19 @@ CANDIDATES = 1024
 
 
 def greedy_tokens(logits: torch.Tensor, pieces: int = 64) -> torch.Tensor:
-    """argmax over the last dimension of (rows, vocab) logits, the first index on ties, in
-    two passes (the max of each of `pieces` slices, then the best slice): 2-4x faster than
-    one `argmax` over a 262k vocabulary on CPU, which reduces each row on one thread."""
+    """argmax over the last dimension of (rows, vocab) logits, the first index on ties (a
+    NaN counting as the largest, as argmax has it): the largest value of each of `pieces`
+    slices (`amax`, vectorized over every core), the first slice holding the row's largest,
+    then the argmax within that slice alone. On a CPU torch's `argmax` and `max(dim)`
+    read a 262k vocabulary at ~2.4 GB/s (28 ms for 64 rows, a tenth of the 270M's step);
+    `amax` takes 5."""
     rows, vocab = logits.shape
     if logits.device.type != "cpu" or vocab % pieces or vocab < 4096:
         return logits.argmax(dim=-1)
-    values, within = logits.view(rows, pieces, vocab // pieces).max(dim=-1)
-    best = values.argmax(dim=-1)
-    return best * (vocab // pieces) + within.gather(1, best[:, None])[:, 0]
+    sliced = logits.view(rows, pieces, vocab // pieces)
+    best = sliced.amax(dim=-1).argmax(dim=-1)
+    within = sliced[torch.arange(rows), best].argmax(dim=-1)
+    return best * (vocab // pieces) + within
 
 
 @dataclass

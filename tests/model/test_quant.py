@@ -411,8 +411,12 @@ def test_greedy_is_argmax_with_first_index_on_ties(vocab):
     logits = torch.randn(7, vocab)
     logits[1, [5, vocab - 3]] = 100.0  # a tie: the first index wins, as argmax gives it
     logits[2] = 0.0
+    logits[3, [vocab // 2, vocab - 1]] = float("nan")  # a NaN counts as the largest, as argmax has it
+    logits[4, -5:] = float("inf")
     assert torch.equal(greedy(logits), logits.argmax(dim=-1))
-    assert greedy(logits)[1] == 5 and greedy(logits)[2] == 0
+    assert greedy(logits)[1] == 5 and greedy(logits)[2] == 0 and greedy(logits)[3] == vocab // 2
+    assert greedy(logits)[4] == vocab - 5
+    assert torch.equal(greedy(logits[5:6]), logits[5:6].argmax(dim=-1))  # one row
 
 
 def test_a_build_lock_left_by_a_killed_builder_does_not_hang_the_next_start(tmp_path):
