@@ -296,31 +296,36 @@ void rows(int64_t, const uint8_t* w, int64_t row_bytes, int64_t n_rows, int64_t 
 #include "gguf_decode_avx512.h"
 #endif
 
-// A format's kernels on this path: rows from the bytes by `rows`, panels of G.
+// The format a type's rows from the bytes are read in on this path: zmm registers
+// (gguf_decode_avx512.h) on avx512_vnni, the panels' own ymm format otherwise.
 template <class G>
-Kernels kernels_of(RowsFn rows) {
-  return {rows, pack<G>, panel<G>, 2 * kLanes, 32 + 4 * record_floats<G>()};
+struct RowFormat { using T = G; };
+#if GGUF_VNNI
+template <>
+struct RowFormat<Q8_0> { using T = Q8_0Z; };
+template <bool k5>
+struct RowFormat<Q4_0<k5>> { using T = Q4_0Z<k5>; };
+template <bool k5>
+struct RowFormat<Q4_K<k5>> { using T = Q4_KZ<k5>; };
+template <>
+struct RowFormat<Q6_K> { using T = Q6_KZ; };
+#endif
+
+// A format's kernels on this path: rows from the bytes in its RowFormat, panels of G.
+template <class G>
+Kernels kernels_of() {
+  return {rows<typename RowFormat<G>::T>, pack<G>, panel<G>, 2 * kLanes, 32 + 4 * record_floats<G>()};
 }
 
 // This path's kernels of a format.
 inline Kernels kernels_for(int64_t type) {
-#if GGUF_VNNI  // tiles from the bytes in zmm registers
   switch (type) {
-    case kQ8_0: return kernels_of<Q8_0>(rows<Q8_0Z>);
-    case kQ4_0: return kernels_of<Q4_0<false>>(rows<Q4_0Z<false>>);
-    case kQ5_0: return kernels_of<Q4_0<true>>(rows<Q4_0Z<true>>);
-    case kQ4_K: return kernels_of<Q4_K<false>>(rows<Q4_KZ<false>>);
-    case kQ5_K: return kernels_of<Q4_K<true>>(rows<Q4_KZ<true>>);
-    default: return kernels_of<Q6_K>(rows<Q6_KZ>);
-  }
-#endif
-  switch (type) {
-    case kQ8_0: return kernels_of<Q8_0>(rows<Q8_0>);
-    case kQ4_0: return kernels_of<Q4_0<false>>(rows<Q4_0<false>>);
-    case kQ5_0: return kernels_of<Q4_0<true>>(rows<Q4_0<true>>);
-    case kQ4_K: return kernels_of<Q4_K<false>>(rows<Q4_K<false>>);
-    case kQ5_K: return kernels_of<Q4_K<true>>(rows<Q4_K<true>>);
-    default: return kernels_of<Q6_K>(rows<Q6_K>);
+    case kQ8_0: return kernels_of<Q8_0>();
+    case kQ4_0: return kernels_of<Q4_0<false>>();
+    case kQ5_0: return kernels_of<Q4_0<true>>();
+    case kQ4_K: return kernels_of<Q4_K<false>>();
+    case kQ5_K: return kernels_of<Q4_K<true>>();
+    default: return kernels_of<Q6_K>();
   }
 }
 
