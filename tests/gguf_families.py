@@ -20,6 +20,7 @@ tokens, special tokens and real chat template), since the converter reads it.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import shutil
@@ -126,8 +127,10 @@ def _gemma3_config():
 # -- tokenizers ------------------------------------------------------------------------
 
 
+@functools.cache
 def _vocab(name: str) -> tuple[list[str], list[int], list[str]]:
-    """(tokens, token types, merges) of llama.cpp's vocabulary-only GGUF `name`."""
+    """(tokens, token types, merges) of llama.cpp's vocabulary-only GGUF `name` (read once:
+    a 128k-152k vocabulary takes a second to parse, and each family's writer reads it twice)."""
     from gristmill.gguf_file import GGUFFile
 
     reader = GGUFFile(gguf_converter.vocab_file(name))
