@@ -42,8 +42,6 @@ logger = logging.getLogger(__name__)
 
 # How often the monitor reads the heartbeat while the core is alive.
 _WATCH_INTERVAL_S = 0.05
-# How long a death's report waits for the memory figures still being worked out.
-_NEED_WAIT_S = 0.2
 # The child's whole program: import the core module by name and run it. The package
 # root goes first on sys.path, so the core runs the very gristmill its client imported
 # (not another copy in its working directory) wherever the client could import it.
@@ -83,8 +81,8 @@ class CoreClient:
         self._writer = _thread(self._write, "gristmill-core-writer")
         self._reader: threading.Thread | None = None
         self._monitor: threading.Thread | None = None
-        self._need: memory.MemoryNeed | None = None
-        self._need_thread: threading.Thread | None = None
+        #: The core's Ready (its capacity and memory figures) once it came.
+        self._ready: Ready | None = None
 
     @property
     def pid(self) -> int:
@@ -105,6 +103,7 @@ class CoreClient:
                 message = self._recv()
                 if isinstance(message, Ready):
                     core_launcher.prepare(self._env)
+                    self._ready = message
                     return message
                 if message is not None:
                     continue  # CoreFailed was recorded: the exit follows
@@ -121,7 +120,6 @@ class CoreClient:
         """Start delivering the core's messages and watching it (after wait_ready)."""
         self._reader = _thread(self._read, "gristmill-core-reader")
         self._monitor = _thread(self._watch, "gristmill-core-monitor")
-        self._need_thread = _thread(self._work_out_need, "gristmill-core-need")
 
     # -- the writer thread ------------------------------------------------------------
 
@@ -250,23 +248,17 @@ class CoreClient:
         return said if need is None else f"{said}; {need.figures()}; {need.advice()}"
 
     def _memory_need(self) -> memory.MemoryNeed | None:
-        """The engine's memory figures. A running core's are worked out beside it, once
-        (`start`): reading a model's header can take a second (a GGUF's vocabulary), and a
-        death is reported within one, with the figures where they are ready by then. A
-        core that died starting (`wait_ready`) has them worked out here."""
-        if self._need_thread is None:
-            self._work_out_need()
-        else:
-            self._need_thread.join(timeout=_NEED_WAIT_S)
-        return self._need
-
-    def _work_out_need(self) -> None:
+        """The engine's memory figures: a core that got as far as Ready sent its own (as
+        its load checked them: reading a model's header again here took 0.7-1.5 s, and a
+        death is reported within one); one that died starting has them worked out here."""
+        if self._ready is not None:
+            return self._ready.memory_need
         from gristmill.engine.builder import resolve_model_dir
 
         try:
-            self._need = memory.memory_need_of(self.config, resolve_model_dir(self.config))
+            return memory.memory_need_of(self.config, resolve_model_dir(self.config))
         except Exception:  # noqa: BLE001 - the figures help the message; they never replace it
-            self._need = None
+            return None
 
     def _die(self, reason: str) -> None:
         if self.dead_error is not None:

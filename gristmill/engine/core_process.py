@@ -49,7 +49,7 @@ def main(argv: list[str]) -> None:
         from gristmill.engine.builder import build_core
         core = build_core(start.config)
         core.process_fault = lambda point: _process_fault(point, heartbeat)
-        outbox.send(Ready(core.capacity))
+        outbox.send(Ready(core.capacity, getattr(core.executor, "memory_need", None)))
     except BaseException as exc:  # noqa: BLE001 - report, then exit
         _report_and_exit(outbox, f"the engine failed to start: {error_string(exc)}")
     CoreLoop(core, inbox, outbox, heartbeat, parent_pid).run()

@@ -148,6 +148,9 @@ class Capacity:
 @dataclass(slots=True)
 class Ready:
     capacity: Capacity
+    #: A CPU engine's memory figures as its load checked them (model.memory.MemoryNeed):
+    #: what its client says of them if the kernel's OOM killer ends the core later.
+    memory_need: object = None
 
 
 @dataclass(slots=True)

@@ -20,7 +20,7 @@ from gristmill.model.cpu import kernels, quant
 from gristmill.model.layers import RotaryEmbedding, clear_rotary_cache
 from gristmill.model.loader import GGUF_LINK, load_config, load_weights, resolve_model, trained_length
 from gristmill.model.loader.tensors import open_checkpoint
-from gristmill.model.memory import cpu_memory_need
+from gristmill.model.memory import MemoryNeed, cpu_memory_need
 from gristmill.model.models import model_class
 from gristmill.paths import cache_root
 from gristmill.pooling_params import PoolerInfo
@@ -45,6 +45,8 @@ class LoadedModel:
     pooler_info: PoolerInfo | None = None
     #: On CUDA: the device's memory before the weights (what this engine takes is measured from it).
     memory_at_start: object = None
+    #: On CPU: what the engine needs and what was available, as checked before the load.
+    memory_need: MemoryNeed | None = None
 
 
 def load_model(config: EngineConfig, device: torch.device, model_dir: Path | None = None) -> LoadedModel:
@@ -66,7 +68,7 @@ def load_model(config: EngineConfig, device: torch.device, model_dir: Path | Non
                            f"{hf_config.max_position_embeddings} positions {model_dir.name} "
                            f"supports; lower it or leave it out", param="max_model_len")
     gguf = (model_dir / GGUF_LINK).exists()
-    panel_budget = 0
+    panel_budget, need = 0, None
     if device.type == "cpu":  # before anything loads: a model that cannot fit is refused with the figures
         need = cpu_memory_need(model_dir, hf_config, config, max_model_len,
                                quant.planned_quantization(config.quantization, device, gguf),
@@ -85,7 +87,7 @@ def load_model(config: EngineConfig, device: torch.device, model_dir: Path | Non
                             panel_budget)
     task = resolve_task(config.task, model_dir)
     loaded = LoadedModel(model_dir, hf_config, max_model_len, dtype, quantization, backend, model, task,
-                         memory_at_start=memory_at_start)
+                         memory_at_start=memory_at_start, memory_need=need)
     if is_pooling(task):
         loaded.pooler, loaded.pooler_info = build_pooler(model, hf_config, model_dir, device)
     return loaded

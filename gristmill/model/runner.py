@@ -55,6 +55,8 @@ class ModelRunner:
         self.pooler, self.pooler_info = loaded.pooler, loaded.pooler_info
         if self.device.type == "cuda":
             self.memory_at_start = loaded.memory_at_start
+        #: On CPU: the memory figures checked before the load (model/memory.py), or None.
+        self.memory_need = loaded.memory_need
         self.backend.prepare(self.model, self.max_model_len)
         #: The LoRA adapter slots (EngineConfig.enable_lora), or None.
         self.lora = LoRAModel(self.model, config.max_loras, config.max_lora_rank, self.dtype, self.device) \

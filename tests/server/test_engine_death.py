@@ -38,6 +38,10 @@ def test_sigkill_of_the_core_on_the_wire():
         assert health.status_code == 503 and health_at - killed_at < 1.0
         assert health.json()["status"] == "dead" and "SIGKILL" in health.json()["reason"]
         assert "not restarted: the restart budget (0 restarts within 600 s) is spent" in health.json()["reason"]
+        # A SIGKILL nobody asked for is most likely the OOM killer's: said with the figures
+        # the core's load checked (sent with its Ready: nothing is read again on the way).
+        for said in ("most likely it ran out of memory", "weights", "KV cache", "available", "a smaller quantization"):
+            assert said in health.json()["reason"], said
         assert_ended_dead(results, killed_at, 1.0, "SIGKILL")
         start = time.monotonic()
         later = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
