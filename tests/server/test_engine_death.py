@@ -11,7 +11,7 @@ import time
 
 import httpx
 
-from tests.server.conftest import Server, assert_ended_dead, long_requests, wait_running_async, pid_gone
+from tests.server.conftest import Server, assert_ended_dead, long_requests, wait_running_async
 
 async def in_flight_then_kill(srv: Server):
     """Two streaming and two plain requests in flight, then SIGKILL of the engine core.
