@@ -23,27 +23,48 @@ def _cpu_backend() -> CpuBackend:
     return backend
 
 
-@pytest.mark.parametrize("window", [None, 5])
-@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (4, 1)])
-def test_compiled_decode_matches_torch_path(heads, kv_heads, window):
-    backend = _cpu_backend()
+def _decode_case(heads, kv_heads, head_dim, window, lens, block_size=4):
+    """A paged cache with blocks scattered over it, its step metadata and the queries."""
     torch.manual_seed(0)
-    head_dim, block_size, num_blocks = 32, 4, 40
+    num_blocks = sum(-(-n // block_size) for n in lens) + 8
     attn = PagedAttention(heads, kv_heads, head_dim, head_dim ** -0.5, sliding_window=window)
     attn.k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim)
     attn.v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim)
-    lens = torch.tensor([1, 3, 9, 17, 12])
-    tables = torch.zeros(len(lens), 5, dtype=torch.long)
+    lens = torch.tensor(lens)
+    tables = torch.zeros(len(lens), -(-int(lens.max()) // block_size), dtype=torch.long)
     free = torch.randperm(num_blocks).tolist()  # blocks scattered over the cache
     for row, n in enumerate(lens.tolist()):
         for i in range(-(-n // block_size)):
             tables[row, i] = free.pop()
     md = StepMetadata(slot_mapping=torch.zeros(len(lens), dtype=torch.long), query_start=torch.arange(len(lens) + 1),
                       seq_lens=lens, block_tables=tables, num_decodes=len(lens), block_size=block_size)
-    q = torch.randn(len(lens), heads, head_dim)
+    return attn, md, torch.randn(len(lens), heads, head_dim)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (4, 1)])
+def test_compiled_decode_matches_torch_path(heads, kv_heads, window):
+    backend = _cpu_backend()
+    attn, md, q = _decode_case(heads, kv_heads, 32, window, [1, 3, 9, 17, 12])
     expected = REFERENCE.decode_attention(attn, q, md)
     got = backend.decode_attention(attn, q, md)
     assert (got - expected).abs().max().item() < 1e-5
+
+
+# Head sizes of the vector paths (multiples of 16 and 8) and of none (24 on avx512: avx2's;
+# 20: portable's); groups of 1 to 7 query heads a KV head; one sequence (its KV heads split
+# between threads) and many; contexts longer than a flush of 16 dot products.
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(32, 8, 64), (4, 1, 256), (14, 2, 128), (6, 2, 24), (3, 3, 20)])
+@pytest.mark.parametrize("lens", [[77], [1, 2, 40, 33, 5, 16, 90]])
+def test_every_code_path_of_the_decode_attention_matches_torch(heads, kv_heads, head_dim, lens):
+    backend = _cpu_backend()
+    attn, md, q = _decode_case(heads, kv_heads, head_dim, None, lens)
+    expected = REFERENCE.decode_attention(attn, q, md)
+    for isa in range(backend.ops.best_isa() + 1):
+        got = backend.ops.paged_decode_attention(q, attn.k_cache, attn.v_cache, md.decode_block_tables,
+                                                 md.decode_context_lens, attn.scale, 0, isa)
+        # float32 sums of up to 90 terms of unit size, in another order than torch's
+        assert (got - expected).abs().max().item() < 2e-5, isa
 
 
 # -- the fused CPU ops (csrc/fused_ops.cpp) against the torch arithmetic they replace ----

@@ -83,7 +83,7 @@ class CpuBackend(Backend):
         if self._ops_for(q) is None:
             return super().decode_attention(layer, q, md)
         return self.ops.paged_decode_attention(q, layer.k_cache, layer.v_cache, md.decode_block_tables,
-                                               md.decode_context_lens, layer.scale, layer.sliding_window or 0)
+                                               md.decode_context_lens, layer.scale, layer.sliding_window or 0, -1)
 
     def encoder_attention(self, layer, q, k, v, md):
         if self._ops_for(q) is None:

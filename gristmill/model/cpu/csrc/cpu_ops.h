@@ -19,7 +19,7 @@ at::Tensor encoder_attention(at::Tensor q, at::Tensor k, at::Tensor v, std::vect
                                 double scale);
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                                      at::Tensor block_tables, at::Tensor context_lens,
-                                     double scale, int64_t window);
+                                     double scale, int64_t window, int64_t isa);
 at::Tensor decode_stack(at::Tensor x, at::Tensor positions, at::Tensor slot_mapping,
                            at::Tensor block_tables, at::Tensor context_lens,
                            std::vector<at::Tensor> tensors, std::vector<int64_t> ints,

@@ -130,7 +130,7 @@ at::Tensor decode_stack(at::Tensor x, at::Tensor positions, at::Tensor slot_mapp
                             qkv.narrow(1, q_width + kv_width, kv_width), num_heads, num_kv_heads, head_dim,
                             t[4], t[5], norm_offset, eps, t[22], t[23], positions);
     write_cache(heads[1], heads[2], k_cache, v_cache, slots, n);
-    auto attn = paged_decode_attention(heads[0], k_cache, v_cache, block_tables, context_lens, scales[l], li[8]);
+    auto attn = paged_decode_attention(heads[0], k_cache, v_cache, block_tables, context_lens, scales[l], li[8], -1);
     auto attn_rows = attn.view({n, q_width});
     auto o = adapted(linear_of(attn_rows, t + 10, li[1], li[5], isa), attn_rows, l, 1);
     auto res = residual_norm(x, o, t[1], t[2], norm_offset, eps);

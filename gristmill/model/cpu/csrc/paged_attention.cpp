@@ -1,13 +1,34 @@
 // Decode attention straight from the paged KV cache on CPU: one query token per
 // sequence attends to its cached keys and values through its block table, without
 // gathering them into a padded copy first.
+//
+// One work item is one sequence and its KV heads (or a part of them, where the batch is
+// small), with all the query heads of each group: a token's cached keys and values of
+// those heads, side by side in the cache, are read together, once. Code paths, chosen at run
+// time by `isa` (-1: the best this CPU runs): avx512 and avx2 (paged_attention_x86.h)
+// where head_dim is a multiple of their vector, else portable.
 #include "aten_light.h"
+#include "isa.h"
+#include "vector_math.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
 
 namespace {
+
+struct Job {
+  const float *q, *k, *v;
+  const int64_t *tables, *lens;
+  float* out;
+  int64_t num_heads, num_kv_heads, head_dim, block_size, max_blocks, group, window;
+  float scale;
+};
+
+struct Scratch {
+  std::vector<float> scores, inverse;
+};
 
 inline float dot(const float* a, const float* b, int64_t n) {
   float acc = 0.f;
@@ -16,82 +37,104 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return acc;
 }
 
+// The portable path: the same steps, a head at a time.
+void attend_portable(const Job& job, int64_t b, int64_t kv0, int64_t kv1, Scratch& scratch) {
+  const int64_t d = job.head_dim;
+  const int64_t len = job.lens[b], first = job.window > 0 ? std::max<int64_t>(0, len - job.window) : 0;
+  const int64_t span = len - first;
+  const int64_t* table = job.tables + b * job.max_blocks;
+  std::vector<float>& s = scratch.scores;
+  s.resize(std::max<int64_t>(span, 1));
+  for (int64_t h = kv0 * job.group; h < kv1 * job.group; ++h) {
+    const int64_t kv_head = h / job.group;
+    const auto row = [&](const float* cache, int64_t t) {
+      const int64_t slot = table[t / job.block_size] * job.block_size + t % job.block_size;
+      return cache + (slot * job.num_kv_heads + kv_head) * d;
+    };
+    const float* qh = job.q + (b * job.num_heads + h) * d;
+    float* o = job.out + (b * job.num_heads + h) * d;
+    std::fill(o, o + d, 0.f);
+    if (span <= 0) continue;
+    for (int64_t i = 0; i < span; ++i) s[i] = dot(qh, row(job.k, first + i), d) * job.scale;
+    const float most = *std::max_element(s.begin(), s.begin() + span);
+    float total = 0.f;
+    for (int64_t i = 0; i < span; ++i) {
+      s[i] = std::exp(s[i] - most);
+      total += s[i];
+    }
+    for (int64_t i = 0; i < span; ++i) {
+      const float* vh = row(job.v, first + i);
+#pragma omp simd
+      for (int64_t j = 0; j < d; ++j) o[j] += s[i] * vh[j];
+    }
+    const float inv = 1.f / total;
+    for (int64_t j = 0; j < d; ++j) o[j] *= inv;
+  }
+}
+
 }  // namespace
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define ATTN_NS attention_avx2
+#define ATTN_TARGET __attribute__((target("avx2,fma")))
+#define ATTN_512 0
+namespace ATTN_NS {
+#include "paged_attention_x86.h"
+}
+#undef ATTN_NS
+#undef ATTN_TARGET
+#undef ATTN_512
+#define ATTN_NS attention_avx512
+#define ATTN_TARGET __attribute__((target("avx2,fma,avx512f")))
+#define ATTN_512 1
+namespace ATTN_NS {
+#include "paged_attention_x86.h"
+}
+#undef ATTN_NS
+#undef ATTN_TARGET
+#undef ATTN_512
+#endif
 
 // q: (batch, num_heads, head_dim) float32, contiguous.
 // k_cache, v_cache: (num_blocks, block_size, num_kv_heads, head_dim) float32, contiguous.
 // block_tables: (batch, max_blocks) int64; context_lens: (batch,) int64.
 // window: keys older than the last `window` positions are masked (0 = no window).
+// isa: the code path (module comment); -1 the best this CPU runs.
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                                      at::Tensor block_tables, at::Tensor context_lens,
-                                     double scale, int64_t window) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat,
-              "paged_decode_attention takes float32 tensors");
+                                     double scale, int64_t window, int64_t isa) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
+                  v_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "paged_decode_attention takes contiguous float32 tensors");
+  TORCH_CHECK(isa <= best_isa(), "paged_decode_attention: this CPU cannot run isa ", isa);
+  if (isa < 0) isa = best_isa();
   q = q.contiguous();
   block_tables = block_tables.contiguous();
   context_lens = context_lens.contiguous();
   const int64_t batch = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
-  const int64_t group = num_heads / num_kv_heads, max_blocks = block_tables.size(1);
+  const int64_t num_kv_heads = k_cache.size(2);
   auto out = q.new_empty(q.sizes());
-
-  const float* q_ptr = q.data_ptr<float>();
-  const float* k_ptr = k_cache.data_ptr<float>();
-  const float* v_ptr = v_cache.data_ptr<float>();
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const int64_t* lens = context_lens.data_ptr<int64_t>();
-  float* out_ptr = out.data_ptr<float>();
-  const float fscale = static_cast<float>(scale);
-
-  // One work item = one sequence and one KV head, with all query heads of its group:
-  // each cached key and value row is loaded once and used by every head of the group.
-  at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;                 // (group, span)
-    std::vector<float> acc(group * head_dim);  // (group, head_dim)
-    std::vector<float> max_score(group), total(group);
+  const Job job{q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+                block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(), out.data_ptr<float>(),
+                num_heads, num_kv_heads, head_dim, k_cache.size(1), block_tables.size(1), num_heads / num_kv_heads,
+                window, static_cast<float>(scale)};
+  auto attend = &attend_portable;
+#if defined(__x86_64__) || defined(__i386__)
+  if (isa >= kAvx512Vnni && head_dim % 16 == 0)
+    attend = &attention_avx512::attend;
+  else if (isa >= kAvx2 && head_dim % 8 == 0)
+    attend = &attention_avx2::attend;
+#endif
+  // A sequence's KV heads split into `parts` items where the batch alone gives each
+  // thread fewer than two.
+  const int64_t parts = std::clamp<int64_t>((2 * at::get_num_threads() + batch - 1) / std::max<int64_t>(batch, 1), 1,
+                                            num_kv_heads);
+  at::parallel_for(0, batch * parts, 1, [&](int64_t begin, int64_t end) {
+    Scratch scratch;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / num_kv_heads, kv_head = item % num_kv_heads;
-      const int64_t len = lens[b];
-      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      const int64_t span = len - first;
-      const float* qg = q_ptr + (b * num_heads + kv_head * group) * head_dim;  // (group, head_dim)
-      const int64_t* table = tables + b * max_blocks;
-      scores.resize(group * span);
-      std::fill(max_score.begin(), max_score.end(), -std::numeric_limits<float>::infinity());
-      for (int64_t t = first; t < len; ++t) {
-        const int64_t slot = table[t / block_size] * block_size + t % block_size;
-        const float* kh = k_ptr + (slot * num_kv_heads + kv_head) * head_dim;
-        for (int64_t g = 0; g < group; ++g) {
-          const float value = dot(qg + g * head_dim, kh, head_dim) * fscale;
-          scores[g * span + (t - first)] = value;
-          max_score[g] = std::max(max_score[g], value);
-        }
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        float* s = scores.data() + g * span;
-        float sum = 0.f;
-        for (int64_t i = 0; i < span; ++i) {
-          s[i] = std::exp(s[i] - max_score[g]);
-          sum += s[i];
-        }
-        total[g] = sum;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = first; t < len; ++t) {
-        const int64_t slot = table[t / block_size] * block_size + t % block_size;
-        const float* vh = v_ptr + (slot * num_kv_heads + kv_head) * head_dim;
-        for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * span + (t - first)];
-          float* a = acc.data() + g * head_dim;
-#pragma omp simd
-          for (int64_t d = 0; d < head_dim; ++d) a[d] += p * vh[d];
-        }
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        float* o = out_ptr + (b * num_heads + kv_head * group + g) * head_dim;
-        const float inv = 1.f / total[g];
-        for (int64_t d = 0; d < head_dim; ++d) o[d] = acc[g * head_dim + d] * inv;
-      }
+      const int64_t b = item / parts, part = item % parts;
+      attend(job, b, part * num_kv_heads / parts, (part + 1) * num_kv_heads / parts, scratch);
     }
   });
   return out;
