@@ -20,6 +20,10 @@
 // the same floats, whichever way a row goes.
 #include "gguf_blocks.h"
 
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
 #if defined(__x86_64__) || defined(__i386__)
 #define GGUF_NS avx2
 #define GGUF_TARGET __attribute__((target("avx2,fma,f16c")))
@@ -304,6 +308,20 @@ at::Tensor gguf_dequantize(at::Tensor layout, int64_t in_features) {
   return out;
 }
 
+// Asks the kernel for 2 MiB pages under `t`'s whole 2 MiB stretches, before anything is
+// written there (Linux; elsewhere, and where transparent huge pages are off, nothing). A
+// batch-1 step streams every weight once: over 4 KiB pages a core's reads of them ran at
+// ~0.73x the rate over 2 MiB pages (the TLB misses of nested paging on a VM: 302 MB of
+// Q4_K, one row, 2 threads: 10.6 against 14.5 GB/s).
+static void advise_huge_pages(const at::Tensor& t) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHuge = uintptr_t(2) << 20;
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(t.data_ptr()) + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(t.data_ptr()) + t.nbytes()) & ~(kHuge - 1);
+  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);  // (advice: its failure is harmless)
+#endif
+}
+
 // The panels of one part ((rows, row_bytes) uint8 blocks of ggml type `type`) for code
 // path `isa`, packed once: panel i holds rows [i * R, (i + 1) * R), R the path's
 // panel_rows, at i * stride. What a (P, 5) layout's panels_ptr points to.
@@ -320,6 +338,7 @@ at::Tensor gguf_pack_panels(at::Tensor data, int64_t type, int64_t in_features, 
   const int64_t rows = data.size(0), most = kernels.panel_rows, stride = panel_stride(kernels, in_features);
   const int64_t panels = (rows + most - 1) / most;
   at::Tensor out = data.new_empty({panels * stride});
+  advise_huge_pages(out);
   const uint8_t* w = data.data_ptr<uint8_t>();
   uint8_t* o = out.data_ptr<uint8_t>();
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
