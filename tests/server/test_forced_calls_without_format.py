@@ -39,15 +39,32 @@ def check_calls(calls, names=tuple(SCHEMAS)) -> None:
 
 
 def test_required_and_named_calls_come_back_as_tool_calls(client):
-    response = chat(client, tool_choice="required", n=3, seed=0, temperature=1.0)
+    # One call a choice: the grammar then ends every sampled choice within ~26 tokens.
+    response = chat(client, tool_choice="required", parallel_tool_calls=False, n=3, seed=0, temperature=1.0)
     for choice in response.choices:
         assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+        assert len(choice.message.tool_calls) == 1
         assert all(c.type == "function" and c.id.startswith("call_") for c in choice.message.tool_calls)
         check_calls([(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls])
     named = chat(client, tool_choice=NAMED, parallel_tool_calls=False, temperature=0).choices[0]
     assert named.finish_reason == "tool_calls" and len(named.message.tool_calls) == 1
     check_calls([(c.function.name, json.loads(c.function.arguments)) for c in named.message.tool_calls],
                 names=("get_time",))
+
+
+def test_parallel_required_calls_are_whole_calls_or_cut_at_max_tokens(client):
+    # With parallel calls the array may go on (the 270M model, sampling, repeats its call
+    # until max_tokens on some seeds): a choice that ends is calls matching their schemas;
+    # one cut at max_tokens is "length", its text the calls' JSON so far, never prose.
+    response = chat(client, tool_choice="required", n=6, seed=0, temperature=1.0)
+    for choice in response.choices:
+        if choice.finish_reason == "tool_calls":
+            assert choice.message.content is None and choice.message.tool_calls, choice
+            check_calls([(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls])
+        else:
+            assert choice.finish_reason == "length" and choice.message.tool_calls is None, choice
+            assert choice.message.content.startswith('[{"name": "'), choice
+    assert response.usage.completion_tokens <= 6 * 80
 
 
 def test_a_streamed_forced_call_is_the_same_calls_as_deltas(client):
@@ -78,7 +95,8 @@ def test_auto_without_a_format_is_a_400_naming_the_flag(client):
 def test_llm_chat_writes_and_reads_forced_calls(default_llm):
     from gristmill import SamplingParams
     params = SamplingParams(max_tokens=80, temperature=1.0, seed=3, n=2)
-    [out] = default_llm.chat(MESSAGES, params, use_tqdm=False, tools=TOOLS, tool_choice="required")
+    [out] = default_llm.chat(MESSAGES, params, use_tqdm=False, tools=TOOLS, tool_choice="required",
+                                 parallel_tool_calls=False)
     for completion in out.outputs:
         assert completion.finish_reason == "tool_calls" and completion.text == "", completion
         check_calls([(c.name, c.arguments) for c in completion.tool_calls])
@@ -88,7 +106,7 @@ def test_batch_rows_with_forced_calls_get_their_tool_calls():
     processor = build_processor(EngineProcessorConfig(engine=EngineConfig(device="cpu"), id_column="id",
                                                       should_continue_on_error=True))
     rows = [{"id": "required", "messages": MESSAGES, "tools": TOOLS, "tool_choice": "required",
-             "sampling_params": {"max_tokens": 80, "temperature": 1.0, "seed": 1}},
+             "parallel_tool_calls": False, "sampling_params": {"max_tokens": 80, "temperature": 1.0, "seed": 1}},
             {"id": "named", "messages": MESSAGES, "tools": TOOLS, "tool_choice": NAMED,
              "sampling_params": {"max_tokens": 80}},
             {"id": "auto", "messages": MESSAGES, "tools": TOOLS, "sampling_params": {"max_tokens": 8}}]
