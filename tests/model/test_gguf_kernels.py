@@ -267,7 +267,7 @@ def _packed(layer: GGUFLinear) -> GGUFLinear:
 @pytest.mark.parametrize("ggml_type", TYPES)
 def test_panels_packed_once_give_the_same_floats(isa, ggml_type):
     # 70 rows: two whole panels (32 on avx512_vnni, 16 on avx2) and a short last one; each
-    # row count of ROWS (below kPrepackedRows the K types read their bytes, Q8_0 its panels)
+    # row count of ROWS (below kPrepackedRows the K types read their bytes, Q8_0 and Q4_0 their panels)
     in_features = 736 if gguf.GGML_QUANT_SIZES[ggml_type][0] == 32 else 768
     parts = [(ggml_type, _made(ggml_type, 70, in_features, seed=5))]
     bias = torch.randn(70)
@@ -276,6 +276,22 @@ def test_panels_packed_once_give_the_same_floats(isa, ggml_type):
         x = _inputs(rows, in_features, seed=rows)
         assert torch.equal(packed(x), plain(x)), rows
         assert torch.equal(packed(x, "gelu"), plain(x, "gelu")), rows
+
+
+@pytest.mark.parametrize("isa", VECTOR_PATHS)
+def test_q4_0_panels_are_compact_the_files_size_and_read_from_one_row(isa):
+    # Q4_0's panels packed once hold two codes a byte and the fp16 scales: the file's own
+    # 18 bytes a row and block, so every row count reads them and the loader releases the
+    # part's pages of the file (Q8_0's too; the K types' panels are twice their bytes)
+    blocks = _made(T.Q4_0, 96, 2048, seed=7)
+    plain, layer = _layer([(T.Q4_0, blocks)], 2048, isa=isa), _layer([(T.Q4_0, blocks)], 2048, isa=isa)
+    assert layer.panels_replace_bytes() == [True]
+    assert layer.pack_panels() == blocks.numel()
+    for other, replaces in ((T.Q8_0, True), (T.Q5_0, False), (T.Q4_K, False), (T.Q6_K, False)):
+        assert _layer([(other, _made(other, 32, 2048))], 2048, isa=isa).panels_replace_bytes() == [replaces], other
+    for rows in (1, 2, 16, 64):
+        x = _inputs(rows, 2048, seed=rows)
+        assert torch.equal(layer(x), plain(x)), rows
 
 
 @pytest.mark.parametrize("isa", VECTOR_PATHS)

@@ -105,6 +105,13 @@ class GGUFLinear(QuantizedLinear):
         return [ext.gguf_panel_bytes(int(t), data.shape[0], self.in_features, isa) if t in types else 0
                 for t, data in self.parts]
 
+    def panels_replace_bytes(self, isa: int | None = None) -> list[bool]:
+        """Whether each part's panels, once packed, are read at every row count (Q8_0's, and
+        Q4_0's compact ones), so that its bytes are never read again."""
+        ext = kernels.int8_extension()
+        isa = None if ext is None else self._isa(ext) if isa is None else isa
+        return [ext is not None and ext.gguf_panels_from_rows(int(t), isa) == 1 for t, _ in self.parts]
+
     def pack_panels(self, isa: int | None = None, types=SUPPORTED_TYPES) -> int:
         """Pack the panels of each part of `types` once, for code path `isa` (None: the
         layer's), which the kernel then reads instead of packing them at every call (module

@@ -119,22 +119,23 @@ def quantize_from_checkpoint(model: nn.Module, checkpoint, scheme: str, cache_fi
 
 
 def pack_panels(layers: list, checkpoint, budget: int) -> int:
-    """Pack the panels of `layers`' 32-wide parts once (GGUFLinear.pack_panels: what the
-    kernel lays out afresh at every call of many rows), in the order given, each layer
-    whose cost fits in what is left of `budget` bytes. The K types' panels are not packed:
-    over twice their bytes, read from memory they took as long as packing them afresh
-    (benchmarks/gguf_kernels.py --panels). A Q8_0 part read where it lies in the file
-    costs only what its panels add to its bytes (36 a row and block against 34): the
-    kernel reads its panels at every row count, so its pages of the file are released.
-    `layers`: (GGUFLinear, the checkpoint's names of its parts). Returns the bytes spent."""
+    """Pack the panels of `layers`' parts once (GGUFLinear.pack_panels: what the kernel
+    lays out afresh at every call of many rows), in the order given, each layer whose cost
+    fits in what is left of `budget` bytes. The K types' panels are not packed: over
+    twice their bytes, read from memory they took as long as packing them afresh
+    (benchmarks/gguf_kernels.py --panels). A Q8_0 or Q4_0 part read where it lies in the
+    file costs only what its panels add to its bytes (36 a row and block against 34;
+    Q4_0's compact panels 18 against 18): the kernel reads them at every row count, so its
+    pages of the file are released. `layers`: (GGUFLinear, the
+    checkpoint's names of its parts). Returns the bytes spent."""
     from gguf import GGMLQuantizationType as T
 
     types = {T.Q8_0, T.Q4_0, T.Q5_0}
     spent = 0
     for layer, names in layers:
         sizes = layer.panel_bytes(types=types)
-        freed = [data.numel() if t == T.Q8_0 and size and checkpoint.in_file(name) else 0
-                 for (t, data), name, size in zip(layer.parts, names, sizes)]
+        freed = [data.numel() if replaces and size and checkpoint.in_file(name) else 0
+                 for (_, data), name, size, replaces in zip(layer.parts, names, sizes, layer.panels_replace_bytes())]
         cost = sum(sizes) - sum(freed)
         if not any(sizes) or spent + cost > budget:
             continue

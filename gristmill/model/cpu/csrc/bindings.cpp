@@ -24,6 +24,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_dequantize", &gguf_dequantize, "the float32 weights of GGUF quantized blocks, as gguf_linear sees them");
   m.def("gguf_pack_panels", &gguf_pack_panels, "a GGUF part's panels for a code path, packed once");
   m.def("gguf_panel_bytes", &gguf_panel_bytes, "the bytes gguf_pack_panels makes of a part");
+  m.def("gguf_panels_from_rows", &gguf_panels_from_rows, "the fewest rows that read a part's panels packed once");
 #if GRISTMILL_Q4
   m.def("q4_linear", &q4_linear, "4-bit weight linear layer: block scales and minimums, int8 activations");
 #endif

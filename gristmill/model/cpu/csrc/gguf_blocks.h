@@ -25,6 +25,9 @@
 
 #include "linear_common.h"
 
+#include <type_traits>
+#include <vector>
+
 namespace gguf {
 
 // ggml's numbering (gguf.GGMLQuantizationType).
@@ -208,6 +211,13 @@ struct Kernels {
   PanelFn panel;
   int panel_rows;        // rows a panel holds
   int panel_block_bytes;  // bytes a panel holds a row and 32-block
+  // Panels packed once (gguf_pack_panels), which the 4-bit formats hold compact: how they
+  // are packed and read, their bytes a row and 32-block, and the fewest activation rows
+  // that read them rather than the part's bytes.
+  PackFn pack_once = nullptr;
+  PanelFn panel_once = nullptr;
+  int once_block_bytes = 0;
+  int once_from_rows = 0;
 };
 
 // Room for a panel of `rows` rows of K weights: 32 codes and at most 3 floats a row and

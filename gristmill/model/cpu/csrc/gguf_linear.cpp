@@ -14,10 +14,9 @@
 // rows (decode) read a tile from the file's bytes, each group of 256 weights loaded once
 // for up to 4 rows; many rows first pack the tile into panels (Tiles::prepare), which
 // every row of the chunk then meets. A part whose panels were packed once (at load:
-// gguf_pack_panels, a layout of 5 columns) has its tiles' panels read from there
-// instead, from kPrepackedRows rows (Q8_0: from one). Code
-// paths, chosen at run time: avx512_vnni and avx2 (gguf_x86.h), and portable; all give
-// the same floats, whichever way a row goes.
+// gguf_pack_panels, a layout of 5 columns; Q4_0's compact) has its tiles' panels read
+// from there instead, from Kernels::once_from_rows rows (Q8_0, Q4_0: from one). Code paths, chosen at run time: avx512_vnni and avx2 (gguf_x86.h), and
+// portable; all give the same floats, whichever way a row goes.
 #include "gguf_blocks.h"
 
 #if defined(__linux__)
@@ -146,16 +145,9 @@ constexpr int64_t kPanelRows = 8;
 #endif
 constexpr Split kSplit{GGUF_SPLIT};
 
-// Rows of a chunk from which a part's panels packed once (at load) are read instead of
-// its bytes: Q8_0's panels are its bytes' size (36 bytes a row and block against 34), so
-// from one row; the others' are about twice their bytes, which a few rows read as fast.
-constexpr int64_t kPrepackedRows = 4;
-
-int64_t prepacked_rows(int64_t type) { return type == gguf::kQ8_0 ? 1 : kPrepackedRows; }
-
 // The bytes between a part's panels packed once: every panel holds room for panel_rows.
 int64_t panel_stride(const gguf::Kernels& kernels, int64_t k) {
-  return ((k / 32) * kernels.panel_rows * kernels.panel_block_bytes + 63) / 64 * 64;
+  return ((k / 32) * kernels.panel_rows * kernels.once_block_bytes + 63) / 64 * 64;
 }
 
 // One call's tiles: the parts and their kernels, and on each thread the runs of the tile
@@ -165,7 +157,7 @@ class Tiles {
   Tiles(const std::vector<Part>& parts, int64_t isa, int64_t k, int64_t n_out) : parts_(parts), k_(k), n_out_(n_out) {
     for (const Part& p : parts) {
       kernels_.push_back(kernels_for(p.type, isa));
-      prepacked_ = prepacked_ || (p.panels != nullptr && kernels_.back().pack != nullptr);
+      prepacked_ = prepacked_ || (p.panels != nullptr && kernels_.back().pack_once != nullptr);
     }
   }
 
@@ -183,13 +175,14 @@ class Tiles {
     for (int64_t c = 0; c < width;) {
       const Part& p = part_at(parts_, n0 + c);
       const int64_t r0 = n0 + c - p.start, n = std::min({width - c, p.rows - r0, most});
+      const gguf::Kernels& kernels = kernels_[&p - parts_.data()];
       const uint8_t* panel = nullptr;
-      if (prepacked_ && p.panels != nullptr && rows >= prepacked_rows(p.type) && r0 % most == 0 &&
+      if (prepacked_ && p.panels != nullptr && rows >= kernels.once_from_rows && r0 % most == 0 &&
           n == std::min(most, p.rows - r0))
-        panel = p.panels + r0 / most * panel_stride(kernels_[&p - parts_.data()], k_);
+        panel = p.panels + r0 / most * panel_stride(kernels, k_);
       else if (pack)
         to_pack += 1;
-      prepared.runs.push_back({panel, &p, c, r0, n});
+      prepared.runs.push_back({panel, &p, c, r0, n, panel != nullptr});
       c += n;
     }
     if (to_pack == 0) return;
@@ -213,7 +206,9 @@ class Tiles {
       for (const Run& run : prepared.runs) {
         const Part& p = *run.part;
         const gguf::Kernels& kernels = kernels_[&p - parts_.data()];
-        if (run.panel != nullptr)
+        if (run.once)
+          kernels.panel_once(run.panel, run.rows, k_, acts, mb, acc + run.column);
+        else if (run.panel != nullptr)
           kernels.panel(run.panel, run.rows, k_, acts, mb, acc + run.column);
         else
           kernels.rows(p.type, p.data + run.r0 * p.row_bytes, p.row_bytes, run.rows, k_, acts, mb, acc + run.column);
@@ -234,6 +229,7 @@ class Tiles {
     const uint8_t* panel;  // null: from the part's bytes
     const Part* part;
     int64_t column, r0, rows;
+    bool once;  // panel: the part's own, packed once (Kernels::panel_once reads it)
   };
   struct Prepared {
     std::vector<uint8_t> room;
@@ -334,7 +330,7 @@ at::Tensor gguf_pack_panels(at::Tensor data, int64_t type, int64_t in_features, 
               "gguf_pack_panels: data must be contiguous uint8 (rows, ", row_bytes, ")");
   TORCH_CHECK(isa >= kPortable && isa <= best_isa(), "gguf_pack_panels: this CPU cannot run isa ", isa);
   const gguf::Kernels kernels = kernels_for(type, isa);
-  TORCH_CHECK(kernels.pack != nullptr, "gguf_pack_panels: code path ", isa, " has no panels");
+  TORCH_CHECK(kernels.pack_once != nullptr, "gguf_pack_panels: code path ", isa, " has no panels");
   const int64_t rows = data.size(0), most = kernels.panel_rows, stride = panel_stride(kernels, in_features);
   const int64_t panels = (rows + most - 1) / most;
   at::Tensor out = data.new_empty({panels * stride});
@@ -343,14 +339,20 @@ at::Tensor gguf_pack_panels(at::Tensor data, int64_t type, int64_t in_features, 
   uint8_t* o = out.data_ptr<uint8_t>();
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i)
-      kernels.pack(w + i * most * row_bytes, row_bytes, std::min(most, rows - i * most), in_features, o + i * stride);
+      kernels.pack_once(w + i * most * row_bytes, row_bytes, std::min(most, rows - i * most), in_features,
+                        o + i * stride);
   });
   return out;
 }
 
+// The fewest activation rows that read a part's panels packed once rather than its bytes
+// (1: every call reads them, so the part's bytes are not read again; 0 where the path has
+// no panels).
+int64_t gguf_panels_from_rows(int64_t type, int64_t isa) { return kernels_for(type, isa).once_from_rows; }
+
 // The bytes gguf_pack_panels makes of `rows` rows (0 where the path has no panels).
 int64_t gguf_panel_bytes(int64_t type, int64_t rows, int64_t in_features, int64_t isa) {
   const gguf::Kernels kernels = kernels_for(type, isa);
-  if (kernels.pack == nullptr) return 0;
+  if (kernels.pack_once == nullptr) return 0;
   return (rows + kernels.panel_rows - 1) / kernels.panel_rows * panel_stride(kernels, in_features);
 }

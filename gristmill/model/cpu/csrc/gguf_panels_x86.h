@@ -25,6 +25,7 @@ struct Vec {
   using F = __m512;
   static GGUF_TARGET I load(const void* p) { return _mm512_loadu_si512(p); }
   static GGUF_TARGET F loadf(const float* p) { return _mm512_loadu_ps(p); }
+  static GGUF_TARGET F halfs(const void* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
   static GGUF_TARGET I set1(int32_t v) { return _mm512_set1_epi32(v); }
   static GGUF_TARGET F set1f(float v) { return _mm512_set1_ps(v); }
   static GGUF_TARGET F zero() { return _mm512_setzero_ps(); }
@@ -63,6 +64,7 @@ struct Vec {
   using F = __m256;
   static GGUF_TARGET I load(const void* p) { return _mm256_loadu_si256((const __m256i*)p); }
   static GGUF_TARGET F loadf(const float* p) { return _mm256_loadu_ps(p); }
+  static GGUF_TARGET F halfs(const void* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
   static GGUF_TARGET I set1(int32_t v) { return _mm256_set1_epi32(v); }
   static GGUF_TARGET F set1f(float v) { return _mm256_set1_ps(v); }
   static GGUF_TARGET F zero() { return _mm256_setzero_ps(); }
@@ -127,11 +129,55 @@ inline void pass_starts(int64_t blocks, int64_t start[8]) {
   }
 }
 
+// Compact records, in panels packed once (at load) for Q4_0: the same records with two
+// codes a byte, group g's in the low nibble and group g + 4's in the high one, then the
+// scales as the file's fp16: 18 bytes a row and block, the file's own size, so that one
+// activation row reads them as fast as the bytes. The panel kernels unpack them in
+// registers (an and, or a shift and an and, a vector). (Q4_K's would hold float scales
+// and minimums, 24 bytes against the file's 18: 1.33x the bytes at one row.)
+template <class G>
+constexpr bool kCompact = false;
+template <>
+constexpr bool kCompact<Q4_0<false>> = true;
+
+template <class G>
+constexpr int64_t compact_record_bytes(int nv) {
+  return int64_t(nv) * kLanes * (16 + (G::kHasMin ? 8 : 2));
+}
+
+// A record's bytes, compact (kNib) or not.
+template <class G, bool kNib>
+constexpr int64_t record_size(int nv) {
+  return kNib ? compact_record_bytes<G>(nv) : record_bytes<G>(nv);
+}
+
+// Vector v of a record's codes for 4 inputs from 4g.
+template <bool kNib, int NV>
+GGUF_TARGET inline Vec::I record_codes(const uint8_t* rec, int g, int v) {
+  constexpr int kVecBytes = kLanes * 4;
+  if constexpr (kNib) {
+    const Vec::I both = Vec::load(rec + ((g & 3) * NV + v) * kVecBytes);
+    return Vec::and_(g < 4 ? both : Vec::shift16(both, -4), Vec::bytes(0x0f));
+  } else {
+    return Vec::load(rec + (g * NV + v) * kVecBytes);
+  }
+}
+
+// Vector v of a record's floats `which` (0: scale, 1: minimum).
+template <class G, bool kNib, int NV>
+GGUF_TARGET inline Vec::F record_float(const uint8_t* rec, int which, int v) {
+  constexpr int kVecBytes = kLanes * 4;
+  if constexpr (kNib && !G::kHasMin)
+    return Vec::halfs(rec + 4 * NV * kVecBytes + v * kLanes * 2);
+  else
+    return Vec::loadf(reinterpret_cast<const float*>(rec + (kNib ? 4 : 8) * NV * kVecBytes) + (which * NV + v) * kLanes);
+}
+
 #include "gguf_pack_x86.h"
 
 // One record's S_j against MR activation rows (x: block j of each, ldx apart; x16: its
 // two sums of 16, ld16 apart), as floats (exact: |S_j| < 2^24): s[i][v].
-template <class G, int NV, int MR>
+template <class G, bool kNib, int NV, int MR>
 GGUF_TARGET inline void record_sums(const uint8_t* rec, const int8_t* x, int64_t ldx, const int16_t* x16,
                                     int64_t ld16, Vec::F s[MR][NV]) {
   constexpr int kVecBytes = kLanes * 4, kOffset = panel_offset<G>();
@@ -164,7 +210,7 @@ GGUF_TARGET inline void record_sums(const uint8_t* rec, const int8_t* x, int64_t
     }
     for (int g = 0; g < 8; ++g) {
       Vec::I codes[NV];
-      for (int v = 0; v < NV; ++v) codes[v] = Vec::load(rec + (g * NV + v) * kVecBytes);
+      for (int v = 0; v < NV; ++v) codes[v] = record_codes<kNib, NV>(rec, g, v);
       for (int i = 0; i < MR; ++i) {
         const Vec::I xv = Vec::set1(linear::load4(x + i * ldx + 4 * g));
         for (int v = 0; v < NV; ++v) acc[i][v] = Vec::dot<kSigned>(acc[i][v], codes[v], xv);
@@ -177,10 +223,9 @@ GGUF_TARGET inline void record_sums(const uint8_t* rec, const int8_t* x, int64_t
 
 // A panel of NV vectors against MR activation rows: out[i * kTileN + c] for its n_rows
 // columns c.
-template <class G, int NV, int MR>
+template <class G, bool kNib, int NV, int MR>
 GGUF_TARGET void panel_tile(const uint8_t* panel, int64_t n_rows, int64_t k, const Acts& a, float* out) {
-  constexpr int kVecBytes = kLanes * 4;
-  constexpr int64_t kRec = record_bytes<G>(NV);
+  constexpr int64_t kRec = record_size<G, kNib>(NV);
   const int64_t blocks = k / 32;
   alignas(64) float passes[8][MR][NV][kLanes];  // each pass's accumulators, summed at the end
   const uint8_t* rec = panel;
@@ -190,13 +235,12 @@ GGUF_TARGET void panel_tile(const uint8_t* panel, int64_t n_rows, int64_t k, con
       for (int v = 0; v < NV; ++v) acc[i][v] = Vec::zero();
     for (int64_t j = u; j < blocks; j += 8, rec += kRec) {
       Vec::F s[MR][NV];
-      record_sums<G, NV, MR>(rec, a.q + 32 * j, a.ldq, a.sum16 + 2 * j, a.ld16, s);
-      const float* scale = reinterpret_cast<const float*>(rec + 8 * NV * kVecBytes);
+      record_sums<G, kNib, NV, MR>(rec, a.q + 32 * j, a.ldq, a.sum16 + 2 * j, a.ld16, s);
       for (int v = 0; v < NV; ++v) {
-        const Vec::F sc = Vec::loadf(scale + v * kLanes);
+        const Vec::F sc = record_float<G, kNib, NV>(rec, 0, v);
         for (int i = 0; i < MR; ++i) acc[i][v] = Vec::fmadd(s[i][v], Vec::mul(sc, Vec::set1f(a.xs[i * a.ldb + j])), acc[i][v]);
         if constexpr (G::kHasMin) {
-          const Vec::F min = Vec::loadf(scale + (NV + v) * kLanes);
+          const Vec::F min = record_float<G, kNib, NV>(rec, 1, v);
           for (int i = 0; i < MR; ++i) acc[i][v] = Vec::fnmadd(min, Vec::set1f(a.xss[i * a.ldb + j]), acc[i][v]);
         }
       }
@@ -220,28 +264,56 @@ GGUF_TARGET void panel_tile(const uint8_t* panel, int64_t n_rows, int64_t k, con
 // Rows a panel tile meets at once: what the registers hold (zmm: 32, ymm: 16).
 constexpr int kPanelMR = GGUF_VNNI ? 4 : 2;
 
-template <class G, int NV>
+template <class G, bool kNib, int NV>
 GGUF_TARGET void panel_nv(const uint8_t* panel, int64_t n_rows, int64_t k, const Acts& a, int mb, float* out) {
   int i = 0;
-  for (; i + kPanelMR <= mb; i += kPanelMR) panel_tile<G, NV, kPanelMR>(panel, n_rows, k, a.from(i), out + i * linear::kTileN);
+  for (; i + kPanelMR <= mb; i += kPanelMR)
+    panel_tile<G, kNib, NV, kPanelMR>(panel, n_rows, k, a.from(i), out + i * linear::kTileN);
   switch (mb - i) {
-    case 1: panel_tile<G, NV, 1>(panel, n_rows, k, a.from(i), out + i * linear::kTileN); break;
-    case 2: panel_tile<G, NV, 2>(panel, n_rows, k, a.from(i), out + i * linear::kTileN); break;
-    case 3: panel_tile<G, NV, 3>(panel, n_rows, k, a.from(i), out + i * linear::kTileN); break;
+    case 1: panel_tile<G, kNib, NV, 1>(panel, n_rows, k, a.from(i), out + i * linear::kTileN); break;
+    case 2: panel_tile<G, kNib, NV, 2>(panel, n_rows, k, a.from(i), out + i * linear::kTileN); break;
+    case 3: panel_tile<G, kNib, NV, 3>(panel, n_rows, k, a.from(i), out + i * linear::kTileN); break;
     default: break;
   }
 }
 
-// A panel packed by pack_rows (n_rows rows) against mb activation rows.
-template <class G>
+// A panel packed by pack_rows (n_rows rows; compact: by pack_compact) against mb
+// activation rows.
+template <class G, bool kNib>
 void panel(const uint8_t* panel, int64_t n_rows, int64_t k, const Acts& a, int mb, float* out) {
   if (n_rows > kLanes)
-    panel_nv<G, 2>(panel, n_rows, k, a, mb, out);
+    panel_nv<G, kNib, 2>(panel, n_rows, k, a, mb, out);
   else
-    panel_nv<G, 1>(panel, n_rows, k, a, mb, out);
+    panel_nv<G, kNib, 1>(panel, n_rows, k, a, mb, out);
 }
 
 template <class G>
 void pack(const uint8_t* w, int64_t row_bytes, int64_t n_rows, int64_t k, uint8_t* dst) {
   pack_rows<G>(w, row_bytes, n_rows, k, dst);
+}
+
+// A compact panel (kCompact formats): packed by pack_rows, then each record's codes two
+// a byte and Q4_0's scales back to the fp16 they were (exactly: they came from it).
+template <class G>
+GGUF_TARGET void pack_compact(const uint8_t* w, int64_t row_bytes, int64_t n_rows, int64_t k, uint8_t* dst) {
+  constexpr int kVecBytes = kLanes * 4;
+  const int nv = n_rows > kLanes ? 2 : 1;
+  const int64_t blocks = k / 32, full = record_bytes<G>(nv), compact = compact_record_bytes<G>(nv);
+  std::vector<uint8_t> panel(blocks * full);
+  pack_rows<G>(w, row_bytes, n_rows, k, panel.data());
+  for (int64_t r = 0; r < blocks; ++r) {
+    const uint8_t* f = panel.data() + r * full;
+    uint8_t* c = dst + r * compact;
+    const int64_t half = 4 * nv * kVecBytes;
+    for (int64_t b = 0; b < half; ++b) c[b] = uint8_t(f[b] | (f[b + half] << 4));
+    const float* floats = reinterpret_cast<const float*>(f + 2 * half);
+    if constexpr (G::kHasMin) {
+      std::memcpy(c + half, floats, 2 * nv * kLanes * sizeof(float));
+    } else {
+      for (int i = 0; i < nv * kLanes; ++i) {
+        const uint16_t h = _cvtss_sh(floats[i], 0);
+        std::memcpy(c + half + 2 * i, &h, 2);
+      }
+    }
+  }
 }

@@ -311,10 +311,23 @@ template <>
 struct RowFormat<Q6_K> { using T = Q6_KZ; };
 #endif
 
-// A format's kernels on this path: rows from the bytes in its RowFormat, panels of G.
+// Activation rows from which a part's panels packed once (at load) are read instead of its
+// bytes: Q8_0's (its bytes' size: 36 bytes a row and block against 34) and Q4_0's
+// compact ones (kCompact: 18 against 18) from one row, their part's pages of the file
+// released; the others' are about twice their bytes, which a few rows read as fast.
+constexpr int kPrepackedRows = 4;
+
+// A format's kernels on this path: rows from the bytes in its RowFormat, panels of G
+// (packed once: compact where G is kCompact).
 template <class G>
 Kernels kernels_of() {
-  return {rows<typename RowFormat<G>::T>, pack<G>, panel<G>, 2 * kLanes, 32 + 4 * record_floats<G>()};
+  const Kernels k{rows<typename RowFormat<G>::T>, pack<G>, panel<G, false>, 2 * kLanes, 32 + 4 * record_floats<G>()};
+  if constexpr (kCompact<G>)
+    return {k.rows, k.pack, k.panel, k.panel_rows, k.panel_block_bytes, pack_compact<G>, panel<G, true>,
+            int(compact_record_bytes<G>(1) / kLanes), 1};
+  else
+    return {k.rows, k.pack, k.panel, k.panel_rows, k.panel_block_bytes, k.pack, k.panel, k.panel_block_bytes,
+            std::is_same_v<G, Q8_0> ? 1 : kPrepackedRows};
 }
 
 // This path's kernels of a format.

@@ -33,6 +33,7 @@ at::Tensor gguf_linear(at::Tensor x, at::Tensor layout, at::Tensor bias, int64_t
 at::Tensor gguf_dequantize(at::Tensor layout, int64_t in_features);
 at::Tensor gguf_pack_panels(at::Tensor data, int64_t type, int64_t in_features, int64_t isa);
 int64_t gguf_panel_bytes(int64_t type, int64_t rows, int64_t in_features, int64_t isa);
+int64_t gguf_panels_from_rows(int64_t type, int64_t isa);
 
 namespace linear {
 
