@@ -129,33 +129,40 @@ inline void pass_starts(int64_t blocks, int64_t start[8]) {
   }
 }
 
-// Compact records, in panels packed once (at load) for Q4_0: the same records with two
-// codes a byte, group g's in the low nibble and group g + 4's in the high one, then the
-// scales as the file's fp16: 18 bytes a row and block, the file's own size, so that one
-// activation row reads them as fast as the bytes. The panel kernels unpack them in
-// registers (an and, or a shift and an and, a vector). (Q4_K's would hold float scales
-// and minimums, 24 bytes against the file's 18: 1.33x the bytes at one row.)
+// Compact records, in panels packed once (at load) for Q4_0 and Q8_0: the same records
+// with the scales as the file's fp16, and Q4_0's codes two a byte (group g's in the low
+// nibble, group g + 4's in the high one): 18 and 34 bytes a row and block, the file's
+// own sizes, so that one activation row reads them as fast as the bytes. The panel
+// kernels unpack them in registers (Q4_0's codes: an and, or a shift and an and, a
+// vector). (Q4_K's would take its d x sc and dmin x m apart again, a record at a time:
+// 1.13-1.15x the time of its bytes at one row; docs/performance.md, stop 61.)
 template <class G>
 constexpr bool kCompact = false;
 template <>
 constexpr bool kCompact<Q4_0<false>> = true;
+template <>
+constexpr bool kCompact<Q8_0> = true;
+
+// Codes two a byte in a compact record (Q8_0's: one a byte, as in a panel packed afresh).
+template <class G>
+constexpr bool kNibbles = std::is_same_v<G, Q4_0<false>>;
 
 template <class G>
 constexpr int64_t compact_record_bytes(int nv) {
-  return int64_t(nv) * kLanes * (16 + (G::kHasMin ? 8 : 2));
+  return int64_t(nv) * kLanes * ((kNibbles<G> ? 16 : 32) + 2);
 }
 
-// A record's bytes, compact (kNib) or not.
-template <class G, bool kNib>
+// A record's bytes, compact or not.
+template <class G, bool kOnce>
 constexpr int64_t record_size(int nv) {
-  return kNib ? compact_record_bytes<G>(nv) : record_bytes<G>(nv);
+  return kOnce ? compact_record_bytes<G>(nv) : record_bytes<G>(nv);
 }
 
 // Vector v of a record's codes for 4 inputs from 4g.
-template <bool kNib, int NV>
+template <class G, bool kOnce, int NV>
 GGUF_TARGET inline Vec::I record_codes(const uint8_t* rec, int g, int v) {
   constexpr int kVecBytes = kLanes * 4;
-  if constexpr (kNib) {
+  if constexpr (kOnce && kNibbles<G>) {
     const Vec::I both = Vec::load(rec + ((g & 3) * NV + v) * kVecBytes);
     return Vec::and_(g < 4 ? both : Vec::shift16(both, -4), Vec::bytes(0x0f));
   } else {
@@ -164,13 +171,13 @@ GGUF_TARGET inline Vec::I record_codes(const uint8_t* rec, int g, int v) {
 }
 
 // Vector v of a record's floats `which` (0: scale, 1: minimum).
-template <class G, bool kNib, int NV>
+template <class G, bool kOnce, int NV>
 GGUF_TARGET inline Vec::F record_float(const uint8_t* rec, int which, int v) {
   constexpr int kVecBytes = kLanes * 4;
-  if constexpr (kNib && !G::kHasMin)
-    return Vec::halfs(rec + 4 * NV * kVecBytes + v * kLanes * 2);
+  if constexpr (kOnce)
+    return Vec::halfs(rec + (kNibbles<G> ? 4 : 8) * NV * kVecBytes + v * kLanes * 2);
   else
-    return Vec::loadf(reinterpret_cast<const float*>(rec + (kNib ? 4 : 8) * NV * kVecBytes) + (which * NV + v) * kLanes);
+    return Vec::loadf(reinterpret_cast<const float*>(rec + 8 * NV * kVecBytes) + (which * NV + v) * kLanes);
 }
 
 #include "gguf_pack_x86.h"
@@ -210,7 +217,7 @@ GGUF_TARGET inline void record_sums(const uint8_t* rec, const int8_t* x, int64_t
     }
     for (int g = 0; g < 8; ++g) {
       Vec::I codes[NV];
-      for (int v = 0; v < NV; ++v) codes[v] = record_codes<kNib, NV>(rec, g, v);
+      for (int v = 0; v < NV; ++v) codes[v] = record_codes<G, kNib, NV>(rec, g, v);
       for (int i = 0; i < MR; ++i) {
         const Vec::I xv = Vec::set1(linear::load4(x + i * ldx + 4 * g));
         for (int v = 0; v < NV; ++v) acc[i][v] = Vec::dot<kSigned>(acc[i][v], codes[v], xv);
@@ -292,28 +299,30 @@ void pack(const uint8_t* w, int64_t row_bytes, int64_t n_rows, int64_t k, uint8_
   pack_rows<G>(w, row_bytes, n_rows, k, dst);
 }
 
-// A compact panel (kCompact formats): packed by pack_rows, then each record's codes two
-// a byte and Q4_0's scales back to the fp16 they were (exactly: they came from it).
+// A compact panel (kCompact formats): packed by pack_rows, then each record's scales
+// back to the fp16 they were (exactly: they came from it), and Q4_0's codes two a byte.
 template <class G>
 GGUF_TARGET void pack_compact(const uint8_t* w, int64_t row_bytes, int64_t n_rows, int64_t k, uint8_t* dst) {
   constexpr int kVecBytes = kLanes * 4;
   const int nv = n_rows > kLanes ? 2 : 1;
   const int64_t blocks = k / 32, full = record_bytes<G>(nv), compact = compact_record_bytes<G>(nv);
+  const int64_t codes = 8 * nv * kVecBytes, half = codes / 2;
   std::vector<uint8_t> panel(blocks * full);
   pack_rows<G>(w, row_bytes, n_rows, k, panel.data());
   for (int64_t r = 0; r < blocks; ++r) {
     const uint8_t* f = panel.data() + r * full;
     uint8_t* c = dst + r * compact;
-    const int64_t half = 4 * nv * kVecBytes;
-    for (int64_t b = 0; b < half; ++b) c[b] = uint8_t(f[b] | (f[b + half] << 4));
-    const float* floats = reinterpret_cast<const float*>(f + 2 * half);
-    if constexpr (G::kHasMin) {
-      std::memcpy(c + half, floats, 2 * nv * kLanes * sizeof(float));
+    if constexpr (kNibbles<G>) {
+      for (int64_t b = 0; b < half; ++b) c[b] = uint8_t(f[b] | (f[b + half] << 4));
+      c += half;
     } else {
-      for (int i = 0; i < nv * kLanes; ++i) {
-        const uint16_t h = _cvtss_sh(floats[i], 0);
-        std::memcpy(c + half + 2 * i, &h, 2);
-      }
+      std::memcpy(c, f, codes);
+      c += codes;
+    }
+    const float* floats = reinterpret_cast<const float*>(f + codes);
+    for (int i = 0; i < nv * kLanes; ++i) {
+      const uint16_t h = _cvtss_sh(floats[i], 0);
+      std::memcpy(c + 2 * i, &h, 2);
     }
   }
 }

@@ -312,9 +312,9 @@ struct RowFormat<Q6_K> { using T = Q6_KZ; };
 #endif
 
 // Activation rows from which a part's panels packed once (at load) are read instead of its
-// bytes: Q8_0's (its bytes' size: 36 bytes a row and block against 34) and Q4_0's
-// compact ones (kCompact: 18 against 18) from one row, their part's pages of the file
-// released; the others' are about twice their bytes, which a few rows read as fast.
+// bytes: the compact ones (kCompact: Q8_0's and Q4_0's, the file's size) from one row,
+// their part's pages of the file released; the others' are about twice their bytes,
+// which a few rows read as fast.
 constexpr int kPrepackedRows = 4;
 
 // A format's kernels on this path: rows from the bytes in its RowFormat, panels of G
@@ -327,7 +327,7 @@ Kernels kernels_of() {
             int(compact_record_bytes<G>(1) / kLanes), 1};
   else
     return {k.rows, k.pack, k.panel, k.panel_rows, k.panel_block_bytes, k.pack, k.panel, k.panel_block_bytes,
-            std::is_same_v<G, Q8_0> ? 1 : kPrepackedRows};
+            kPrepackedRows};
 }
 
 // This path's kernels of a format.
