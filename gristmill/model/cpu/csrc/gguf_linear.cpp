@@ -15,8 +15,9 @@
 // for up to 4 rows; many rows first pack the tile into panels (Tiles::prepare), which
 // every row of the chunk then meets. A part whose panels were packed once (at load:
 // gguf_pack_panels, a layout of 5 columns; Q8_0's and Q4_0's compact) has its tiles'
-// panels read from there instead, from Kernels::once_from_rows rows (Q8_0, Q4_0: from one). Code paths, chosen at run time: avx512_vnni and avx2 (gguf_x86.h), and
-// portable; all give the same floats, whichever way a row goes.
+// panels read from there instead, from Kernels::once_from_rows rows (Q8_0, Q4_0: from
+// one). Code paths, chosen at run time: avx512_vnni and avx2 (gguf_x86.h), and portable;
+// all give the same floats, whichever way a row goes.
 #include "gguf_blocks.h"
 
 #if defined(__linux__)

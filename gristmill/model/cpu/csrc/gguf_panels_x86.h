@@ -170,7 +170,7 @@ GGUF_TARGET inline Vec::I record_codes(const uint8_t* rec, int g, int v) {
   }
 }
 
-// Vector v of a record's floats `which` (0: scale, 1: minimum).
+// Vector v of a record's floats `which` (0: scale, 1: minimum; compact: only scales).
 template <class G, bool kOnce, int NV>
 GGUF_TARGET inline Vec::F record_float(const uint8_t* rec, int which, int v) {
   constexpr int kVecBytes = kLanes * 4;
@@ -184,7 +184,7 @@ GGUF_TARGET inline Vec::F record_float(const uint8_t* rec, int which, int v) {
 
 // One record's S_j against MR activation rows (x: block j of each, ldx apart; x16: its
 // two sums of 16, ld16 apart), as floats (exact: |S_j| < 2^24): s[i][v].
-template <class G, bool kNib, int NV, int MR>
+template <class G, bool kOnce, int NV, int MR>
 GGUF_TARGET inline void record_sums(const uint8_t* rec, const int8_t* x, int64_t ldx, const int16_t* x16,
                                     int64_t ld16, Vec::F s[MR][NV]) {
   constexpr int kVecBytes = kLanes * 4, kOffset = panel_offset<G>();
@@ -217,7 +217,7 @@ GGUF_TARGET inline void record_sums(const uint8_t* rec, const int8_t* x, int64_t
     }
     for (int g = 0; g < 8; ++g) {
       Vec::I codes[NV];
-      for (int v = 0; v < NV; ++v) codes[v] = record_codes<G, kNib, NV>(rec, g, v);
+      for (int v = 0; v < NV; ++v) codes[v] = record_codes<G, kOnce, NV>(rec, g, v);
       for (int i = 0; i < MR; ++i) {
         const Vec::I xv = Vec::set1(linear::load4(x + i * ldx + 4 * g));
         for (int v = 0; v < NV; ++v) acc[i][v] = Vec::dot<kSigned>(acc[i][v], codes[v], xv);
@@ -230,9 +230,9 @@ GGUF_TARGET inline void record_sums(const uint8_t* rec, const int8_t* x, int64_t
 
 // A panel of NV vectors against MR activation rows: out[i * kTileN + c] for its n_rows
 // columns c.
-template <class G, bool kNib, int NV, int MR>
+template <class G, bool kOnce, int NV, int MR>
 GGUF_TARGET void panel_tile(const uint8_t* panel, int64_t n_rows, int64_t k, const Acts& a, float* out) {
-  constexpr int64_t kRec = record_size<G, kNib>(NV);
+  constexpr int64_t kRec = record_size<G, kOnce>(NV);
   const int64_t blocks = k / 32;
   alignas(64) float passes[8][MR][NV][kLanes];  // each pass's accumulators, summed at the end
   const uint8_t* rec = panel;
@@ -242,12 +242,12 @@ GGUF_TARGET void panel_tile(const uint8_t* panel, int64_t n_rows, int64_t k, con
       for (int v = 0; v < NV; ++v) acc[i][v] = Vec::zero();
     for (int64_t j = u; j < blocks; j += 8, rec += kRec) {
       Vec::F s[MR][NV];
-      record_sums<G, kNib, NV, MR>(rec, a.q + 32 * j, a.ldq, a.sum16 + 2 * j, a.ld16, s);
+      record_sums<G, kOnce, NV, MR>(rec, a.q + 32 * j, a.ldq, a.sum16 + 2 * j, a.ld16, s);
       for (int v = 0; v < NV; ++v) {
-        const Vec::F sc = record_float<G, kNib, NV>(rec, 0, v);
+        const Vec::F sc = record_float<G, kOnce, NV>(rec, 0, v);
         for (int i = 0; i < MR; ++i) acc[i][v] = Vec::fmadd(s[i][v], Vec::mul(sc, Vec::set1f(a.xs[i * a.ldb + j])), acc[i][v]);
         if constexpr (G::kHasMin) {
-          const Vec::F min = record_float<G, kNib, NV>(rec, 1, v);
+          const Vec::F min = record_float<G, kOnce, NV>(rec, 1, v);
           for (int i = 0; i < MR; ++i) acc[i][v] = Vec::fnmadd(min, Vec::set1f(a.xss[i * a.ldb + j]), acc[i][v]);
         }
       }
@@ -271,27 +271,27 @@ GGUF_TARGET void panel_tile(const uint8_t* panel, int64_t n_rows, int64_t k, con
 // Rows a panel tile meets at once: what the registers hold (zmm: 32, ymm: 16).
 constexpr int kPanelMR = GGUF_VNNI ? 4 : 2;
 
-template <class G, bool kNib, int NV>
+template <class G, bool kOnce, int NV>
 GGUF_TARGET void panel_nv(const uint8_t* panel, int64_t n_rows, int64_t k, const Acts& a, int mb, float* out) {
   int i = 0;
   for (; i + kPanelMR <= mb; i += kPanelMR)
-    panel_tile<G, kNib, NV, kPanelMR>(panel, n_rows, k, a.from(i), out + i * linear::kTileN);
+    panel_tile<G, kOnce, NV, kPanelMR>(panel, n_rows, k, a.from(i), out + i * linear::kTileN);
   switch (mb - i) {
-    case 1: panel_tile<G, kNib, NV, 1>(panel, n_rows, k, a.from(i), out + i * linear::kTileN); break;
-    case 2: panel_tile<G, kNib, NV, 2>(panel, n_rows, k, a.from(i), out + i * linear::kTileN); break;
-    case 3: panel_tile<G, kNib, NV, 3>(panel, n_rows, k, a.from(i), out + i * linear::kTileN); break;
+    case 1: panel_tile<G, kOnce, NV, 1>(panel, n_rows, k, a.from(i), out + i * linear::kTileN); break;
+    case 2: panel_tile<G, kOnce, NV, 2>(panel, n_rows, k, a.from(i), out + i * linear::kTileN); break;
+    case 3: panel_tile<G, kOnce, NV, 3>(panel, n_rows, k, a.from(i), out + i * linear::kTileN); break;
     default: break;
   }
 }
 
 // A panel packed by pack_rows (n_rows rows; compact: by pack_compact) against mb
 // activation rows.
-template <class G, bool kNib>
+template <class G, bool kOnce>
 void panel(const uint8_t* panel, int64_t n_rows, int64_t k, const Acts& a, int mb, float* out) {
   if (n_rows > kLanes)
-    panel_nv<G, kNib, 2>(panel, n_rows, k, a, mb, out);
+    panel_nv<G, kOnce, 2>(panel, n_rows, k, a, mb, out);
   else
-    panel_nv<G, kNib, 1>(panel, n_rows, k, a, mb, out);
+    panel_nv<G, kOnce, 1>(panel, n_rows, k, a, mb, out);
 }
 
 template <class G>
