@@ -267,7 +267,8 @@ def _packed(layer: GGUFLinear) -> GGUFLinear:
 @pytest.mark.parametrize("ggml_type", TYPES)
 def test_panels_packed_once_give_the_same_floats(isa, ggml_type):
     # 70 rows: two whole panels (32 on avx512_vnni, 16 on avx2) and a short last one; each
-    # row count of ROWS (below kPrepackedRows the K types read their bytes, Q8_0 and Q4_0 their panels)
+    # row count of ROWS (below kPrepackedRows Q5_0 and the K types read their bytes, Q8_0 and
+    # Q4_0 their panels)
     in_features = 736 if gguf.GGML_QUANT_SIZES[ggml_type][0] == 32 else 768
     parts = [(ggml_type, _made(ggml_type, 70, in_features, seed=5))]
     bias = torch.randn(70)

@@ -96,7 +96,7 @@ def test_llm_chat_writes_and_reads_forced_calls(default_llm):
     from gristmill import SamplingParams
     params = SamplingParams(max_tokens=80, temperature=1.0, seed=3, n=2)
     [out] = default_llm.chat(MESSAGES, params, use_tqdm=False, tools=TOOLS, tool_choice="required",
-                                 parallel_tool_calls=False)
+                             parallel_tool_calls=False)
     for completion in out.outputs:
         assert completion.finish_reason == "tool_calls" and completion.text == "", completion
         check_calls([(c.name, c.arguments) for c in completion.tool_calls])
