@@ -109,8 +109,10 @@ class GGUFLinear(QuantizedLinear):
         """Whether each part's panels, once packed, are read at every row count (Q8_0's and
         Q4_0's, compact), so that its bytes are never read again."""
         ext = kernels.int8_extension()
-        isa = None if ext is None else self._isa(ext) if isa is None else isa
-        return [ext is not None and ext.gguf_panels_from_rows(int(t), isa) == 1 for t, _ in self.parts]
+        if ext is None:
+            return [False] * len(self.parts)
+        isa = self._isa(ext) if isa is None else isa
+        return [ext.gguf_panels_from_rows(int(t), isa) == 1 for t, _ in self.parts]
 
     def pack_panels(self, isa: int | None = None, types=SUPPORTED_TYPES) -> int:
         """Pack the panels of each part of `types` once, for code path `isa` (None: the

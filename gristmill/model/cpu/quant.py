@@ -126,8 +126,8 @@ def pack_panels(layers: list, checkpoint, budget: int) -> int:
     (benchmarks/gguf_kernels.py --panels). A Q8_0 or Q4_0 part read where it lies in the
     file costs nothing: its panels are compact, the file's own size (34 and 18 bytes a row
     and block), the kernel reads them at every row count, and its pages of the file are
-    released. `layers`: (GGUFLinear, the
-    checkpoint's names of its parts). Returns the bytes spent."""
+    released. `layers`: (GGUFLinear, the checkpoint's names of its parts). Returns the
+    bytes spent."""
     from gguf import GGMLQuantizationType as T
 
     types = {T.Q8_0, T.Q4_0, T.Q5_0}
