@@ -19,11 +19,15 @@ in its cells, and the run goes on):
   EOS ignored, --tokens each, after a warm-up; prefill included in the time); llama.cpp's
   `llama-bench -p 0 -n TOKENS` at batch 1 and `llama-batched-bench` (16-token prompts,
   the same count of generated tokens over its whole time) above it.
-- the bandwidth bound: this machine's memory copy rate (numpy, one slice per thread, the
-  best of 5 over 2 GiB, counted as bytes read + written per second as STREAM's Copy is)
-  over the bytes of weights a batch-1 step reads (the file's tensor bytes, less the
-  embedding table where it is not also the LM head): the tok/s a perfect batch-1 kernel
-  would reach. Each side's batch-1 tok/s is printed as a fraction of it.
+- the bandwidth bound: the bytes of weights a batch-1 step reads (the file's tensor bytes,
+  less the embedding table where it is not also the LM head) against this machine's
+  memory rates (benchmarks/sizes_memory.py: one slice per thread, the best over three
+  fresh 2 GiB buffers), measured before and after each file's block, the higher taken:
+  its read rate (a loop that writes nothing, as a batch-1 step reads its weights) and
+  its copy rate (bytes read + written a second, as STREAM's Copy counts them). Each
+  side's batch-1 tok/s is printed as a fraction of both bounds: the read rate's is the
+  tok/s a perfect batch-1 kernel could reach; the copy rate's counts a copy's writes as
+  well as its reads, which a reader of weights does not have.
 
 gristmill runs with its defaults (quantization="auto": on CPU, a GGUF's matrices multiplied
 as the file stores them). Both sides use os.cpu_count() threads.
@@ -36,7 +40,6 @@ as the file stores them). Both sides use os.cpu_count() threads.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import json
 import os
 import subprocess
@@ -45,9 +48,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 
 import sizes_llama_cpp as llama_cpp
+from sizes_memory import MemoryRates
 from sizes_files import BUNDLED, SHAPES, TYPES, model_file, weight_bytes_per_token
 from sizes_process import run_measured
 
@@ -69,11 +72,13 @@ def main() -> None:
     vocab_dir = llama_cpp.source_dir(args.dir) / "models"
     if not args.skip_gristmill:
         subprocess.run([sys.executable, "-m", "gristmill.model.cpu.kernels"], check=True, timeout=1800)
-    bandwidth = copy_bandwidth(threads)
+    memory = MemoryRates(threads)
+    copy_rate, read_rate = memory.measure()
     flags = next((line.split() for line in open("/proc/cpuinfo") if line.startswith("flags")), [])
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
     print(f"{cpu}; flags: {' '.join(f for f in CPU_FLAGS if f in flags) or 'none of ' + ', '.join(CPU_FLAGS)}; "
-          f"{threads} threads; memory copy {bandwidth / _GB:.1f} GB/s (read + written); "
+          f"{threads} threads; memory: read {read_rate / _GB:.1f} GB/s (by {memory.reader}), "
+          f"copy {copy_rate / _GB:.1f} GB/s (read + written); "
           f"load average {os.getloadavg()[0]:.1f}")
     print(f"{args.tokens} generated tokens a prompt, greedy; gristmill with its defaults (quantization='auto'); "
           f"ratios are gristmill / llama.cpp", flush=True)
@@ -85,16 +90,22 @@ def main() -> None:
                 print(f"\n== {size} {file_type}: the file could not be made: {_first_line(error)}", flush=True)
                 continue
             total, per_token = weight_bytes_per_token(path)
-            bound = bandwidth / per_token
+            rates = memory.measure()
             print(f"\n== {size} {file_type}: {path.name}, {total / _GB:.2f} GB of tensors, {per_token / _GB:.2f} GB "
-                  f"read a token at batch 1: bound {bound:.1f} tok/s; load average {os.getloadavg()[0]:.1f}",
-                  flush=True)
+                  f"read a token at batch 1; memory: read {rates[1] / _GB:.1f} GB/s, copy {rates[0] / _GB:.1f} GB/s; "
+                  f"load average {os.getloadavg()[0]:.1f}", flush=True)
             sides = {"gristmill": {} if args.skip_gristmill else gristmill_side(path, args),
                      "llama.cpp": {} if args.skip_llama_cpp else llama_cpp_side(path, args, bin_dir, threads)}
+            rates = [max(pair) for pair in zip(rates, memory.measure())]  # (the VM's rate moves)
+            bounds = {"read": rates[1] / per_token, "copy": rates[0] / per_token}
+            print(f"bound at batch 1: {bounds['read']:.1f} tok/s at the read rate ({rates[1] / _GB:.1f} GB/s, "
+                  f"the higher of before and after), {bounds['copy']:.1f} at the copy rate ({rates[0] / _GB:.1f})",
+                  flush=True)
             for figures in sides.values():
                 if 1 in args.batches and figures:
                     speed = figures[_speed(1)]
-                    figures["batch 1 / bound, %"] = 100 * speed / bound if isinstance(speed, float) else speed
+                    for rate, bound in bounds.items():
+                        figures[_bound_row(rate)] = 100 * speed / bound if isinstance(speed, float) else speed
             print_block(sides, args.batches)
 
 
@@ -178,27 +189,11 @@ def llama_cpp_side(path: Path, args, bin_dir: Path, threads: int) -> dict:
     return figures
 
 
-def copy_bandwidth(threads: int, total_bytes: int = 2**31, runs: int = 5) -> float:
-    """Bytes read + written per second by the best of `runs` copies of `total_bytes`, one
-    slice per thread (numpy releases the GIL while it copies)."""
-    source = np.ones(total_bytes // 8)
-    target = np.empty_like(source)
-    slices = np.array_split(np.arange(len(source)), threads)
-    bounds = [(s[0], s[-1] + 1) for s in slices]
-    best = float("inf")
-    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-        for _ in range(runs):
-            start = time.perf_counter()
-            list(pool.map(lambda b: np.copyto(target[b[0]:b[1]], source[b[0]:b[1]]), bounds))
-            best = min(best, time.perf_counter() - start)
-    return 2 * total_bytes / best
-
-
 def print_block(sides: dict[str, dict], batches: list[int]) -> None:
     """One row per figure: each side's value (or its failure's first line, cut to fit; in
     full under the block) and gristmill / llama.cpp."""
     rows = ["first start, s", "warm start, s", "peak RSS starting, GB", "peak RSS generating, GB",
-            "cache added, GB", *(_speed(b) for b in batches), "batch 1 / bound, %"]
+            "cache added, GB", *(_speed(b) for b in batches), _bound_row("read"), _bound_row("copy")]
     print(f"{'':<24}" + "".join(f"{name:>{_WIDTH}}" for name in sides) + f"{'ratio':>10}")
     failures = {}
     for row in rows:
@@ -223,6 +218,10 @@ def _cell(value: float | str | None) -> str:
 
 def _speed(batch: int) -> str:
     return f"tok/s batch {batch}"
+
+
+def _bound_row(rate: str) -> str:
+    return f"batch 1 / {rate} bound, %"
 
 
 def _first_line(error: BaseException) -> str:
