@@ -50,14 +50,15 @@ def _compiled_read_loop():
     cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
         return None
-    build = Path(tempfile.mkdtemp(prefix="gristmill-read-loop-"))
-    (build / "read.c").write_text(_READ_LOOP)
-    try:
-        subprocess.run([cc, "-O3", "-march=native", "-shared", "-fPIC", "-o", str(build / "read.so"),
-                        str(build / "read.c")], check=True, capture_output=True, timeout=120)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    function = ctypes.CDLL(str(build / "read.so")).read_words
+    with tempfile.TemporaryDirectory(prefix="gristmill-read-loop-") as build:
+        source, library = Path(build) / "read.c", Path(build) / "read.so"
+        source.write_text(_READ_LOOP)
+        try:
+            subprocess.run([cc, "-O3", "-march=native", "-shared", "-fPIC", "-o", str(library), str(source)],
+                           check=True, capture_output=True, timeout=120)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        function = ctypes.CDLL(str(library)).read_words  # (mapped: the file may go)
     function.restype = ctypes.c_uint64
     function.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     return function
