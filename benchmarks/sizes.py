@@ -48,10 +48,9 @@ import tempfile
 import time
 from pathlib import Path
 
-
 import sizes_llama_cpp as llama_cpp
-from sizes_memory import MemoryRates
 from sizes_files import BUNDLED, SHAPES, TYPES, model_file, weight_bytes_per_token
+from sizes_memory import MemoryRates
 from sizes_process import run_measured
 
 CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni")

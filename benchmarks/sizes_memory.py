@@ -2,15 +2,16 @@
 threads read memory (what a batch-1 step does to its weights) and copy it.
 
 A read is measured by a loop of our own (C, compiled here with the system's `cc` and
-called through ctypes, which lets go of the GIL: one slice per thread): numpy's and
-torch's reductions compute too much per byte to keep up with the memory of a fast core
-(numpy's reached 32 GB/s on one thread where a plain loop read 41). Where no compiler
-is found the read rate is numpy's (a lower figure, so a bound that is easier to meet: said
-in the line that prints it).
+called through ctypes, which lets go of the GIL: one slice per thread): numpy's
+reductions compute too much per byte to keep up with the memory of a fast core (32 GB/s
+on one thread where the loop read 41). Where no compiler is found the read rate is
+numpy's (a lower figure, so a bound that is easier to meet: said in the line that
+prints it).
 
-On a VM the rate can depend on where a buffer's pages land (the same loop read 45 GB/s
-in one 2 GiB buffer and 80 in the next, a minute apart), so every rate is the best over
-a few freshly allocated buffers: the most this machine gave, the bound no side can beat.
+On a VM the rate moves (the same loop read 41-46 GB/s in some minutes and 64-83 in
+others, on a 2-core Zen 5), so every rate is the best over a few freshly allocated
+buffers (and sizes.py measures before and after each file's block): the most this
+machine gave, a bound no side can beat.
 """
 
 from __future__ import annotations
