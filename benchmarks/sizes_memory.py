@@ -48,14 +48,14 @@ uint64_t read_words(const uint64_t *p, size_t n) {
 
 def _compiled_read_loop():
     """The C read loop as a ctypes function, or None where there is no C compiler."""
-    cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    cc = next(filter(None, map(shutil.which, ("cc", "gcc", "clang", "c++", "g++"))), None)
     if cc is None:
         return None
     with tempfile.TemporaryDirectory(prefix="gristmill-read-loop-") as build:
         source, library = Path(build) / "read.c", Path(build) / "read.so"
         source.write_text(_READ_LOOP)
         try:
-            subprocess.run([cc, "-O3", "-march=native", "-shared", "-fPIC", "-o", str(library), str(source)],
+            subprocess.run([cc, "-O3", "-march=native", "-shared", "-fPIC", "-o", str(library), "-x", "c", str(source)],
                            check=True, capture_output=True, timeout=120)
         except (OSError, subprocess.SubprocessError):
             return None
