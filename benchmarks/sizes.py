@@ -71,13 +71,11 @@ def main() -> None:
     vocab_dir = llama_cpp.source_dir(args.dir) / "models"
     if not args.skip_gristmill:
         subprocess.run([sys.executable, "-m", "gristmill.model.cpu.kernels"], check=True, timeout=1800)
-    memory = MemoryRates(threads)
-    copy_rate, read_rate = memory.measure()
+    memory = MemoryRates(threads)  # (measured around each file's block: the VM's rate moves)
     flags = next((line.split() for line in open("/proc/cpuinfo") if line.startswith("flags")), [])
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
     print(f"{cpu}; flags: {' '.join(f for f in CPU_FLAGS if f in flags) or 'none of ' + ', '.join(CPU_FLAGS)}; "
-          f"{threads} threads; memory: read {read_rate / _GB:.1f} GB/s (by {memory.reader}), "
-          f"copy {copy_rate / _GB:.1f} GB/s (read + written); "
+          f"{threads} threads; memory read by {memory.reader}, copy read + written; "
           f"load average {os.getloadavg()[0]:.1f}")
     print(f"{args.tokens} generated tokens a prompt, greedy; gristmill with its defaults (quantization='auto'); "
           f"ratios are gristmill / llama.cpp", flush=True)
