@@ -263,15 +263,38 @@ GGUF_TARGET void pack_decoded(const uint8_t* rows, int64_t row_bytes, int64_t n_
   }
 }
 
+// Groups ahead of the one being packed that pack_rows asks the memory for. It reads a
+// group of every row at a time: n_rows streams of a group each (144 bytes for Q4_K),
+// too short for the hardware's prefetch to follow, so each load waited on the memory
+// (panels packed afresh each step, 1B and 4B Q4_K_M at batch 16, Zen 5: 1.2x the
+// tokens a second with 1-6 groups ahead, 2 chosen; 64 rows 1.06x).
+constexpr int64_t kPackAhead = 2;
+
+// Each of n_rows rows' group at `group` (row_bytes apart) asked for, to L1.
+template <int64_t kGroupBytes>
+inline void prefetch_group(const uint8_t* group, int64_t row_bytes, int64_t n_rows) {
+  for (int64_t r = 0; r < n_rows; ++r) {
+    const char* p = reinterpret_cast<const char*>(group + r * row_bytes);
+    for (int64_t o = 0; o < kGroupBytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
+    _mm_prefetch(p + kGroupBytes - 1, _MM_HINT_T0);  // (a group need not start a cache line)
+  }
+}
+
 // n_rows (<= 2 * kLanes) weight rows from `w` (row_bytes apart) into a panel at `dst`.
 template <class G>
 GGUF_TARGET void pack_rows(const uint8_t* w, int64_t row_bytes, int64_t n_rows, int64_t k, uint8_t* dst) {
+  constexpr int64_t kGroupBytes = G::kBlockBytes * (kGroup / G::kBlockSize);
   const int nv = n_rows > kLanes ? 2 : 1;
   const int64_t blocks = k / 32, groups = (k + kGroup - 1) / kGroup, full = k / kGroup;
   int64_t start[8];
   pass_starts(blocks, start);
   const Vec::I lanes = Vec::lanes_times(row_bytes);
   for (int64_t gi = 0; gi < groups; ++gi) {
+    // past the last whole group, the first of the rows after these (the next tile's,
+    // packed next; a hint only: nothing is read where they end)
+    const int64_t ahead = gi + kPackAhead;
+    prefetch_group<kGroupBytes>(ahead < full ? w + ahead * kGroupBytes : w + n_rows * row_bytes + (ahead - full) * kGroupBytes,
+                                row_bytes, n_rows);
     const int in_group = int(std::min<int64_t>(kGroupBlocks, blocks - gi * kGroupBlocks));
     for (int v = 0; v < nv; ++v) {
       const Records out{dst, start, record_bytes<G>(nv), nv, v, gi};
