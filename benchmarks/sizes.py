@@ -28,6 +28,10 @@ in its cells, and the run goes on):
   side's batch-1 tok/s is printed as a fraction of both bounds: the read rate's is the
   tok/s a perfect batch-1 kernel could reach; the copy rate's counts a copy's writes as
   well as its reads, which a reader of weights does not have.
+- batch 1 in turns (--turns pairs): each side's batch-1 tok/s again, a fresh process of
+  one side then of the other, and each side's median. Where the memory's rate moves from
+  one minute to the next (a VM), this ratio is the one to compare: the block's own
+  batch-1 runs are minutes apart.
 
 gristmill runs with its defaults (quantization="auto": on CPU, a GGUF's matrices multiplied
 as the file stores them). Both sides use os.cpu_count() threads.
@@ -42,6 +46,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -58,6 +63,7 @@ SIZES = (BUNDLED, *SHAPES)
 _MARK = "sizes.py figure "  # (the prefix of the gristmill side's lines of figures)
 _GB = 1e9
 _WIDTH = 30  # (a side's column)
+_TURNS = "tok/s batch 1, in turns"
 
 
 def main() -> None:
@@ -93,6 +99,13 @@ def main() -> None:
                   f"load average {os.getloadavg()[0]:.1f}", flush=True)
             sides = {"gristmill": {} if args.skip_gristmill else gristmill_side(path, args),
                      "llama.cpp": {} if args.skip_llama_cpp else llama_cpp_side(path, args, bin_dir, threads)}
+            if args.turns and 1 in args.batches and not (args.skip_gristmill or args.skip_llama_cpp):
+                turns = taking_turns(path, args, bin_dir, threads)
+                print(f"batch 1 taking turns ({args.turns} pairs of processes, one side then the other): "
+                      + "; ".join(f"{name} {', '.join(f'{s:.1f}' for s in speeds) or 'failed'}"
+                                  for name, speeds in turns.items()), flush=True)
+                for name, speeds in turns.items():
+                    sides[name][_TURNS] = statistics.median(speeds) if speeds else "failed: see the line above"
             rates = [max(pair) for pair in zip(rates, memory.measure())]  # (the VM's rate moves)
             bounds = {"read": rates[1] / per_token, "copy": rates[0] / per_token}
             print(f"bound at batch 1: {bounds['read']:.1f} tok/s at the read rate ({rates[1] / _GB:.1f} GB/s, "
@@ -122,6 +135,23 @@ def gristmill_side(path: Path, args) -> dict:
         for batch in args.batches:
             figures[_speed(batch)] = warm.get(str(batch), warm.get("failure"))
     return figures
+
+
+def taking_turns(path: Path, args, bin_dir: Path, threads: int) -> dict[str, list[float]]:
+    """Batch-1 tok/s again, each side in a fresh process in turn, `args.turns` times: where
+    the memory's rate moves from one minute to the next (a VM: 2x), one run of each, minutes
+    apart, can differ by that alone; the medians of runs taken in turns compare the sides."""
+    speeds = {"gristmill": [], "llama.cpp": []}
+    with tempfile.TemporaryDirectory(dir=args.dir, prefix="gristmill-cache-") as cache_dir:
+        for _ in range(args.turns):
+            speed = _gristmill_run(path, cache_dir, [1], args).get("1")
+            if isinstance(speed, float):
+                speeds["gristmill"].append(speed)
+            speed, _ = llama_cpp.batch1_tok_s(bin_dir, path, threads, args.tokens, args.timeout,
+                                              int(args.max_rss_gb * 2**30))
+            if speed is not None:
+                speeds["llama.cpp"].append(speed)
+    return speeds
 
 
 def cache_bytes(cache_dir: Path) -> int:
@@ -190,7 +220,7 @@ def print_block(sides: dict[str, dict], batches: list[int]) -> None:
     """One row per figure: each side's value (or its failure's first line, cut to fit; in
     full under the block) and gristmill / llama.cpp."""
     rows = ["first start, s", "warm start, s", "peak RSS starting, GB", "peak RSS generating, GB",
-            "cache added, GB", *(_speed(b) for b in batches), _bound_row("read"), _bound_row("copy")]
+            "cache added, GB", *(_speed(b) for b in batches), _TURNS, _bound_row("read"), _bound_row("copy")]
     print(f"{'':<24}" + "".join(f"{name:>{_WIDTH}}" for name in sides) + f"{'ratio':>10}")
     failures = {}
     for row in rows:
@@ -238,6 +268,8 @@ def _parse_args():
                         "llama-batched-bench, llama-quantize) to use instead of building one")
     parser.add_argument("--skip-llama-cpp", action="store_true", help="measure gristmill only")
     parser.add_argument("--skip-gristmill", action="store_true", help="measure llama.cpp only")
+    parser.add_argument("--turns", type=int, default=3, help="pairs of batch-1 runs taken in turns by the "
+                        "sides, after each file's block (their medians: a row of their own); 0: none")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds a side's process may take")
     parser.add_argument("--max-rss-gb", type=float, default=12, help="a side's process is stopped past this "
                         "much resident memory (GiB) and reported out of memory")
