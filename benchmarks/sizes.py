@@ -29,9 +29,10 @@ in its cells, and the run goes on):
   tok/s a perfect batch-1 kernel could reach; the copy rate's counts a copy's writes as
   well as its reads, which a reader of weights does not have.
 - batch 1 in turns (--turns pairs): each side's batch-1 tok/s again, a fresh process of
-  one side then of the other, and each side's median. Where the memory's rate moves from
-  one minute to the next (a VM), this ratio is the one to compare: the block's own
-  batch-1 runs are minutes apart.
+  one side then of the other, each side's median (a row of the block) and each pair's
+  ratio with their median. Where the memory's rate moves from one minute to the next (a
+  VM), these ratios are the ones to compare: the block's own batch-1 runs are minutes
+  apart.
 
 gristmill runs with its defaults (quantization="auto": on CPU, a GGUF's matrices multiplied
 as the file stores them). Both sides use os.cpu_count() threads.
@@ -101,11 +102,15 @@ def main() -> None:
                      "llama.cpp": {} if args.skip_llama_cpp else llama_cpp_side(path, args, bin_dir, threads)}
             if args.turns and 1 in args.batches and not (args.skip_gristmill or args.skip_llama_cpp):
                 turns = taking_turns(path, args, bin_dir, threads)
+                ratios = [g / l for g, l in zip(turns["gristmill"], turns["llama.cpp"]) if g and l]
                 print(f"batch 1 taking turns ({args.turns} pairs of processes, one side then the other): "
-                      + "; ".join(f"{name} {', '.join(f'{s:.1f}' for s in speeds) or 'failed'}"
-                                  for name, speeds in turns.items()), flush=True)
+                      + "; ".join(f"{name} {', '.join(f'{s:.1f}' if s else 'failed' for s in speeds)}"
+                                  for name, speeds in turns.items())
+                      + (f"; each pair's ratio {', '.join(f'{r:.2f}x' for r in ratios)}, median "
+                         f"{statistics.median(ratios):.2f}x" if ratios else ""), flush=True)
                 for name, speeds in turns.items():
-                    sides[name][_TURNS] = statistics.median(speeds) if speeds else "failed: see the line above"
+                    done = [s for s in speeds if s]
+                    sides[name][_TURNS] = statistics.median(done) if done else "failed: see the line above"
             rates = [max(pair) for pair in zip(rates, memory.measure())]  # (the VM's rate moves)
             bounds = {"read": rates[1] / per_token, "copy": rates[0] / per_token}
             print(f"bound at batch 1: {bounds['read']:.1f} tok/s at the read rate ({rates[1] / _GB:.1f} GB/s, "
@@ -137,20 +142,19 @@ def gristmill_side(path: Path, args) -> dict:
     return figures
 
 
-def taking_turns(path: Path, args, bin_dir: Path, threads: int) -> dict[str, list[float]]:
-    """Batch-1 tok/s again, each side in a fresh process in turn, `args.turns` times: where
-    the memory's rate moves from one minute to the next (a VM: 2x), one run of each, minutes
-    apart, can differ by that alone; the medians of runs taken in turns compare the sides."""
+def taking_turns(path: Path, args, bin_dir: Path, threads: int) -> dict[str, list[float | None]]:
+    """Batch-1 tok/s again, each side in a fresh process in turn, `args.turns` times (None
+    where a run failed): where the memory's rate moves from one minute to the next (a VM:
+    2x), one run of each, minutes apart, can differ by that alone; runs taken in turns
+    compare the sides, a pair at a time."""
     speeds = {"gristmill": [], "llama.cpp": []}
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="gristmill-cache-") as cache_dir:
         for _ in range(args.turns):
             speed = _gristmill_run(path, cache_dir, [1], args).get("1")
-            if isinstance(speed, float):
-                speeds["gristmill"].append(speed)
+            speeds["gristmill"].append(speed if isinstance(speed, float) else None)
             speed, _ = llama_cpp.batch1_tok_s(bin_dir, path, threads, args.tokens, args.timeout,
                                               int(args.max_rss_gb * 2**30))
-            if speed is not None:
-                speeds["llama.cpp"].append(speed)
+            speeds["llama.cpp"].append(speed)
     return speeds
 
 
