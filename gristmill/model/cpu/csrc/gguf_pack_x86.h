@@ -77,14 +77,15 @@ constexpr bool kPacksAsStored<Q8_0> = true;
 template <bool kFifthBit>
 constexpr bool kPacksAsStored<Q4_0<kFifthBit>> = true;
 
-// Q4_K, Q5_K: d, dmin and the 12 bytes of scales are 4 dwords gathered into lanes and
+// Q4_K, Q5_K: d, dmin and the 12 bytes of scales are 4 dwords loaded into lanes and
 // decoded there (k_scales); block pair 2i, 2i + 1 from one transpose of its 32 bytes.
 template <bool kFifthBit>
 GGUF_TARGET void pack_as_stored(Q4_K<kFifthBit>, const uint8_t* rows, int64_t row_bytes, Vec::I lanes,
                                 const Records& out) {
   const uint8_t* b = rows + out.gi * Q4_K<kFifthBit>::kBlockBytes;
-  const Vec::I head = Vec::gather(b, lanes), lo = Vec::gather(b + 4, lanes), mid = Vec::gather(b + 8, lanes),
-               hi = Vec::gather(b + 12, lanes);
+  Vec::I words[4];
+  Vec::dwords4(b, row_bytes, words);
+  const Vec::I head = words[0], lo = words[1], mid = words[2], hi = words[3];
   const Vec::F d = Vec::half_lo(head), dmin = Vec::half_lo(Vec::srli32(head, 16));
   const Vec::I six = Vec::set1(63), four = Vec::set1(15), top2 = Vec::set1(0x30);
   for (int j = 0; j < 8; ++j) {
@@ -119,14 +120,14 @@ GGUF_TARGET void pack_as_stored(Q4_K<kFifthBit>, const uint8_t* rows, int64_t ro
   }
 }
 
-// Q6_K: the 16 lane scales are 4 dwords gathered into lanes, d one more; block 4h + t
+// Q6_K: the 16 lane scales are 4 dwords loaded into lanes, d gathered; block 4h + t
 // takes its low bits from one transpose of low bytes (two blocks a transpose), its high
 // bits from one of high bytes (four blocks a transpose).
 inline GGUF_TARGET void pack_as_stored(Q6_K, const uint8_t* rows, int64_t row_bytes, Vec::I lanes, const Records& out) {
   const uint8_t* b = rows + out.gi * Q6_K::kBlockBytes;
   const Vec::F d = Vec::half_lo(Vec::srli32(Vec::gather(b + 206, lanes), 16));  // (bytes 206-209: within the block)
   Vec::I scales[4];
-  for (int w = 0; w < 4; ++w) scales[w] = Vec::gather(b + 192 + 4 * w, lanes);
+  Vec::dwords4(b + 192, row_bytes, scales);
   for (int j = 0; j < 8; ++j) {
     out.floats(j, 0, d);
     for (int h = 0; h < 2; ++h) {  // lane scale 2j + h: byte (2j + h) % 4 of dword (2j + h) / 4, signed

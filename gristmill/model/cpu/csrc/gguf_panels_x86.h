@@ -47,6 +47,22 @@ struct Vec {
   static GGUF_TARGET I srai32(I v, int n) { return _mm512_srai_epi32(v, n); }
   // Lane r: the 4 bytes at base + offset[r].
   static GGUF_TARGET I gather(const uint8_t* base, I offset) { return _mm512_i32gather_epi32(offset, base, 1); }
+  // out[d] lane r: dword d of the 16 bytes at p + r * stride (4x4 dword transposes of rows
+  // loaded so that chunk j of z[i] is row 4j + i: loads, where 4 gathers were slow).
+  static GGUF_TARGET void dwords4(const uint8_t* p, int64_t stride, I out[4]) {
+    I z[4];
+    for (int i = 0; i < 4; ++i) {
+      const auto row = [&](int j) { return _mm_loadu_si128((const __m128i*)(p + (4 * j + i) * stride)); };
+      z[i] = _mm512_inserti32x4(_mm512_inserti32x4(_mm512_inserti32x4(_mm512_castsi128_si512(row(0)), row(1), 1),
+                                                   row(2), 2), row(3), 3);
+    }
+    const I t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
+    const I t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
+    out[0] = _mm512_unpacklo_epi64(t0, t2);
+    out[1] = _mm512_unpackhi_epi64(t0, t2);
+    out[2] = _mm512_unpacklo_epi64(t1, t3);
+    out[3] = _mm512_unpackhi_epi64(t1, t3);
+  }
   // Lane r: the fp16 in the low 16 bits of v's lane r, as a float.
   static GGUF_TARGET F half_lo(I v) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v)); }
   static GGUF_TARGET I lanes_times(int64_t step) {
@@ -86,6 +102,18 @@ struct Vec {
   static GGUF_TARGET I srai32(I v, int n) { return _mm256_srai_epi32(v, n); }
   static GGUF_TARGET I gather(const uint8_t* base, I offset) {
     return _mm256_i32gather_epi32((const int*)base, offset, 1);
+  }
+  static GGUF_TARGET void dwords4(const uint8_t* p, int64_t stride, I out[4]) {
+    I z[4];
+    for (int i = 0; i < 4; ++i)
+      z[i] = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(p + i * stride))),
+                                     _mm_loadu_si128((const __m128i*)(p + (4 + i) * stride)), 1);
+    const I t0 = _mm256_unpacklo_epi32(z[0], z[1]), t1 = _mm256_unpackhi_epi32(z[0], z[1]);
+    const I t2 = _mm256_unpacklo_epi32(z[2], z[3]), t3 = _mm256_unpackhi_epi32(z[2], z[3]);
+    out[0] = _mm256_unpacklo_epi64(t0, t2);
+    out[1] = _mm256_unpackhi_epi64(t0, t2);
+    out[2] = _mm256_unpacklo_epi64(t1, t3);
+    out[3] = _mm256_unpackhi_epi64(t1, t3);
   }
   static GGUF_TARGET F half_lo(I v) {
     const __m256i halves = _mm256_packus_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0xffff)), _mm256_setzero_si256());
