@@ -84,7 +84,7 @@ GGUF_TARGET void pack_as_stored(Q4_K<kFifthBit>, const uint8_t* rows, int64_t ro
                                 const Records& out) {
   const uint8_t* b = rows + out.gi * Q4_K<kFifthBit>::kBlockBytes;
   Vec::I words[4];
-  Vec::dwords4(b, row_bytes, words);
+  dwords4(b, row_bytes, words);
   const Vec::I head = words[0], lo = words[1], mid = words[2], hi = words[3];
   const Vec::F d = Vec::half_lo(head), dmin = Vec::half_lo(Vec::srli32(head, 16));
   const Vec::I six = Vec::set1(63), four = Vec::set1(15), top2 = Vec::set1(0x30);
@@ -127,7 +127,7 @@ inline GGUF_TARGET void pack_as_stored(Q6_K, const uint8_t* rows, int64_t row_by
   const uint8_t* b = rows + out.gi * Q6_K::kBlockBytes;
   const Vec::F d = Vec::half_lo(Vec::srli32(Vec::gather(b + 206, lanes), 16));  // (bytes 206-209: within the block)
   Vec::I scales[4];
-  Vec::dwords4(b + 192, row_bytes, scales);
+  dwords4(b + 192, row_bytes, scales);
   for (int j = 0; j < 8; ++j) {
     out.floats(j, 0, d);
     for (int h = 0; h < 2; ++h) {  // lane scale 2j + h: byte (2j + h) % 4 of dword (2j + h) / 4, signed

@@ -47,22 +47,16 @@ struct Vec {
   static GGUF_TARGET I srai32(I v, int n) { return _mm512_srai_epi32(v, n); }
   // Lane r: the 4 bytes at base + offset[r].
   static GGUF_TARGET I gather(const uint8_t* base, I offset) { return _mm512_i32gather_epi32(offset, base, 1); }
-  // out[d] lane r: dword d of the 16 bytes at p + r * stride (4x4 dword transposes of rows
-  // loaded so that chunk j of z[i] is row 4j + i: loads, where 4 gathers were slow).
-  static GGUF_TARGET void dwords4(const uint8_t* p, int64_t stride, I out[4]) {
-    I z[4];
-    for (int i = 0; i < 4; ++i) {
-      const auto row = [&](int j) { return _mm_loadu_si128((const __m128i*)(p + (4 * j + i) * stride)); };
-      z[i] = _mm512_inserti32x4(_mm512_inserti32x4(_mm512_inserti32x4(_mm512_castsi128_si512(row(0)), row(1), 1),
-                                                   row(2), 2), row(3), 3);
-    }
-    const I t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
-    const I t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
-    out[0] = _mm512_unpacklo_epi64(t0, t2);
-    out[1] = _mm512_unpackhi_epi64(t0, t2);
-    out[2] = _mm512_unpacklo_epi64(t1, t3);
-    out[3] = _mm512_unpackhi_epi64(t1, t3);
+  // Chunk j: the 16 bytes at p + 4j * stride.
+  static GGUF_TARGET I every_fourth(const uint8_t* p, int64_t stride) {
+    const auto row = [&](int j) { return _mm_loadu_si128((const __m128i*)(p + 4 * j * stride)); };
+    return _mm512_inserti32x4(_mm512_inserti32x4(_mm512_inserti32x4(_mm512_castsi128_si512(row(0)), row(1), 1),
+                                                 row(2), 2), row(3), 3);
   }
+  static GGUF_TARGET I unpacklo32(I a, I b) { return _mm512_unpacklo_epi32(a, b); }
+  static GGUF_TARGET I unpackhi32(I a, I b) { return _mm512_unpackhi_epi32(a, b); }
+  static GGUF_TARGET I unpacklo64(I a, I b) { return _mm512_unpacklo_epi64(a, b); }
+  static GGUF_TARGET I unpackhi64(I a, I b) { return _mm512_unpackhi_epi64(a, b); }
   // Lane r: the fp16 in the low 16 bits of v's lane r, as a float.
   static GGUF_TARGET F half_lo(I v) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v)); }
   static GGUF_TARGET I lanes_times(int64_t step) {
@@ -103,18 +97,14 @@ struct Vec {
   static GGUF_TARGET I gather(const uint8_t* base, I offset) {
     return _mm256_i32gather_epi32((const int*)base, offset, 1);
   }
-  static GGUF_TARGET void dwords4(const uint8_t* p, int64_t stride, I out[4]) {
-    I z[4];
-    for (int i = 0; i < 4; ++i)
-      z[i] = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(p + i * stride))),
-                                     _mm_loadu_si128((const __m128i*)(p + (4 + i) * stride)), 1);
-    const I t0 = _mm256_unpacklo_epi32(z[0], z[1]), t1 = _mm256_unpackhi_epi32(z[0], z[1]);
-    const I t2 = _mm256_unpacklo_epi32(z[2], z[3]), t3 = _mm256_unpackhi_epi32(z[2], z[3]);
-    out[0] = _mm256_unpacklo_epi64(t0, t2);
-    out[1] = _mm256_unpackhi_epi64(t0, t2);
-    out[2] = _mm256_unpacklo_epi64(t1, t3);
-    out[3] = _mm256_unpackhi_epi64(t1, t3);
+  static GGUF_TARGET I every_fourth(const uint8_t* p, int64_t stride) {
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)p)),
+                                   _mm_loadu_si128((const __m128i*)(p + 4 * stride)), 1);
   }
+  static GGUF_TARGET I unpacklo32(I a, I b) { return _mm256_unpacklo_epi32(a, b); }
+  static GGUF_TARGET I unpackhi32(I a, I b) { return _mm256_unpackhi_epi32(a, b); }
+  static GGUF_TARGET I unpacklo64(I a, I b) { return _mm256_unpacklo_epi64(a, b); }
+  static GGUF_TARGET I unpackhi64(I a, I b) { return _mm256_unpackhi_epi64(a, b); }
   static GGUF_TARGET F half_lo(I v) {
     const __m256i halves = _mm256_packus_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0xffff)), _mm256_setzero_si256());
     return _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permute4x64_epi64(halves, 0x08)));
@@ -128,6 +118,20 @@ struct Vec {
 #endif
 
 constexpr int kLanes = Vec::kLanes;
+
+// out[d] lane r: dword d of the 16 bytes at p + r * stride. Loaded so that chunk j of z[i]
+// holds row 4j + i, then each 128-bit chunk's 4x4 dwords transposed: loads, where 4
+// gathers were slow (pack_as_stored).
+GGUF_TARGET inline void dwords4(const uint8_t* p, int64_t stride, Vec::I out[4]) {
+  Vec::I z[4];
+  for (int i = 0; i < 4; ++i) z[i] = Vec::every_fourth(p + i * stride, stride);
+  const Vec::I t0 = Vec::unpacklo32(z[0], z[1]), t1 = Vec::unpackhi32(z[0], z[1]);
+  const Vec::I t2 = Vec::unpacklo32(z[2], z[3]), t3 = Vec::unpackhi32(z[2], z[3]);
+  out[0] = Vec::unpacklo64(t0, t2);
+  out[1] = Vec::unpackhi64(t0, t2);
+  out[2] = Vec::unpacklo64(t1, t3);
+  out[3] = Vec::unpackhi64(t1, t3);
+}
 
 // The codes a panel holds of a format: as decoded, but Q8_0's as unsigned (+ 128) where
 // vpdpbusd meets them (its offset then 128).
