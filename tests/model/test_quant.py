@@ -227,6 +227,34 @@ def test_without_a_compiler_auto_is_float_and_int8_still_runs(tmp_path):
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
 
 
+@pytest.mark.skipif(EXT is None, reason="the C++ kernels are not built here")
+@pytest.mark.parametrize("name", ["portable", "avx2"])
+def test_max_isa_caps_the_path_the_kernels_pick(name):
+    # As a machine without the instructions above `name` looks: the layers' own choice
+    # (isa None) is that path, its floats those of the path pinned here.
+    cap = min(BEST, {v: k for k, v in kernels.ISA_NAMES.items()}[name])
+    make = "torch.manual_seed(0); layer = Int8Linear.from_linear(nn.Linear(640, 96)); x = torch.randn(5, 640) * 3\n"
+    code = ("import torch; from torch import nn\n"
+            "from gristmill.model.cpu import kernels\n"
+            "from gristmill.model.cpu.qlinear import Int8Linear\n" + make +
+            "print(kernels.int8_extension().best_isa(), layer(x).numpy().tobytes().hex())\n")
+    env = {**os.environ, "GRISTMILL_MAX_ISA": name}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    namespace = {"torch": torch, "nn": nn, "Int8Linear": Int8Linear}
+    exec(make, namespace)
+    namespace["layer"].isa = cap
+    assert done.stdout.split() == [str(cap), namespace["layer"](namespace["x"]).numpy().tobytes().hex()]
+
+
+def test_max_isa_naming_no_path_is_refused_saying_the_names():
+    code = "from gristmill.model.cpu import kernels\nkernels.int8_extension()\n"
+    env = {**os.environ, "GRISTMILL_MAX_ISA": "AVX-512"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "GRISTMILL_MAX_ISA='AVX-512'" in done.stderr and "portable, avx2, avx512_vnni" in done.stderr
+
+
 def test_cli_takes_quantization_flag():
     from gristmill.cli import build_parser
     from gristmill.engine_flags import engine_config

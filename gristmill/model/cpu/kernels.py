@@ -4,6 +4,10 @@
 when it cannot be built (no compiler, GRISTMILL_KERNELS=0): callers then use a pure-torch
 path, which gives the same results, only slower.
 
+The quantized kernels pick their vector path at run time, the best this CPU runs;
+GRISTMILL_MAX_ISA (one of ISA_NAMES' names) caps it, as on a machine without the
+instructions above it: the same floats, at that path's speed (for comparing machines).
+
 Importing this module imports no torch, and neither does `is_built`: a client can find
 out whether a first start must compile (and start it early, `build_in_background`)
 without loading torch.
@@ -131,6 +135,10 @@ _loaded: dict[bool, object] = {}  # with q4 -> the extension (None: it cannot be
 def extension(q4: bool = False):
     """The kernels, built for this CPU on first use (or None). A process that has the
     build with the 4-bit kernel uses it for everything."""
+    max_isa = os.environ.get("GRISTMILL_MAX_ISA")
+    if max_isa and max_isa not in ISA_NAMES.values():  # (set empty: as unset)
+        raise ValueError(f"GRISTMILL_MAX_ISA={max_isa!r} names no code path of the CPU kernels: set it to one of "
+                         f"{', '.join(ISA_NAMES.values())}, or unset it for the best this CPU runs")
     if _loaded.get(True) is not None:
         return _loaded[True]
     if q4 not in _loaded:
@@ -154,7 +162,8 @@ def build_in_background(q4: bool = False, unless_cuda: bool = False) -> threadin
             import torch
             if torch.cuda.is_available():
                 return
-        extension(q4)
+        with contextlib.suppress(ValueError):  # (a bad GRISTMILL_MAX_ISA: told to whoever asks next)
+            extension(q4)
 
     thread = threading.Thread(target=run, name="gristmill-kernels", daemon=True)
     thread.start()
