@@ -40,6 +40,7 @@ as the file stores them). Both sides use os.cpu_count() threads.
     python benchmarks/sizes.py                           # every size and type (hours on 2 cores)
     python benchmarks/sizes.py --sizes 270m,1b --types q4_k_m
     python benchmarks/sizes.py --llama-cpp ~/llama.cpp/build/bin --skip-gristmill
+    python benchmarks/sizes.py --avx2 --sizes 270m,1b   # both sides as on an AVX2-only CPU
 """
 
 from __future__ import annotations
@@ -73,17 +74,25 @@ def main() -> None:
     args = _parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)
     threads = os.cpu_count()
+    if args.avx2:  # (the gristmill processes inherit it)
+        os.environ["GRISTMILL_MAX_ISA"] = "avx2"
     bin_dir = Path(args.llama_cpp) if args.llama_cpp else \
-        llama_cpp.built(args.dir) if args.skip_llama_cpp else llama_cpp.build(args.dir)
+        llama_cpp.built(args.dir, args.avx2) if args.skip_llama_cpp else llama_cpp.build(args.dir, args.avx2)
     vocab_dir = llama_cpp.source_dir(args.dir) / "models"
+    kernel_path = "-"
     if not args.skip_gristmill:
         subprocess.run([sys.executable, "-m", "gristmill.model.cpu.kernels"], check=True, timeout=1800)
+        kernel_path = subprocess.run(  # (GRISTMILL_MAX_ISA, where set, caps it)
+            [sys.executable, "-c", "from gristmill.model.cpu import kernels as k; "
+             "print(k.ISA_NAMES[k.int8_extension().best_isa()])"],
+            check=True, timeout=300, capture_output=True, text=True).stdout.strip()
     memory = MemoryRates(threads)  # (measured around each file's block: the VM's rate moves)
     flags = next((line.split() for line in open("/proc/cpuinfo") if line.startswith("flags")), [])
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
     print(f"{cpu}; flags: {' '.join(f for f in CPU_FLAGS if f in flags) or 'none of ' + ', '.join(CPU_FLAGS)}; "
           f"{threads} threads; memory read by {memory.reader}, copy read + written; "
           f"load average {os.getloadavg()[0]:.1f}")
+    print(f"gristmill's kernels on their {kernel_path} path; llama.cpp's tools from {bin_dir}")
     print(f"{args.tokens} generated tokens a prompt, greedy; gristmill with its defaults (quantization='auto'); "
           f"ratios are gristmill / llama.cpp", flush=True)
     for size in args.sizes:
@@ -271,6 +280,9 @@ def _parse_args():
     parser.add_argument("--llama-cpp", metavar="DIR", help="a built llama.cpp bin directory (llama-bench, "
                         "llama-batched-bench, llama-quantize) to use instead of building one")
     parser.add_argument("--skip-llama-cpp", action="store_true", help="measure gristmill only")
+    parser.add_argument("--avx2", action="store_true", help="both sides as on a CPU with AVX2 and no AVX-512: "
+                        "gristmill's kernels on their avx2 path (GRISTMILL_MAX_ISA=avx2), llama.cpp built for it "
+                        "(without --llama-cpp: into build-avx2 beside the native build)")
     parser.add_argument("--skip-gristmill", action="store_true", help="measure llama.cpp only")
     parser.add_argument("--turns", type=int, default=3, help="pairs of batch-1 runs taken in turns by the "
                         "sides, after each file's block (their medians: a row of their own); 0: none")

@@ -49,17 +49,24 @@ def source_dir(cache: Path) -> Path:
     return source
 
 
-def build(cache: Path) -> Path:
+# The CPU flags of a build for AVX2 without AVX-512 (build(avx2=True)).
+_AVX2 = ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_BMI2=ON",
+         "-DGGML_AVX512=OFF"]
+
+
+def build(cache: Path, avx2: bool = False) -> Path:
     """The bin directory of llama.cpp's TOOLS, built once into `cache` (about 12 minutes on
-    2 cores): a Release build for this CPU (GGML_NATIVE), no libcurl."""
-    if built(cache) is not None:
-        return built(cache)
-    source, build_dir = source_dir(cache), cache / "llama.cpp" / "build"
+    2 cores): a Release build for this CPU (GGML_NATIVE), or with avx2 for a CPU with AVX2
+    and no AVX-512 (runs on this one as it would there); no libcurl."""
+    if built(cache, avx2) is not None:
+        return built(cache, avx2)
+    source, build_dir = source_dir(cache), _build_dir(cache, avx2)
     print(f"building llama.cpp's {', '.join(TOOLS)} in {build_dir} (about 12 minutes on 2 cores)", flush=True)
     # (ninja may be the venv's: pip's ninja package)
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    cpu = _AVX2 if avx2 else ["-DGGML_NATIVE=ON"]
     for command in (["cmake", "-S", str(source), "-B", str(build_dir), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
-                     "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF"],
+                     *cpu, "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF"],
                     ["cmake", "--build", str(build_dir), "-j", str(os.cpu_count()), "--target", *TOOLS]):
         done = subprocess.run(command, capture_output=True, text=True, timeout=7200, env=env)
         if done.returncode != 0:
@@ -67,10 +74,14 @@ def build(cache: Path) -> Path:
     return build_dir / "bin"
 
 
-def built(cache: Path) -> Path | None:
+def built(cache: Path, avx2: bool = False) -> Path | None:
     """The bin directory of an earlier `build` into `cache`, or None."""
-    bin_dir = cache / "llama.cpp" / "build" / "bin"
+    bin_dir = _build_dir(cache, avx2) / "bin"
     return bin_dir if all((bin_dir / tool).exists() for tool in TOOLS) else None
+
+
+def _build_dir(cache: Path, avx2: bool) -> Path:
+    return cache / "llama.cpp" / ("build-avx2" if avx2 else "build")
 
 
 def start_seconds(bin_dir: Path, model: Path, threads: int, timeout_s: float, max_rss: int) -> tuple[float, Finished]:
