@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import typing
 from pathlib import Path
 
@@ -86,9 +87,13 @@ def model_load_error(model: str | None, exc: BaseException) -> str:
     # A core process that failed to start: its own error, not "restart the engine".
     why = getattr(exc, "fields", {}).get("core_error") or error_string(exc)
     where = f"the model could not be loaded from {model or 'the bundled default'}"
-    if _out_of_memory(exc, why):  # the figures and what to change are in `why`: the file is fine
+    if _out_of_memory(exc, why) or _SETTING.search(why):  # `why` says what to change: the file is fine
         return f"{where}: {why}"
     return f"{where}: {why}; check that the model directory or file is complete (re-download or re-convert it)"
+
+
+# A setting of ours refused (GRISTMILL_MAX_ISA='avx3': ...), not the model's files.
+_SETTING = re.compile(r"\bGRISTMILL_[A-Z_]+=")
 
 
 def _out_of_memory(exc: BaseException, why: str) -> bool:

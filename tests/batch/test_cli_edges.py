@@ -293,6 +293,22 @@ def test_batch_with_a_corrupt_gguf_says_what_to_do_not_a_traceback(tmp_path, cor
     assert not (tmp_path / "out.jsonl").exists()
 
 
+def test_a_bad_setting_in_the_environment_is_named_and_the_model_not_blamed(tmp_path, tiny):
+    """A GRISTMILL_* variable set to what it cannot take fails the start saying which and
+    what to set; the model's files are fine, so the advice to re-download them (for a file
+    that does not load) is not given."""
+    source = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "a"}])
+    for name, value, says in (("GRISTMILL_MAX_ISA", "avx3", "one of portable, avx2, avx512_vnni"),
+                              ("GRISTMILL_PANEL_BYTES", "lots", "give a size such as 6GB")):
+        env = {**without_faults(), name: value}
+        result = run_main("generate", "a", "--model", tiny, "--device", "cpu", "--max-tokens", "2", env=env)
+        refused_cleanly(result, "could not be loaded", f"{name}='{value}'", says)
+        assert "re-download" not in result.stderr, result.stderr[-2000:]
+        result = run_main("batch", source, "-o", tmp_path / "out.jsonl", "--model", tiny, "--device", "cpu", env=env)
+        refused_cleanly(result, f"{name}='{value}'", says)
+        assert not (tmp_path / "out.jsonl").exists()
+
+
 def test_serve_with_a_missing_or_corrupt_model_says_what_to_do_not_a_traceback(tmp_path, corrupt):
     """`serve --model` with a path that does not exist, or a GGUF cut short, exits with one
     `error:` line naming the path, as `batch` and `generate` do; it once died with a
