@@ -235,6 +235,8 @@ class CoreClient:
         reason = f"the engine core process (pid {self.process.pid}) {how}"
         if self._failure_message:
             reason += f": {self._failure_message}"
+            if self._ready is None:  # it failed to start: its message says why; a restart would fail again
+                return reason
         return reason + "; restart the engine"
 
     def _killed_for_memory(self) -> str:

@@ -296,7 +296,7 @@ def test_batch_with_a_corrupt_gguf_says_what_to_do_not_a_traceback(tmp_path, cor
 def test_a_bad_setting_in_the_environment_is_named_and_the_model_not_blamed(tmp_path, tiny):
     """A GRISTMILL_* variable set to what it cannot take fails the start saying which and
     what to set; the model's files are fine, so the advice to re-download them (for a file
-    that does not load) is not given."""
+    that does not load) is not given, nor to restart the engine (it would fail again)."""
     source = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "a"}])
     for name, value, says in (("GRISTMILL_MAX_ISA", "avx3", "one of portable, avx2, avx512_vnni"),
                               ("GRISTMILL_PANEL_BYTES", "lots", "give a size such as 6GB")):
@@ -306,6 +306,7 @@ def test_a_bad_setting_in_the_environment_is_named_and_the_model_not_blamed(tmp_
         assert "re-download" not in result.stderr, result.stderr[-2000:]
         result = run_main("batch", source, "-o", tmp_path / "out.jsonl", "--model", tiny, "--device", "cpu", env=env)
         refused_cleanly(result, f"{name}='{value}'", says)
+        assert "re-download" not in result.stderr and "restart the engine" not in result.stderr, result.stderr[-2000:]
         assert not (tmp_path / "out.jsonl").exists()
 
 
