@@ -313,10 +313,9 @@ constexpr int kPanelMR = GGUF_VNNI ? 4 : 2;
 // once ask for its bytes ahead.
 template <class G, bool kOnce, int NV, int MR>
 GGUF_TARGET inline void panel_rows(const uint8_t* panel, int64_t n_rows, int64_t k, const Acts& a, int i, float* out) {
-  if (kOnce && i == 0)
-    panel_tile<G, kOnce, NV, MR, kOnce>(panel, n_rows, k, a.from(i), out + i * linear::kTileN);
-  else
-    panel_tile<G, kOnce, NV, MR, false>(panel, n_rows, k, a.from(i), out + i * linear::kTileN);
+  if constexpr (kOnce)
+    if (i == 0) return panel_tile<G, kOnce, NV, MR, true>(panel, n_rows, k, a.from(i), out + i * linear::kTileN);
+  panel_tile<G, kOnce, NV, MR, false>(panel, n_rows, k, a.from(i), out + i * linear::kTileN);
 }
 
 template <class G, bool kOnce, int NV>

@@ -240,13 +240,14 @@ struct Q6_K {
   }
 };
 
-// n_rows weight rows from `w` (row_bytes apart) against MB activation rows (Acts), from
-// the file's bytes: out[i * kTileN + r].
-// Bytes of a tile that rows_m asks for ahead of where it reads (the tile's rows lie one
-// after another): the hardware's prefetch alone leaves one core short of what the memory
-// gives (Q4_K, 4096 x 4096 from DRAM on one thread: 7.2 GB/s without, 9.8 with 4 KiB).
+// Bytes that rows_m (and a panel packed once, panel_tile) asks for ahead of where it
+// reads (the tile's rows, and a panel's records, lie one after another): the hardware's
+// prefetch alone leaves one core short of what the memory gives (Q4_K, 4096 x 4096 from
+// DRAM on one thread: 7.2 GB/s without, 9.8 with 4 KiB; 8 and 16 KiB no better).
 constexpr int64_t kAhead = 4096;
 
+// n_rows weight rows from `w` (row_bytes apart) against MB activation rows (Acts), from
+// the file's bytes: out[i * kTileN + r].
 template <class G, int MB>
 GGUF_TARGET void rows_m(const uint8_t* w, int64_t row_bytes, int64_t n_rows, int64_t k, const Acts& a,
                         float* out) {

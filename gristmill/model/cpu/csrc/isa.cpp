@@ -2,6 +2,7 @@
 // capped by GRISTMILL_MAX_ISA where it is set (kernels.py checks its value).
 #include "isa.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 

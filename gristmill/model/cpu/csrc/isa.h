@@ -1,7 +1,6 @@
 // The code paths of the quantized linear kernels, and which one this CPU runs best.
 #pragma once
 
-#include <algorithm>
 #include <cstdint>
 
 enum Isa : int64_t { kPortable = 0, kAvx2 = 1, kAvx512Vnni = 2 };
