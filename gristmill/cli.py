@@ -11,7 +11,8 @@ from pathlib import Path
 
 from gristmill.batch.cli import add_batch_command
 from gristmill.config import EngineConfig
-from gristmill.engine_flags import add_engine_args, engine_config, engine_options, model_load_error, run_figures
+from gristmill.engine_flags import (add_engine_args, engine_config, engine_options, failed_to_start, model_load_error,
+                                    run_figures)
 from gristmill.errors import EngineDeadError, RequestError, error_string
 from gristmill.outputs import CompletionOutput, RequestOutput
 
@@ -238,7 +239,7 @@ def _serve(args, config, limits, sock) -> int:
     try:
         engine = AsyncEngine(config)
     except (RequestError, EngineDeadError) as exc:
-        raise SystemExit(f"error: {exc}") from None
+        raise SystemExit(f"error: {model_load_error(config.model, exc) if failed_to_start(exc) else exc}") from None
     except Exception as exc:  # noqa: BLE001 - a model that cannot load: say why, not a traceback
         raise SystemExit(f"error: {model_load_error(config.model, exc)}") from None
     exit_code = 0

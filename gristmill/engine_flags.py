@@ -10,7 +10,7 @@ import typing
 from pathlib import Path
 
 from gristmill.config import EngineConfig, field_doc
-from gristmill.errors import InsufficientMemoryError, RequestError, error_string
+from gristmill.errors import EngineDeadError, InsufficientMemoryError, RequestError, error_string
 
 # `generate` has a sampling --seed already; the engine's seed needs a name of its own.
 _FLAG_NAMES = {"seed": "engine-seed"}
@@ -90,6 +90,12 @@ def model_load_error(model: str | None, exc: BaseException) -> str:
     if _out_of_memory(exc, why) or _SETTING.search(why):  # `why` says what to change: the file is fine
         return f"{where}: {why}"
     return f"{where}: {why}; check that the model directory or file is complete (re-download or re-convert it)"
+
+
+def failed_to_start(exc: BaseException) -> bool:
+    """Whether `exc` is an engine core's own report that it could not start (the loader
+    refused the file, a setting was refused): every face says it as `model_load_error`."""
+    return isinstance(exc, EngineDeadError) and bool(exc.fields.get("core_error"))
 
 
 # A setting of ours refused (GRISTMILL_MAX_ISA='avx3': ...), not the model's files.

@@ -31,8 +31,8 @@ from gristmill.batch.resume import ROW_ID, RowIds, skip_written, written_rows
 from gristmill.batch.rows import (ERROR_COLUMN, PROMPT_LOGPROBS_COLUMN, REASONING_COLUMN, TOOL_CALLS_COLUMN,
                                   output_columns)
 from gristmill.batch.tables import arrow_types
-from gristmill.engine_flags import engine_flag, engine_options, model_load_error, run_figures
-from gristmill.errors import GristmillError, error_string
+from gristmill.engine_flags import engine_flag, engine_options, failed_to_start, model_load_error, run_figures
+from gristmill.errors import EngineDeadError, GristmillError, error_string
 
 
 class Interrupted(KeyboardInterrupt):
@@ -270,6 +270,10 @@ class Job:
                     elapsed = max(time.monotonic() - self.started, 1e-9)
                     bar.set_postfix_str(f"{self.tokens / elapsed:.1f} tok/s, {self.failed} errors", refresh=False)
                     bar.update(1)
+        except EngineDeadError as exc:
+            if self.started is None and failed_to_start(exc):  # said as generate and serve say it
+                raise InputError(model_load_error(self.config.engine.model, exc)) from exc
+            raise
         except (InputError, OSError, GristmillError, UserFunctionError):
             raise
         except Exception as exc:

@@ -296,17 +296,24 @@ def test_batch_with_a_corrupt_gguf_says_what_to_do_not_a_traceback(tmp_path, cor
 def test_a_bad_setting_in_the_environment_is_named_and_the_model_not_blamed(tmp_path, tiny):
     """A GRISTMILL_* variable set to what it cannot take fails the start saying which and
     what to set; the model's files are fine, so the advice to re-download them (for a file
-    that does not load) is not given, nor to restart the engine (it would fail again)."""
+    that does not load) is not given, nor to restart the engine (it would fail again).
+    `generate`, `batch` and `serve` end on the same `error:` line (batch and serve once
+    said it as an EngineDeadError of the core process, naming its pid)."""
     source = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "a"}])
+    faces = {"generate": ["generate", "a", "--max-tokens", "2"], "batch": ["batch", source, "-o", tmp_path / "out.jsonl"],
+             "serve": ["serve", "--port", "0"]}
     for name, value, says in (("GRISTMILL_MAX_ISA", "avx3", "one of portable, avx2, avx512_vnni"),
                               ("GRISTMILL_PANEL_BYTES", "lots", "give a size such as 6GB")):
         env = {**without_faults(), name: value}
-        result = run_main("generate", "a", "--model", tiny, "--device", "cpu", "--max-tokens", "2", env=env)
-        refused_cleanly(result, "could not be loaded", f"{name}='{value}'", says)
-        assert "re-download" not in result.stderr, result.stderr[-2000:]
-        result = run_main("batch", source, "-o", tmp_path / "out.jsonl", "--model", tiny, "--device", "cpu", env=env)
-        refused_cleanly(result, f"{name}='{value}'", says)
-        assert "re-download" not in result.stderr and "restart the engine" not in result.stderr, result.stderr[-2000:]
+        last_lines = set()
+        for face, args in faces.items():
+            result = run_main(*args, "--model", tiny, "--device", "cpu", env=env)
+            refused_cleanly(result, f"the model could not be loaded from {tiny}", f"{name}='{value}'", says)
+            assert "re-download" not in result.stderr and "restart the engine" not in result.stderr, \
+                (face, result.stderr[-2000:])
+            assert "pid" not in result.stderr, (face, result.stderr[-2000:])
+            last_lines.add(result.stderr.strip().splitlines()[-1])
+        assert len(last_lines) == 1, last_lines
         assert not (tmp_path / "out.jsonl").exists()
 
 
