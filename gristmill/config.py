@@ -107,6 +107,10 @@ class EngineConfig:
     seed: int | None = _field(
         0, "Seed of the engine's random stream, used by requests without a seed of their own; "
            "None = a random one.")
+    cpu_threads: int | None = _field(
+        None, "Threads the CPU kernels and torch's CPU ops run on, as llama.cpp's --threads; None = "
+              "torch's choice (OMP_NUM_THREADS where set, else one a physical core). Set in the process "
+              "that runs the engine core: with an in-process LLM, the caller's.")
     cache_dir: str | None = _field(
         None, "Where converted GGUF models and int8 weights are cached; None = ~/.cache/gristmill.")
     max_waiting_requests: int | None = _field(
@@ -183,6 +187,8 @@ class EngineConfig:
         check(_positive_int(self.max_loras), "max_loras", f"must be a positive integer, got {self.max_loras!r}")
         check(_positive_int(self.max_lora_rank) and self.max_lora_rank <= 512, "max_lora_rank",
               f"must be an integer in [1, 512], got {self.max_lora_rank!r}")
+        check(self.cpu_threads is None or _positive_int(self.cpu_threads), "cpu_threads",
+              f"must be a positive integer or None (torch's choice), got {self.cpu_threads!r}")
         check(self.max_waiting_requests is None or _positive_int(self.max_waiting_requests),
               "max_waiting_requests", f"must be a positive integer or None, got {self.max_waiting_requests!r}")
         for name in ("step_timeout_s", "start_timeout_s"):

@@ -193,6 +193,8 @@ class EngineCore:
                 "prefix_cache_queries": bm.num_query_tokens,
                 "prefix_cache_hits": bm.num_hit_tokens,
                 "prefix_cache_hit_rate": bm.num_hit_tokens / bm.num_query_tokens if bm.num_query_tokens else 0.0,
+                # The threads its CPU work runs on (EngineConfig.cpu_threads), where the executor says.
+                **({"cpu_threads": self.executor.cpu_threads} if hasattr(self.executor, "cpu_threads") else {}),
                 **self._lora_stats()}
 
     def _lora_stats(self) -> dict:

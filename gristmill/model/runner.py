@@ -10,12 +10,14 @@ controls (model/logits.py), the structured-output masks (model/masking.py), the 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from gristmill import startup
 from gristmill.config import EngineConfig
 from gristmill.faults import InjectedFault
 from gristmill.model.context import forward_context
@@ -31,6 +33,19 @@ from gristmill.step import ScheduledRequest, SchedulerOutput, StepTokens
 
 logger = logging.getLogger(__name__)
 
+def use_cpu_threads(threads: int | None) -> int:
+    """Runs torch's CPU ops and the kernels on `threads` threads (None: as they are), and
+    says at start when that is more than the CPUs this process may use (they would take
+    turns on the cores, each waiting on the others at every matrix). Returns the count."""
+    if threads is not None:
+        torch.set_num_threads(threads)
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        if cpus and threads > cpus:
+            startup.warn(f"cpu_threads={threads} is more than the {cpus} CPUs this process may run on: the "
+                         f"threads take turns on them, which is slower; set cpu_threads={cpus} or fewer")
+    return torch.get_num_threads()
+
+
 @dataclass
 class StepInputs:
     input_ids: torch.Tensor       # (num_tokens,)
@@ -42,6 +57,8 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: Path | None = None):
+        #: The threads the CPU kernels and torch's CPU ops run on (EngineConfig.cpu_threads).
+        self.cpu_threads = use_cpu_threads(config.cpu_threads)
         self.device = pick_device(config.device)
         #: The config with the step limits it leaves None set for this device.
         self.config = config = config.for_device(self.device.type)
