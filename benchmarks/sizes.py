@@ -28,6 +28,10 @@ in its cells, and the run goes on):
   side's batch-1 tok/s is printed as a fraction of both bounds: the read rate's is the
   tok/s a perfect batch-1 kernel could reach; the copy rate's counts a copy's writes as
   well as its reads, which a reader of weights does not have.
+- prompt tok/s (--prompt tokens, 512 as llama-bench's pp512; 0: not measured): gristmill
+  `LLM.generate` of one prompt of that many token ids and 1 output token, the prefix
+  cache reset before each, the best of 3; llama.cpp's `llama-bench -p PROMPT -n 0` (its
+  mean of 3).
 - batch 1 in turns (--turns pairs): each side's batch-1 tok/s again, a fresh process of
   one side then of the other, each side's median (a row of the block) and each pair's
   ratio with their median. Where the memory's rate moves from one minute to the next (a
@@ -66,6 +70,7 @@ _MARK = "sizes.py figure "  # (the prefix of the gristmill side's lines of figur
 _GB = 1e9
 _WIDTH = 30  # (a side's column)
 _TURNS = "tok/s batch 1, in turns"
+_PROMPT = "prompt tok/s"
 
 
 def main() -> None:
@@ -143,11 +148,13 @@ def gristmill_side(path: Path, args) -> dict:
         figures["peak RSS starting, GB"] = first["peak_rss"] / _GB
         figures["cache added, GB"] = cache_bytes(Path(cache_dir)) / _GB
         # (a first start that failed would fail the same way again)
-        warm = first if "failure" in first else _gristmill_run(path, cache_dir, args.batches, args)
+        warm = first if "failure" in first else _gristmill_run(path, cache_dir, args.batches, args, args.prompt)
         figures["warm start, s"] = warm.get("start", warm.get("failure"))
         figures["peak RSS generating, GB"] = warm["peak_rss"] / _GB
         for batch in args.batches:
             figures[_speed(batch)] = warm.get(str(batch), warm.get("failure"))
+        if args.prompt:
+            figures[_PROMPT] = warm.get("prompt", warm.get("failure"))
     return figures
 
 
@@ -172,10 +179,12 @@ def cache_bytes(cache_dir: Path) -> int:
     return sum(f.lstat().st_size for f in cache_dir.rglob("*") if f.is_file() and not f.is_symlink())
 
 
-def _gristmill_run(path: Path, cache_dir: str, batches: list[int], args) -> dict:
-    """One gristmill process: its figures, `peak_rss`, and `failure` where it failed."""
+def _gristmill_run(path: Path, cache_dir: str, batches: list[int], args, prompt: int = 0) -> dict:
+    """One gristmill process: its figures (tok/s at `batches`; `prompt` > 0: prompt tok/s
+    for that many tokens), `peak_rss`, and `failure` where it failed."""
     run = run_measured([sys.executable, __file__, "_gristmill_side", str(path), cache_dir,
-                        ",".join(map(str, batches)), str(args.tokens), str(time.time())],
+                        ",".join(map(str, batches)), str(args.tokens), str(prompt),
+                        str(time.time())],
                        args.timeout, int(args.max_rss_gb * 2**30))
     figures = {"peak_rss": run.peak_rss_bytes}
     for line in run.output.splitlines():
@@ -186,16 +195,16 @@ def _gristmill_run(path: Path, cache_dir: str, batches: list[int], args) -> dict
     return figures
 
 
-def _gristmill_child(model: str, cache_dir: str, batches: str, tokens: str, launched_at: str) -> None:
+def _gristmill_child(model: str, cache_dir: str, batches: str, tokens: str, prompt: str, launched_at: str) -> None:
     """In a child process: gristmill started on `model`, its seconds from launch to ready,
-    then its tok/s at each batch size, each a line as soon as it is measured; an
-    exception is a `failure` line and exit status 1."""
+    then its tok/s at each batch size and (`prompt` > 0) its prompt tok/s, each a line as
+    soon as it is measured; an exception is a `failure` line and exit status 1."""
     try:
         from gristmill import LLM
         from throughput import bench_gristmill, make_prompts
 
-        batch_sizes = [int(b) for b in batches.split(",") if b]
-        llm = LLM(model=model, cache_dir=cache_dir, max_model_len=128 + int(tokens),
+        batch_sizes, prompt_tokens = [int(b) for b in batches.split(",") if b], int(prompt)
+        llm = LLM(model=model, cache_dir=cache_dir, max_model_len=max(128 + int(tokens), prompt_tokens + 1),
                   max_num_seqs=max([128, *batch_sizes]))
         print(_MARK + json.dumps({"start": time.time() - float(launched_at)}), flush=True)
         if batch_sizes:
@@ -203,9 +212,26 @@ def _gristmill_child(model: str, cache_dir: str, batches: str, tokens: str, laun
         for batch in batch_sizes:
             speed = bench_gristmill(llm, make_prompts(batch), int(tokens))
             print(_MARK + json.dumps({str(batch): speed}), flush=True)
+        if prompt_tokens:
+            print(_MARK + json.dumps({"prompt": _prompt_tok_s(llm, prompt_tokens)}), flush=True)
     except Exception as error:  # noqa: BLE001 - reported to the parent, which prints it in the cells
         print(_MARK + json.dumps({"failure": _first_line(error)}), flush=True)
         sys.exit(1)
+
+
+def _prompt_tok_s(llm, tokens: int) -> float:
+    """The best of 3: one prompt of `tokens` token ids (new each time, the prefix cache
+    reset) through the model, and 1 token out."""
+    from gristmill import SamplingParams
+
+    params, best = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True), 0.0
+    for round_ in range(3):
+        llm.reset_prefix_cache()
+        ids = [1000 + (7 * i + round_) % 20000 for i in range(tokens)]
+        start = time.perf_counter()
+        llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+        best = max(best, tokens / (time.perf_counter() - start))
+    return best
 
 
 def llama_cpp_side(path: Path, args, bin_dir: Path, threads: int) -> dict:
@@ -225,6 +251,9 @@ def llama_cpp_side(path: Path, args, bin_dir: Path, threads: int) -> dict:
                                               [b for b in args.batches if b > 1], *limits)
         figures.update({_speed(b): speeds.get(b, run.failure) for b in args.batches if b > 1})
         runs.append(run)
+    if args.prompt:
+        speed, run = llama_cpp.prompt_tok_s(bin_dir, path, threads, args.prompt, *limits)
+        figures[_PROMPT] = run.failure or speed
     figures["peak RSS generating, GB"] = max((run.peak_rss_bytes for run in runs), default=0) / _GB
     return figures
 
@@ -233,7 +262,7 @@ def print_block(sides: dict[str, dict], batches: list[int]) -> None:
     """One row per figure: each side's value (or its failure's first line, cut to fit; in
     full under the block) and gristmill / llama.cpp."""
     rows = ["first start, s", "warm start, s", "peak RSS starting, GB", "peak RSS generating, GB",
-            "cache added, GB", *(_speed(b) for b in batches), _TURNS, _bound_row("read"), _bound_row("copy")]
+            "cache added, GB", *(_speed(b) for b in batches), _TURNS, _PROMPT, _bound_row("read"), _bound_row("copy")]
     print(f"{'':<24}" + "".join(f"{name:>{_WIDTH}}" for name in sides) + f"{'ratio':>10}")
     failures = {}
     for row in rows:
@@ -286,6 +315,8 @@ def _parse_args():
     parser.add_argument("--skip-gristmill", action="store_true", help="measure llama.cpp only")
     parser.add_argument("--turns", type=int, default=3, help="pairs of batch-1 runs taken in turns by the "
                         "sides, after each file's block (their medians: a row of their own); 0: none")
+    parser.add_argument("--prompt", type=int, default=512, help="tokens of the prompt whose tok/s is measured "
+                        "(llama-bench's pp512); 0: none")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds a side's process may take")
     parser.add_argument("--max-rss-gb", type=float, default=12, help="a side's process is stopped past this "
                         "much resident memory (GiB) and reported out of memory")

@@ -4,7 +4,8 @@ tools built from it once (cached); and their figures, parsed from their output.
 
 - start: `llama-batched-bench` on one token; llama.cpp's own "load time" (from the
   model's load to the end of its first decode, printed by llama_perf_context_print).
-- batch 1: `llama-bench -p 0 -n TOKENS` (its mean over its repetitions).
+- batch 1: `llama-bench -p 0 -n TOKENS` (its mean over its repetitions); a prompt's
+  tok/s: `llama-bench -p TOKENS -n 0`.
 - batch N > 1: `llama-batched-bench -npp 16 -ntg TOKENS -npl N,...`, random 16-token prompts,
   generated tokens over the whole time (prefill included, as gristmill's figure is)."""
 
@@ -95,8 +96,19 @@ def start_seconds(bin_dir: Path, model: Path, threads: int, timeout_s: float, ma
 def batch1_tok_s(bin_dir: Path, model: Path, threads: int, tokens: int, timeout_s: float,
                  max_rss: int) -> tuple[float, Finished]:
     """Generated tok/s at batch 1 (llama-bench's tg test, its mean of 3 repetitions)."""
-    run = run_measured([str(bin_dir / "llama-bench"), "-m", str(model), "-t", str(threads), "-p", "0",
-                        "-n", str(tokens), "-r", "3", "-o", "json"], timeout_s, max_rss)
+    return _bench_tok_s(bin_dir, model, threads, ["-p", "0", "-n", str(tokens)], timeout_s, max_rss)
+
+
+def prompt_tok_s(bin_dir: Path, model: Path, threads: int, tokens: int, timeout_s: float,
+                 max_rss: int) -> tuple[float, Finished]:
+    """Prompt tok/s for a prompt of `tokens` (llama-bench's pp test, its mean of 3 repetitions)."""
+    return _bench_tok_s(bin_dir, model, threads, ["-p", str(tokens), "-n", "0"], timeout_s, max_rss)
+
+
+def _bench_tok_s(bin_dir: Path, model: Path, threads: int, test: list[str], timeout_s: float,
+                 max_rss: int) -> tuple[float, Finished]:
+    run = run_measured([str(bin_dir / "llama-bench"), "-m", str(model), "-t", str(threads), *test,
+                        "-r", "3", "-o", "json"], timeout_s, max_rss)
     try:
         speed = json.loads(run.output[run.output.index("["):run.output.rindex("]") + 1])[0]["avg_ts"]
     except (ValueError, LookupError):
