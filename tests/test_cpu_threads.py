@@ -63,3 +63,23 @@ def test_more_threads_than_cpus_is_said_at_start_and_still_runs(threads_kept, tm
     said = " ".join(r.getMessage() for r in caplog.records)
     assert f"cpu_threads={cpus + 1} is more than the {cpus} CPUs" in said and f"cpu_threads={cpus} or fewer" in said
     assert llm.generate(["Hello"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_a_serve_replica_s_threads_are_its_engine_s_cpu_threads(threads_kept, tmp_path):
+    """`deploy(..., threads=N)` hands each replica N: its engine's cpu_threads (the
+    replica class itself, without a Ray cluster), not a changed environment."""
+    pytest.importorskip("ray")
+    from gristmill.ray import EngineServer
+
+    environment = dict(os.environ)
+
+    async def run():
+        server = EngineServer(EngineConfig(model=str(tiny_model()), device="cpu", cache_dir=str(tmp_path)),
+                              threads=threads_kept + 1)
+        try:
+            return (await server.stats())["cpu_threads"]
+        finally:
+            server.engine.shutdown()
+
+    assert asyncio.run(run()) == threads_kept + 1
+    assert dict(os.environ) == environment

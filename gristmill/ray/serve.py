@@ -14,6 +14,7 @@ EngineDeadError and fails the replica's health check within a second, so Serve r
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from pydantic import BaseModel, ValidationError
@@ -43,8 +44,8 @@ class EngineServer:
         from gristmill.server.openai_serving import OpenAIServing
         from gristmill.server.responses_api import ResponsesServing
 
-        if threads is not None:  # the engine core reads it when it starts
-            os.environ["OMP_NUM_THREADS"] = str(threads)
+        if threads is not None:  # (deploy's `threads`: the engine's own cpu_threads)
+            engine = dataclasses.replace(engine, cpu_threads=threads)
         self.model_name = model_name or engine.model or DEFAULT_MODEL_NAME
         # A request's `model` naming an adapter runs with it, as on the server; each adapter's
         # config is checked before the engine starts (a bad one fails the replica, named).
@@ -131,8 +132,8 @@ def deploy(engine: EngineConfig | None = None, *, name: str = "gristmill", app_n
     `ray_actor_options` are each replica's Ray options (default {"num_cpus": 0}: see
     docs/ray.md; an engine on "cuda" or "auto" also gets {"num_gpus": 1} when the cluster
     has GPUs, and a fraction of a GPU that fraction of gpu_memory_utilization); `threads`
-    sets the engine's torch threads (default: Ray's, which is the replica's num_cpus when
-    it reserves CPUs). Processors reach it with
+    sets the engine's cpu_threads (default: the engine's, else Ray's OMP_NUM_THREADS, which
+    is the replica's num_cpus when it reserves CPUs). Processors reach it with
     `DeploymentProcessorConfig(deployment_name=name, app_name=app_name)`; Ray Data LLM's
     `ServeDeploymentProcessorConfig(deployment_name=name, app_name=app_name)` too.
     `serve.delete(app_name)` stops it.
