@@ -83,3 +83,14 @@ def test_a_serve_replica_s_threads_are_its_engine_s_cpu_threads(threads_kept, tm
 
     assert asyncio.run(run()) == threads_kept + 1
     assert dict(os.environ) == environment
+
+
+@pytest.mark.parametrize("value", [0, 1.5, True])
+def test_deploy_refuses_a_thread_count_before_it_starts_anything(value):
+    """Checked in the caller, before Ray or Serve start: not in every replica, in a loop of restarts."""
+    pytest.importorskip("ray")
+    from gristmill.ray import deploy
+
+    with pytest.raises(RequestError, match="deploy: threads must be a positive integer") as caught:
+        deploy(EngineConfig(), threads=value)
+    assert caught.value.param == "threads"
