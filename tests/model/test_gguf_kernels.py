@@ -308,6 +308,33 @@ def test_panels_packed_once_of_odd_parts_give_the_same_floats(isa):
         assert torch.equal(packed(x), plain(x)), rows
 
 
+# Each type's code bytes within its block (every other byte holds scales): set to 0xff
+# they make every code its largest (Q8_0's 0x80: -128, the largest |code|).
+CODE_BYTES = {T.Q8_0: (2, 34, 0x80), T.Q4_0: (2, 18, 0xFF), T.Q5_0: (2, 22, 0xFF), T.Q4_K: (16, 144, 0xFF),
+              T.Q5_K: (16, 176, 0xFF), T.Q6_K: (0, 192, 0xFF)}
+
+
+@pytest.mark.parametrize("isa", PATHS)
+@pytest.mark.parametrize("ggml_type", TYPES)
+def test_the_largest_codes_against_the_largest_activations(isa, ggml_type):
+    # Every code at its largest and every activation at 127 (or -127): the largest integer
+    # sums any block gives, which the vector paths add in 16 bits where they fit (avx2's
+    # panels) and must never wrap
+    blocks = _made(ggml_type, 70, 768, seed=11)
+    start, end, code = CODE_BYTES[ggml_type]
+    type_size = gguf.GGML_QUANT_SIZES[ggml_type][1]
+    blocks.view(70, -1, type_size)[:, :, start:end] = code
+    w, magnitude = _dequantize(ggml_type, blocks), _magnitude(ggml_type, blocks)
+    layers = [_layer([(ggml_type, blocks)], 768, isa=isa)]
+    if isa > 0:
+        layers.append(_packed(_layer([(ggml_type, blocks)], 768, isa=isa)))
+    for rows in (1, 5, 64):
+        for sign in (1.0, -1.0):
+            x = torch.full((rows, 768), sign * 0.5)
+            for layer in layers:
+                _assert_within_bound(layer(x), x, w, magnitude)
+
+
 def test_panels_packed_for_another_path_are_not_read():
     if BEST < 2:
         pytest.skip("this CPU has one vector path")

@@ -66,6 +66,10 @@ struct Vec {
   // acc + codes . x, 4 products a lane; codes unsigned (Q8_0's shifted), x signed.
   template <bool kSigned>
   static GGUF_TARGET I dot(I acc, I codes, I x) { return _mm512_dpbusd_epi32(acc, codes, x); }
+  // add_groups names these three; with vpdpbusd it takes no 16-bit runs (int16_run: 1)
+  static GGUF_TARGET I pairs(I codes, I x) { return _mm512_maddubs_epi16(codes, x); }
+  static GGUF_TARGET I add16(I a, I b) { return _mm512_add_epi16(a, b); }
+  static GGUF_TARGET I add_pairs(I acc, I p) { return _mm512_add_epi32(acc, _mm512_madd_epi16(p, _mm512_set1_epi16(1))); }
 };
 #else
 struct Vec {
@@ -114,6 +118,11 @@ struct Vec {
   }
   template <bool kSigned>
   static GGUF_TARGET I dot(I acc, I codes, I x) { return kSigned ? dot_s8(acc, codes, x) : dot_u8(acc, codes, x); }
+  // 16-bit lane l: codes[2l] x[2l] + codes[2l + 1] x[2l + 1] (codes unsigned, x signed).
+  static GGUF_TARGET I pairs(I codes, I x) { return _mm256_maddubs_epi16(codes, x); }
+  static GGUF_TARGET I add16(I a, I b) { return _mm256_add_epi16(a, b); }
+  // acc + each 32-bit lane's two 16-bit pair sums.
+  static GGUF_TARGET I add_pairs(I acc, I p) { return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1))); }
 };
 #endif
 
@@ -214,27 +223,54 @@ GGUF_TARGET inline Vec::F record_float(const uint8_t* rec, int which, int v) {
 
 #include "gguf_pack_x86.h"
 
+// Groups of 4 codes a lane whose vpmaddubsw pair sums add up in 16 bits before one
+// vpmaddwd widens them (avx2): a pair sum is at most 2 * kCodeMax * 127 (activations in
+// [-127, 127]), so Q4_0's and Q4_K's 8 groups (30480), Q5's 4, Q6_K's 2, Q8_0's 1. The
+// sums are the same integers, in fewer instructions (vpdpbusd: one a group anyway).
+template <class G>
+constexpr int int16_run() {
+  return GGUF_VNNI || G::kSigned ? 1 : 32767 / (2 * G::kCodeMax * 127);
+}
+
+// acc[i][v] + the record's codes of groups [g0, g1) . activation row i's.
+template <class G, bool kOnce, int NV, int MR>
+GGUF_TARGET inline void add_groups(const uint8_t* rec, const int8_t* x, int64_t ldx, int g0, int g1,
+                                   Vec::I acc[MR][NV]) {
+  constexpr int kRun = int16_run<G>();
+  for (int r = g0; r < g1; r += kRun) {
+    Vec::I pairs[MR][NV];
+    for (int g = r; g < std::min(r + kRun, g1); ++g) {
+      Vec::I codes[NV];
+      for (int v = 0; v < NV; ++v) codes[v] = record_codes<G, kOnce, NV>(rec, g, v);
+      for (int i = 0; i < MR; ++i) {
+        const Vec::I xv = Vec::set1(linear::load4(x + i * ldx + 4 * g));
+        for (int v = 0; v < NV; ++v) {
+          if constexpr (kRun == 1)
+            acc[i][v] = Vec::dot<G::kSigned && !GGUF_VNNI>(acc[i][v], codes[v], xv);
+          else
+            pairs[i][v] = g == r ? Vec::pairs(codes[v], xv) : Vec::add16(pairs[i][v], Vec::pairs(codes[v], xv));
+        }
+      }
+    }
+    if constexpr (kRun > 1)
+      for (int i = 0; i < MR; ++i)
+        for (int v = 0; v < NV; ++v) acc[i][v] = Vec::add_pairs(acc[i][v], pairs[i][v]);
+  }
+}
+
 // One record's S_j against MR activation rows (x: block j of each, ldx apart; x16: its
 // two sums of 16, ld16 apart), as floats (exact: |S_j| < 2^24): s[i][v].
 template <class G, bool kOnce, int NV, int MR>
 GGUF_TARGET inline void record_sums(const uint8_t* rec, const int8_t* x, int64_t ldx, const int16_t* x16,
                                     int64_t ld16, Vec::F s[MR][NV]) {
   constexpr int kVecBytes = kLanes * 4, kOffset = panel_offset<G>();
-  constexpr bool kSigned = G::kSigned && !GGUF_VNNI;
   if constexpr (G::kSplit16) {  // per half: lane_scale * (codes . x - offset * X_half), summed in float
     const float* lane = reinterpret_cast<const float*>(rec + 8 * NV * kVecBytes) + NV * kLanes;
     for (int h = 0; h < 2; ++h) {
       Vec::I acc[MR][NV];
       for (int i = 0; i < MR; ++i)
         for (int v = 0; v < NV; ++v) acc[i][v] = Vec::set1(-kOffset * x16[i * ld16 + h]);
-      for (int g = 4 * h; g < 4 * h + 4; ++g) {
-        Vec::I codes[NV];
-        for (int v = 0; v < NV; ++v) codes[v] = Vec::load(rec + (g * NV + v) * kVecBytes);
-        for (int i = 0; i < MR; ++i) {
-          const Vec::I xv = Vec::set1(linear::load4(x + i * ldx + 4 * g));
-          for (int v = 0; v < NV; ++v) acc[i][v] = Vec::dot<kSigned>(acc[i][v], codes[v], xv);
-        }
-      }
+      add_groups<G, kOnce, NV, MR>(rec, x, ldx, 4 * h, 4 * h + 4, acc);
       for (int v = 0; v < NV; ++v) {
         const Vec::F scale = Vec::loadf(lane + (h * NV + v) * kLanes);
         for (int i = 0; i < MR; ++i)
@@ -247,14 +283,7 @@ GGUF_TARGET inline void record_sums(const uint8_t* rec, const int8_t* x, int64_t
       const Vec::I start = Vec::set1(kOffset == 0 ? 0 : -kOffset * (x16[i * ld16] + x16[i * ld16 + 1]));
       for (int v = 0; v < NV; ++v) acc[i][v] = start;
     }
-    for (int g = 0; g < 8; ++g) {
-      Vec::I codes[NV];
-      for (int v = 0; v < NV; ++v) codes[v] = record_codes<G, kOnce, NV>(rec, g, v);
-      for (int i = 0; i < MR; ++i) {
-        const Vec::I xv = Vec::set1(linear::load4(x + i * ldx + 4 * g));
-        for (int v = 0; v < NV; ++v) acc[i][v] = Vec::dot<kSigned>(acc[i][v], codes[v], xv);
-      }
-    }
+    add_groups<G, kOnce, NV, MR>(rec, x, ldx, 0, 8, acc);
     for (int i = 0; i < MR; ++i)
       for (int v = 0; v < NV; ++v) s[i][v] = Vec::cvt(acc[i][v]);
   }
@@ -306,8 +335,10 @@ GGUF_TARGET void panel_tile(const uint8_t* panel, int64_t n_rows, int64_t k, con
     }
 }
 
-// Rows a panel tile meets at once: what the registers hold (zmm: 32, ymm: 16).
-constexpr int kPanelMR = GGUF_VNNI ? 4 : 2;
+// Rows a panel tile meets at once: what the registers hold (zmm: 32; ymm: 16, where
+// Q6_K's short 16-bit runs leave room for a third row: 1.07x at 64 rows, the others 0.93-1.0x).
+template <class G>
+constexpr int kPanelMR = GGUF_VNNI ? 4 : G::kSplit16 ? 3 : 2;
 
 // Activation rows i.. (MR of them) against a panel: the first (i = 0) of a panel packed
 // once ask for its bytes ahead.
@@ -321,7 +352,7 @@ GGUF_TARGET inline void panel_rows(const uint8_t* panel, int64_t n_rows, int64_t
 template <class G, bool kOnce, int NV>
 GGUF_TARGET void panel_nv(const uint8_t* panel, int64_t n_rows, int64_t k, const Acts& a, int mb, float* out) {
   int i = 0;
-  for (; i + kPanelMR <= mb; i += kPanelMR) panel_rows<G, kOnce, NV, kPanelMR>(panel, n_rows, k, a, i, out);
+  for (; i + kPanelMR<G> <= mb; i += kPanelMR<G>) panel_rows<G, kOnce, NV, kPanelMR<G>>(panel, n_rows, k, a, i, out);
   switch (mb - i) {
     case 1: panel_rows<G, kOnce, NV, 1>(panel, n_rows, k, a, i, out); break;
     case 2: panel_rows<G, kOnce, NV, 2>(panel, n_rows, k, a, i, out); break;

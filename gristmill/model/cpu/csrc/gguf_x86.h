@@ -129,10 +129,11 @@ GGUF_TARGET inline __m256i offset_sums(const int16_t* x16) {
 // Each format: load_group(p) (a whole group: 8 blocks, or one super-block) into codes
 // q[8] and float `scale` and `min` per block; block_sums(x, x16), each block's S_j (lane
 // j) against the group's activations; kOffset, kSplit16 (lane scales per 16: Q6_K),
-// kSigned (Q8_0's signed codes) for the panels.
+// kSigned (Q8_0's signed codes) and kCodeMax (the largest code, Q8_0's as |code|) for
+// the panels.
 
 struct Q8_0 {
-  static constexpr int kBlockSize = 32, kBlockBytes = 34, kOffset = 0;
+  static constexpr int kBlockSize = 32, kBlockBytes = 34, kOffset = 0, kCodeMax = 128;
   static constexpr bool kHasMin = false, kSplit16 = false, kSigned = true;
   __m256i q[8];
   __m256 scale, min;
@@ -150,6 +151,7 @@ struct Q8_0 {
 template <bool kFifthBit>
 struct Q4_0 {  // and Q5_0
   static constexpr int kBlockSize = 32, kBlockBytes = kFifthBit ? 22 : 18, kOffset = kFifthBit ? 16 : 8;
+  static constexpr int kCodeMax = kFifthBit ? 31 : 15;
   static constexpr bool kHasMin = false, kSplit16 = false, kSigned = false;
   __m256i q[8];
   __m256 scale, min;
@@ -170,6 +172,7 @@ struct Q4_0 {  // and Q5_0
 template <bool kFifthBit>
 struct Q4_K {  // and Q5_K
   static constexpr int kBlockSize = 256, kBlockBytes = kFifthBit ? 176 : 144, kOffset = 0;
+  static constexpr int kCodeMax = kFifthBit ? 31 : 15;
   static constexpr bool kHasMin = true, kSplit16 = false, kSigned = false;
   __m256i q[8];
   __m256 scale, min;
@@ -205,7 +208,7 @@ struct Q4_K {  // and Q5_K
 // Q6_K: codes in [0, 63]; each block's lanes widened by its two 16-wide scales (low 128
 // bits: scale 2j, high: 2j + 1), which vpmaddwd applies as it widens.
 struct Q6_K {
-  static constexpr int kBlockSize = 256, kBlockBytes = 210, kOffset = 32;
+  static constexpr int kBlockSize = 256, kBlockBytes = 210, kOffset = 32, kCodeMax = 63;
   static constexpr bool kHasMin = false, kSplit16 = true, kSigned = false;
   __m256i q[8];
   __m256 scale, min;
