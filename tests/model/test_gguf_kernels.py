@@ -335,6 +335,24 @@ def test_the_largest_codes_against_the_largest_activations(isa, ggml_type):
                 _assert_within_bound(layer(x), x, w, magnitude)
 
 
+@pytest.mark.parametrize("isa", PATHS)
+@pytest.mark.parametrize("in_features", [96, 672])
+def test_a_short_last_group_adds_nothing_from_the_next_rows_blocks(isa, in_features):
+    # A row of 32-wide blocks whose count is not a multiple of 8 ends in a short group,
+    # which the kernels read on into the next row's blocks: there every odd row's scales
+    # are NaN (its own outputs NaN, as gguf's), which must not reach the even rows' outputs
+    blocks = _made(T.Q8_0, 40, in_features, seed=13)
+    blocks.view(40, -1, 34)[1::2, :, 0:2] = torch.tensor([0x00, 0x7E], dtype=torch.uint8)  # fp16 NaN
+    w = _dequantize(T.Q8_0, blocks)
+    assert w[1::2].isnan().all() and w[0::2].isfinite().all()
+    layer = _layer([(T.Q8_0, blocks)], in_features, isa=isa)
+    for rows in (1, 5):
+        x = _inputs(rows, in_features, seed=rows)
+        y = layer(x)
+        assert y[:, 1::2].isnan().all()
+        _assert_within_bound(y[:, 0::2], x, w[0::2], _magnitude(T.Q8_0, blocks)[0::2])
+
+
 def test_panels_packed_for_another_path_are_not_read():
     if BEST < 2:
         pytest.skip("this CPU has one vector path")

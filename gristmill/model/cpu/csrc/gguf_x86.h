@@ -256,7 +256,14 @@ GGUF_TARGET void rows_m(const uint8_t* w, int64_t row_bytes, int64_t n_rows, int
                         float* out) {
   constexpr int64_t kGroupBytes = G::kBlockBytes * (kGroup / G::kBlockSize);
   const int64_t groups = (k + kGroup - 1) / kGroup, full = k / kGroup;
-  // A 32-wide type's short last group: its blocks, then zeros (scale 0: they add nothing).
+  // A 32-wide type's short last group (its blocks, then the activations' zero padding):
+  // read where it lies, on into the next row's bytes, with the scales past its blocks
+  // set to 0 (their sums are 0: the padding's); where that would read past the tile, its
+  // blocks copied before zeros. A copy a row cost a 640-wide Q5_0 matrix more time than a
+  // 768-wide one at one activation row.
+  const int64_t tail_bytes = row_bytes - full * kGroupBytes, past = kGroupBytes - tail_bytes;
+  const __m256 kept = _mm256_castsi256_ps(_mm256_cmpgt_epi32(
+      _mm256_set1_epi32(int(tail_bytes / G::kBlockBytes)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
   alignas(32) uint8_t tail[kGroupBytes] = {};
   G g;
   for (int64_t r = 0; r < n_rows; ++r) {
@@ -267,8 +274,11 @@ GGUF_TARGET void rows_m(const uint8_t* w, int64_t row_bytes, int64_t n_rows, int
       for (int64_t o = 0; o < kGroupBytes; o += 64) _mm_prefetch((const char*)row + gi * kGroupBytes + kAhead + o, _MM_HINT_T0);
       if (gi < full) {
         g.load_group(row + gi * kGroupBytes);
+      } else if ((r + 1) * row_bytes + past <= n_rows * row_bytes) {
+        g.load_group(row + gi * kGroupBytes);
+        g.scale = _mm256_and_ps(g.scale, kept);
       } else {
-        std::memcpy(tail, row + gi * kGroupBytes, row_bytes - gi * kGroupBytes);
+        std::memcpy(tail, row + gi * kGroupBytes, tail_bytes);
         g.load_group(tail);
       }
       for (int i = 0; i < MB; ++i) {
