@@ -158,9 +158,9 @@ class GGUFLinear(QuantizedLinear):
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.out_features):
             raise IndexError(f"row ids must lie in [0, {self.out_features})")
         starts = self._starts
-        part = torch.bucketize(ids, starts, right=True) - 1
         ext = kernels.int8_extension()
         if ext is None:
+            part = torch.bucketize(ids, starts, right=True) - 1
             out = torch.empty(ids.numel(), self.in_features)
             for p, (ggml_type, data) in enumerate(self.parts):
                 chosen = (part == p).nonzero().view(-1)
@@ -168,11 +168,15 @@ class GGUFLinear(QuantizedLinear):
                     rows = data[ids[chosen] - starts[p]].numpy()
                     out[chosen] = torch.from_numpy(dequantize(rows, ggml_type))
             return out
-        types = torch.tensor([int(t) for t, _ in self.parts])
-        bases = torch.tensor([data.data_ptr() for _, data in self.parts])
-        row_bytes = torch.tensor([data.shape[1] for _, data in self.parts])
-        pointers = bases[part] + (ids - starts[part]) * row_bytes[part]
-        layout = torch.stack([types[part], torch.ones_like(ids), pointers], dim=1)  # one part a row
+        if len(self.parts) == 1:  # (a token embedding table: one part)
+            ggml_type, data = self.parts[0]
+            types, pointers = torch.full_like(ids, int(ggml_type)), ids * data.shape[1] + data.data_ptr()
+        else:
+            part = torch.bucketize(ids, starts, right=True) - 1
+            row_bytes = torch.tensor([data.shape[1] for _, data in self.parts])
+            types = self.layout[part, 0]
+            pointers = self.layout[part, 2] + (ids - starts[part]) * row_bytes[part]
+        layout = torch.stack([types, torch.ones_like(ids), pointers], dim=1)  # one part a row
         return ext.gguf_dequantize(layout.contiguous(), self.in_features)
 
     def _dequantized_chunks(self):
