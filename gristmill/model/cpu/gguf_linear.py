@@ -106,8 +106,8 @@ class GGUFLinear(QuantizedLinear):
                 for t, data in self.parts]
 
     def panels_replace_bytes(self, isa: int | None = None) -> list[bool]:
-        """Whether each part's panels, once packed, are read at every row count (Q8_0's,
-        Q4_0's and Q5_0's, compact), so that its bytes are never read again."""
+        """Whether each part's panels, once packed, are read at every row count (Q8_0's and
+        Q4_0's, compact), so that its bytes are never read again."""
         ext = kernels.int8_extension()
         if ext is None:
             return [False] * len(self.parts)

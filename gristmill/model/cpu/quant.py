@@ -123,10 +123,10 @@ def pack_panels(layers: list, checkpoint, budget: int) -> int:
     lays out afresh at every call of many rows), in the order given, each layer whose cost
     fits in what is left of `budget` bytes. The K types' panels are not packed: over
     twice their bytes, read from memory they took as long as packing them afresh
-    (benchmarks/gguf_kernels.py --panels). A Q8_0, Q4_0 or Q5_0 part read where it lies
-    in the file costs nothing: its panels are compact, the file's own size (34, 18 and 22
-    bytes a row and block), the kernel reads them at every row count, and its pages of the
-    file are released. `layers`: (GGUFLinear, the checkpoint's names of its parts). Returns the
+    (benchmarks/gguf_kernels.py --panels). A Q8_0 or Q4_0 part read where it lies in the
+    file costs nothing: its panels are compact, the file's own size (34 and 18 bytes a row
+    and block), the kernel reads them at every row count, and its pages of the file are
+    released. `layers`: (GGUFLinear, the checkpoint's names of its parts). Returns the
     bytes spent."""
     from gguf import GGMLQuantizationType as T
 

@@ -211,7 +211,7 @@ struct Kernels {
   PanelFn panel;
   int panel_rows;        // rows a panel holds
   int panel_block_bytes;  // bytes a panel holds a row and 32-block
-  // Panels packed once (gguf_pack_panels), compact for Q8_0, Q4_0 and Q5_0 (the file's size):
+  // Panels packed once (gguf_pack_panels), compact for Q8_0 and Q4_0 (the file's size):
   // how they are packed and read, their bytes a row and 32-block, and the fewest
   // activation rows that read them rather than the part's bytes.
   PackFn pack_once = nullptr;

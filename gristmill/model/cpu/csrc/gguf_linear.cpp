@@ -14,9 +14,9 @@
 // rows (decode) read a tile from the file's bytes, each group of 256 weights loaded once
 // for up to 4 rows; many rows first pack the tile into panels (Tiles::prepare), which
 // every row of the chunk then meets. A part whose panels were packed once (at load:
-// gguf_pack_panels, a layout of 5 columns; Q8_0's, Q4_0's and Q5_0's compact) has its
-// tiles' panels read from there instead, from Kernels::once_from_rows rows (the compact
-// ones: from one). Code paths, chosen at run time: avx512_vnni and avx2 (gguf_x86.h), and portable;
+// gguf_pack_panels, a layout of 5 columns; Q8_0's and Q4_0's compact) has its tiles'
+// panels read from there instead, from Kernels::once_from_rows rows (Q8_0, Q4_0: from
+// one). Code paths, chosen at run time: avx512_vnni and avx2 (gguf_x86.h), and portable;
 // all give the same floats, whichever way a row goes.
 #include "gguf_blocks.h"
 

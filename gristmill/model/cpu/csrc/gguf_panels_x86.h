@@ -170,38 +170,27 @@ inline void pass_starts(int64_t blocks, int64_t start[8]) {
   }
 }
 
-// Compact records, in panels packed once (at load) for Q4_0, Q5_0 and Q8_0: the same
-// records with the scales as the file's fp16, and Q4_0's and Q5_0's low 4 bits of each
-// code two a byte (group g's in the low nibble, group g + 4's in the high one), Q5_0's
-// fifth bits after them, a 32-bit word a row (bit 8c + g: code c of group g): 18, 22 and
-// 34 bytes a row and block, the file's own sizes, so that one activation row reads them
-// as fast as the bytes. The panel kernels unpack them in registers (a group's codes: an
-// and, or a shift and an and; Q5_0's fifth bits a shift, an and and an or more, a
+// Compact records, in panels packed once (at load) for Q4_0 and Q8_0: the same records
+// with the scales as the file's fp16, and Q4_0's codes two a byte (group g's in the low
+// nibble, group g + 4's in the high one): 18 and 34 bytes a row and block, the file's
+// own sizes, so that one activation row reads them as fast as the bytes. The panel
+// kernels unpack them in registers (Q4_0's codes: an and, or a shift and an and, a
 // vector). (Q4_K's would take its d x sc and dmin x m apart again, a record at a time:
 // 1.13-1.15x the time of its bytes at one row; docs/performance.md, stop 61.)
 template <class G>
 constexpr bool kCompact = false;
-template <bool kFifthBit>
-constexpr bool kCompact<Q4_0<kFifthBit>> = true;
+template <>
+constexpr bool kCompact<Q4_0<false>> = true;
 template <>
 constexpr bool kCompact<Q8_0> = true;
 
-// Codes two a byte in a compact record (Q8_0's: one a byte, as in a panel packed afresh),
-// and for Q5_0 a word of fifth bits a row.
+// Codes two a byte in a compact record (Q8_0's: one a byte, as in a panel packed afresh).
 template <class G>
-constexpr bool kNibbles = std::is_same_v<G, Q4_0<false>> || std::is_same_v<G, Q4_0<true>>;
-template <class G>
-constexpr bool kFifthBits = std::is_same_v<G, Q4_0<true>>;
-
-// The bytes of a compact record's codes, a row (then its fp16 scales).
-template <class G>
-constexpr int compact_code_bytes() {
-  return kNibbles<G> ? 16 + (kFifthBits<G> ? 4 : 0) : 32;
-}
+constexpr bool kNibbles = std::is_same_v<G, Q4_0<false>>;
 
 template <class G>
 constexpr int64_t compact_record_bytes(int nv) {
-  return int64_t(nv) * kLanes * (compact_code_bytes<G>() + 2);
+  return int64_t(nv) * kLanes * ((kNibbles<G> ? 16 : 32) + 2);
 }
 
 // A record's bytes, compact or not.
@@ -216,12 +205,7 @@ GGUF_TARGET inline Vec::I record_codes(const uint8_t* rec, int g, int v) {
   constexpr int kVecBytes = kLanes * 4;
   if constexpr (kOnce && kNibbles<G>) {
     const Vec::I both = Vec::load(rec + ((g & 3) * NV + v) * kVecBytes);
-    const Vec::I low = Vec::and_(g < 4 ? both : Vec::shift16(both, -4), Vec::bytes(0x0f));
-    if constexpr (!kFifthBits<G>) return low;
-    // bit g of each byte of the row's word to bit 4 (a 32-bit shift: no other bit lands there)
-    const Vec::I fifth = Vec::load(rec + (4 * NV + v) * kVecBytes);
-    const Vec::I moved = g <= 4 ? Vec::slli32(fifth, 4 - g) : Vec::srli32(fifth, g - 4);
-    return Vec::or_(low, Vec::and_(moved, Vec::bytes(0x10)));
+    return Vec::and_(g < 4 ? both : Vec::shift16(both, -4), Vec::bytes(0x0f));
   } else {
     return Vec::load(rec + (g * NV + v) * kVecBytes);
   }
@@ -232,7 +216,7 @@ template <class G, bool kOnce, int NV>
 GGUF_TARGET inline Vec::F record_float(const uint8_t* rec, int which, int v) {
   constexpr int kVecBytes = kLanes * 4;
   if constexpr (kOnce)
-    return Vec::halfs(rec + NV * kLanes * compact_code_bytes<G>() + v * kLanes * 2);
+    return Vec::halfs(rec + (kNibbles<G> ? 4 : 8) * NV * kVecBytes + v * kLanes * 2);
   else
     return Vec::loadf(reinterpret_cast<const float*>(rec + 8 * NV * kVecBytes) + (which * NV + v) * kLanes);
 }
@@ -253,7 +237,7 @@ template <class G, bool kOnce, int NV, int MR>
 GGUF_TARGET inline void add_groups(const uint8_t* rec, const int8_t* x, int64_t ldx, int g0, int g1,
                                    Vec::I acc[MR][NV]) {
   constexpr int kRun = int16_run<G>();
-  const auto run = [&](int r) {  // groups [r, r + kRun)
+  for (int r = g0; r < g1; r += kRun) {
     Vec::I pairs[MR][NV];
     for (int g = r; g < std::min(r + kRun, g1); ++g) {
       Vec::I codes[NV];
@@ -271,16 +255,6 @@ GGUF_TARGET inline void add_groups(const uint8_t* rec, const int8_t* x, int64_t 
     if constexpr (kRun > 1)
       for (int i = 0; i < MR; ++i)
         for (int v = 0; v < NV; ++v) acc[i][v] = Vec::add_pairs(acc[i][v], pairs[i][v]);
-  };
-  if constexpr (kOnce && kFifthBits<G>) {
-    // unrolled, so that each group's shifts of the fifth bits are immediates (left to
-    // itself the compiler kept a loop of variable shifts and spilled: 1.2x the time at
-    // 64 rows); the other formats as the compiler has them (unrolled so, Q4_0's compact
-    // panels took 1.2x the time)
-#pragma GCC unroll 8
-    for (int r = g0; r < g1; r += kRun) run(r);
-  } else {
-    for (int r = g0; r < g1; r += kRun) run(r);
   }
 }
 
@@ -403,8 +377,7 @@ void pack(const uint8_t* w, int64_t row_bytes, int64_t n_rows, int64_t k, uint8_
 }
 
 // A compact panel (kCompact formats): packed by pack_rows, then each record's scales
-// back to the fp16 they were (exactly: they came from it), and Q4_0's and Q5_0's codes
-// two a byte, Q5_0's fifth bits in a word a row.
+// back to the fp16 they were (exactly: they came from it), and Q4_0's codes two a byte.
 template <class G>
 GGUF_TARGET void pack_compact(const uint8_t* w, int64_t row_bytes, int64_t n_rows, int64_t k, uint8_t* dst) {
   constexpr int kVecBytes = kLanes * 4;
@@ -417,18 +390,8 @@ GGUF_TARGET void pack_compact(const uint8_t* w, int64_t row_bytes, int64_t n_row
     const uint8_t* f = panel.data() + r * full;
     uint8_t* c = dst + r * compact;
     if constexpr (kNibbles<G>) {
-      for (int64_t b = 0; b < half; ++b) c[b] = uint8_t((f[b] & 0x0f) | (f[b + half] & 0x0f) << 4);
+      for (int64_t b = 0; b < half; ++b) c[b] = uint8_t(f[b] | (f[b + half] << 4));
       c += half;
-      if constexpr (kFifthBits<G>) {  // code byte (g, v, lane, c) at ((g * nv + v) * kLanes + lane) * 4 + c
-        for (int64_t lane = 0; lane < nv * kLanes; ++lane) {
-          uint32_t word = 0;
-          for (int g = 0; g < 8; ++g)
-            for (int b = 0; b < 4; ++b)
-              word |= uint32_t(f[(g * nv * kLanes + lane) * 4 + b] >> 4 & 1) << (8 * b + g);
-          std::memcpy(c + 4 * lane, &word, 4);
-        }
-        c += nv * kVecBytes;
-      }
     } else {
       std::memcpy(c, f, codes);
       c += codes;

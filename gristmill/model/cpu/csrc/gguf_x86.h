@@ -326,9 +326,9 @@ struct RowFormat<Q6_K> { using T = Q6_KZ; };
 #endif
 
 // Activation rows from which a part's panels packed once (at load) are read instead of its
-// bytes: the compact ones (kCompact: Q8_0's, Q4_0's and Q5_0's, the file's size) from
-// one row, their part's pages of the file released; the others' are about twice their
-// bytes, which a few rows read as fast.
+// bytes: the compact ones (kCompact: Q8_0's and Q4_0's, the file's size) from one row,
+// their part's pages of the file released; the others' are about twice their bytes,
+// which a few rows read as fast.
 constexpr int kPrepackedRows = 4;
 
 // A format's kernels on this path: rows from the bytes in its RowFormat, panels of G
