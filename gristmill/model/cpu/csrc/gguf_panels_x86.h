@@ -66,7 +66,7 @@ struct Vec {
   // acc + codes . x, 4 products a lane; codes unsigned (Q8_0's shifted), x signed.
   template <bool kSigned>
   static GGUF_TARGET I dot(I acc, I codes, I x) { return _mm512_dpbusd_epi32(acc, codes, x); }
-  // add_groups names these three; with vpdpbusd it takes no 16-bit runs (int16_run: 1)
+  // add_runs names these three; with vpdpbusd it takes no 16-bit runs (int16_run: 1)
   static GGUF_TARGET I pairs(I codes, I x) { return _mm512_maddubs_epi16(codes, x); }
   static GGUF_TARGET I add16(I a, I b) { return _mm512_add_epi16(a, b); }
   static GGUF_TARGET I add_pairs(I acc, I p) { return _mm512_add_epi32(acc, _mm512_madd_epi16(p, _mm512_set1_epi16(1))); }
@@ -232,45 +232,56 @@ constexpr int int16_run() {
   return GGUF_VNNI || G::kSigned ? 1 : 32767 / (2 * G::kCodeMax * 127);
 }
 
-// acc[i][v] + the record's codes of groups [g0, g1) . activation row i's.
+// acc[i][v] + the record's codes of groups [g0, g1) . activation row i's, in runs of
+// int16_run groups (> 1: avx2's 4-bit and 5-bit codes, Q6_K's).
 template <class G, bool kOnce, int NV, int MR>
-GGUF_TARGET inline void add_groups(const uint8_t* rec, const int8_t* x, int64_t ldx, int g0, int g1,
-                                   Vec::I acc[MR][NV]) {
+GGUF_TARGET inline void add_runs(const uint8_t* rec, const int8_t* x, int64_t ldx, int g0, int g1,
+                                 Vec::I acc[MR][NV]) {
   constexpr int kRun = int16_run<G>();
   for (int r = g0; r < g1; r += kRun) {
     Vec::I pairs[MR][NV];
-    for (int g = r; g < std::min(r + kRun, g1); ++g) {
+    for (int g = r; g < r + kRun; ++g) {
       Vec::I codes[NV];
       for (int v = 0; v < NV; ++v) codes[v] = record_codes<G, kOnce, NV>(rec, g, v);
       for (int i = 0; i < MR; ++i) {
         const Vec::I xv = Vec::set1(linear::load4(x + i * ldx + 4 * g));
-        for (int v = 0; v < NV; ++v) {
-          if constexpr (kRun == 1)
-            acc[i][v] = Vec::dot<G::kSigned && !GGUF_VNNI>(acc[i][v], codes[v], xv);
-          else
-            pairs[i][v] = g == r ? Vec::pairs(codes[v], xv) : Vec::add16(pairs[i][v], Vec::pairs(codes[v], xv));
-        }
+        for (int v = 0; v < NV; ++v)
+          pairs[i][v] = g == r ? Vec::pairs(codes[v], xv) : Vec::add16(pairs[i][v], Vec::pairs(codes[v], xv));
       }
     }
-    if constexpr (kRun > 1)
-      for (int i = 0; i < MR; ++i)
-        for (int v = 0; v < NV; ++v) acc[i][v] = Vec::add_pairs(acc[i][v], pairs[i][v]);
+    for (int i = 0; i < MR; ++i)
+      for (int v = 0; v < NV; ++v) acc[i][v] = Vec::add_pairs(acc[i][v], pairs[i][v]);
   }
 }
 
 // One record's S_j against MR activation rows (x: block j of each, ldx apart; x16: its
-// two sums of 16, ld16 apart), as floats (exact: |S_j| < 2^24): s[i][v].
+// two sums of 16, ld16 apart), as floats (exact: |S_j| < 2^24): s[i][v]. A group at a
+// time where int16_run is 1, in the loops as they were before the 16-bit runs (written
+// through add_runs' shape, the compiler scheduled avx512_vnni's Q6_K tiles otherwise:
+// 1.2x slower at 64 rows).
 template <class G, bool kOnce, int NV, int MR>
 GGUF_TARGET inline void record_sums(const uint8_t* rec, const int8_t* x, int64_t ldx, const int16_t* x16,
                                     int64_t ld16, Vec::F s[MR][NV]) {
   constexpr int kVecBytes = kLanes * 4, kOffset = panel_offset<G>();
+  constexpr bool kSigned = G::kSigned && !GGUF_VNNI, kRuns = int16_run<G>() > 1;
   if constexpr (G::kSplit16) {  // per half: lane_scale * (codes . x - offset * X_half), summed in float
     const float* lane = reinterpret_cast<const float*>(rec + 8 * NV * kVecBytes) + NV * kLanes;
     for (int h = 0; h < 2; ++h) {
       Vec::I acc[MR][NV];
       for (int i = 0; i < MR; ++i)
         for (int v = 0; v < NV; ++v) acc[i][v] = Vec::set1(-kOffset * x16[i * ld16 + h]);
-      add_groups<G, kOnce, NV, MR>(rec, x, ldx, 4 * h, 4 * h + 4, acc);
+      if constexpr (kRuns) {
+        add_runs<G, kOnce, NV, MR>(rec, x, ldx, 4 * h, 4 * h + 4, acc);
+      } else {
+        for (int g = 4 * h; g < 4 * h + 4; ++g) {
+          Vec::I codes[NV];
+          for (int v = 0; v < NV; ++v) codes[v] = Vec::load(rec + (g * NV + v) * kVecBytes);
+          for (int i = 0; i < MR; ++i) {
+            const Vec::I xv = Vec::set1(linear::load4(x + i * ldx + 4 * g));
+            for (int v = 0; v < NV; ++v) acc[i][v] = Vec::dot<kSigned>(acc[i][v], codes[v], xv);
+          }
+        }
+      }
       for (int v = 0; v < NV; ++v) {
         const Vec::F scale = Vec::loadf(lane + (h * NV + v) * kLanes);
         for (int i = 0; i < MR; ++i)
@@ -283,7 +294,18 @@ GGUF_TARGET inline void record_sums(const uint8_t* rec, const int8_t* x, int64_t
       const Vec::I start = Vec::set1(kOffset == 0 ? 0 : -kOffset * (x16[i * ld16] + x16[i * ld16 + 1]));
       for (int v = 0; v < NV; ++v) acc[i][v] = start;
     }
-    add_groups<G, kOnce, NV, MR>(rec, x, ldx, 0, 8, acc);
+    if constexpr (kRuns) {
+      add_runs<G, kOnce, NV, MR>(rec, x, ldx, 0, 8, acc);
+    } else {
+      for (int g = 0; g < 8; ++g) {
+        Vec::I codes[NV];
+        for (int v = 0; v < NV; ++v) codes[v] = record_codes<G, kOnce, NV>(rec, g, v);
+        for (int i = 0; i < MR; ++i) {
+          const Vec::I xv = Vec::set1(linear::load4(x + i * ldx + 4 * g));
+          for (int v = 0; v < NV; ++v) acc[i][v] = Vec::dot<kSigned>(acc[i][v], codes[v], xv);
+        }
+      }
+    }
     for (int i = 0; i < MR; ++i)
       for (int v = 0; v < NV; ++v) s[i][v] = Vec::cvt(acc[i][v]);
   }

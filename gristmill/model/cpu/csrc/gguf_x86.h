@@ -274,7 +274,7 @@ GGUF_TARGET void rows_m(const uint8_t* w, int64_t row_bytes, int64_t n_rows, int
       for (int64_t o = 0; o < kGroupBytes; o += 64) _mm_prefetch((const char*)row + gi * kGroupBytes + kAhead + o, _MM_HINT_T0);
       if (gi < full) {
         g.load_group(row + gi * kGroupBytes);
-      } else if ((r + 1) * row_bytes + past <= n_rows * row_bytes) {
+      } else if (G::kBlockSize == 32 && (r + 1) * row_bytes + past <= n_rows * row_bytes) {
         g.load_group(row + gi * kGroupBytes);
         g.scale = _mm256_and_ps(g.scale, kept);
       } else {
