@@ -23,6 +23,7 @@ from gristmill.model.cpu import kernels
 from gristmill.model.cpu.gguf_linear import SUPPORTED_TYPES, GGUFEmbedding, GGUFLinear
 from gristmill.gguf_file import GGUFFile
 from gristmill.paths import default_model_path
+from tests.mappings import mappings, vm_flags_at
 from tests.model.gelu_bound import assert_gelu_of
 
 T = gguf.GGMLQuantizationType
@@ -367,30 +368,6 @@ def test_panels_packed_for_another_path_are_not_read():
     assert "panels for avx512_vnni" in repr(layer)
 
 
-def _mappings():
-    """This process's mappings (/proc/self/smaps): (start, end, path or "", {field: its words})."""
-    mapping = None
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        fields = line.split()
-        if fields and "-" in fields[0] and not fields[0].endswith(":"):
-            if mapping is not None:
-                yield mapping
-            start, end = (int(v, 16) for v in fields[0].split("-"))
-            mapping = (start, end, fields[5] if len(fields) >= 6 else "", {})
-        elif fields and mapping is not None:
-            mapping[3][fields[0].rstrip(":")] = fields[1:]
-    if mapping is not None:
-        yield mapping
-
-
-def _vm_flags_at(address: int) -> list[str]:
-    """The VmFlags of this process's mapping that holds `address`."""
-    for start, end, _, fields in _mappings():
-        if start <= address < end:
-            return fields["VmFlags"]
-    raise AssertionError(f"no mapping holds {address:#x}")
-
-
 HUGE = 2 << 20
 
 
@@ -401,7 +378,7 @@ def test_panels_and_the_mapped_file_ask_for_huge_pages():
     # rate over 2 MiB pages. The advice (madvise MADV_HUGEPAGE, VmFlags "hg") is given for
     # the panels' whole 2 MiB stretches before they are written, and for the file's mapping.
     mapped = GGUFFile(default_model_path())
-    assert "hg" in _vm_flags_at(np.asarray(mapped.tensors[0].data).ctypes.data)
+    assert "hg" in vm_flags_at(np.asarray(mapped.tensors[0].data).ctypes.data)
     if BEST == 0:
         pytest.skip("this CPU has no vector path, which the panels are for")
     blocks = _made(T.Q8_0, 4096, 1024)  # panels of ~4.7 MB: at least one whole 2 MiB stretch
@@ -410,7 +387,7 @@ def test_panels_and_the_mapped_file_ask_for_huge_pages():
     panel = layer.panels[0]
     inner = -(-panel.data_ptr() // HUGE) * HUGE  # the first whole stretch
     assert inner + HUGE <= panel.data_ptr() + panel.numel()
-    assert "hg" in _vm_flags_at(inner)
+    assert "hg" in vm_flags_at(inner)
     x = _inputs(3, 1024)
     assert torch.equal(layer(x), _layer([(T.Q8_0, blocks)], 1024)(x))  # the same floats as without panels
 
@@ -418,7 +395,7 @@ def test_panels_and_the_mapped_file_ask_for_huge_pages():
 def _resident_bytes_of(path) -> int:
     """This process's resident bytes of its mappings of `path`."""
     real = str(Path(path).resolve())
-    return sum(int(fields["Rss"][0]) * 1024 for _, _, name, fields in _mappings() if name == real)
+    return sum(int(fields["Rss"][0]) * 1024 for _, _, name, fields in mappings() if name == real)
 
 
 def test_the_loader_packs_panels_within_its_budget_and_releases_q8_0_pages():
