@@ -116,10 +116,10 @@ def family(request, tmp_path_factory):
     return name, path, reference
 
 
-def _runner(path, max_num_seqs=8, max_num_batched_tokens=256, num_kv_blocks=64) -> ModelRunner:
+def _runner(path, max_num_seqs=8, max_num_batched_tokens=256, num_kv_blocks=64, max_model_len=128) -> ModelRunner:
     return ModelRunner(EngineConfig(
         model=str(path), device="cpu", dtype="float32", quantization=None, block_size=BLOCK_SIZE,
-        num_kv_blocks=num_kv_blocks, max_model_len=128, max_num_seqs=max_num_seqs,
+        num_kv_blocks=num_kv_blocks, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens))
 
 
@@ -216,6 +216,20 @@ def test_chunked_prefill(family):
     facts = result.pop("_")
     assert result == {rid: 5 for rid in prompts}
     assert facts["steps_without_logits"] >= 3 and facts["mixed_steps"] >= 1, facts
+
+
+@pytest.mark.parametrize("budget", [256, 100], ids=["whole", "chunked"])
+def test_long_prompts_through_the_chunked_prefill_attention(family, budget):
+    """Prompts of two to four chunks of queries (backends/cpu.py,
+    chunked_prefill_attention; a Gemma 3 sliding layer skips the keys behind its window),
+    whole or over several steps with earlier keys in the cache, still match."""
+    name, path, reference = family
+    runner = _runner(path, max_num_seqs=4, max_num_batched_tokens=budget, num_kv_blocks=128, max_model_len=240)
+    prompts = {"p150": _prompt(150, seed=7), "p230": _prompt(230, seed=8)}
+    result = _run_and_compare(runner, reference, prompts, max_num_seqs=4, max_num_batched_tokens=budget,
+                              max_tokens=3)
+    result.pop("_")
+    assert result == {rid: 3 for rid in prompts}
 
 
 def test_preemption_recompute(family):

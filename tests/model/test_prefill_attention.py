@@ -63,10 +63,10 @@ def test_the_cpu_backend_reads_earlier_keys_from_the_paged_cache(window):
     # A prompt's second chunk (or a prefix-cache hit): its keys so far lie in the cache's
     # blocks, in the order of the block table, this step's among them.
     torch.manual_seed(1)
-    heads, kv_heads, dim, block, prior, n = 4, 2, 16, 16, 150, 90
+    heads, kv_heads, dim, block, prior, n = 4, 2, 16, 16, 150, 2 * _CHUNK + 10
     layer = PagedAttention(heads, kv_heads, dim, 0.25, sliding_window=window)
-    blocks = torch.randperm(20)[:-(-(prior + n) // block)]  # (scattered)
-    layer.k_cache, layer.v_cache = torch.randn(20, block, kv_heads, dim), torch.randn(20, block, kv_heads, dim)
+    blocks = torch.randperm(24)[:-(-(prior + n) // block)]  # (scattered)
+    layer.k_cache, layer.v_cache = torch.randn(24, block, kv_heads, dim), torch.randn(24, block, kv_heads, dim)
     flat = (-1, kv_heads, dim)
     keys = layer.k_cache[blocks].reshape(flat)[:prior + n]
     values = layer.v_cache[blocks].reshape(flat)[:prior + n]

@@ -121,13 +121,14 @@ _CHUNK_SCORES = 1 << 20
 def _chunks_pay(layer, q: torch.Tensor, context_len: int) -> bool:
     """Where chunks of queries beat SDPA (docs/performance.md, "Prefill attention in
     chunks"): a sliding window shorter than the context (SDPA scores every key, then masks
-    them), or a chunk's scores small enough to stay in the caches."""
+    them), or two chunks' queries or more whose scores stay small enough for the caches
+    (below 128 queries the chunks' own ops cost more than they save)."""
     if q.dtype != torch.float32 or q.device.type != "cpu":
         return False
     window = layer.sliding_window
     if window is not None and context_len > window + _CHUNK:
         return True
-    return _CHUNK * layer.num_heads * context_len <= _CHUNK_SCORES
+    return q.shape[0] >= 2 * _CHUNK and _CHUNK * layer.num_heads * context_len <= _CHUNK_SCORES
 
 
 def chunked_prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
