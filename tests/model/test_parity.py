@@ -221,7 +221,7 @@ def test_chunked_prefill(family):
 @pytest.mark.parametrize("budget", [256, 100], ids=["whole", "chunked"])
 def test_long_prompts_through_the_chunked_prefill_attention(family, budget):
     """Prompts of two to four chunks of queries (backends/cpu.py,
-    chunked_prefill_attention; a Gemma 3 sliding layer skips the keys behind its window),
+    chunked_attention; a Gemma 3 sliding layer skips the keys behind its window),
     whole or over several steps with earlier keys in the cache, still match."""
     name, path, reference = family
     runner = _runner(path, max_num_seqs=4, max_num_batched_tokens=budget, num_kv_blocks=128, max_model_len=240)

@@ -93,6 +93,26 @@ class Backend:
                                                     context_len, table, md.block_size)
         return out
 
+    def bidirectional_attention(self, layer, q, k, v, md: StepMetadata) -> torch.Tensor:
+        """A decoder's attention run both ways (EmbeddingGemma: BidirectionalAttention),
+        each sequence on its own: (num_tokens, heads, dim)."""
+        out = torch.empty_like(q)
+        bounds = md.query_start_host
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            out[start:end] = self.bidirectional_sequence(layer, q[start:end], k[start:end], v[start:end])
+        return out
+
+    def bidirectional_sequence(self, layer, q, k, v) -> torch.Tensor:
+        """One sequence's tokens each attending to all of its tokens, or with
+        `layer.sliding_window` to those fewer than that many places away on either side."""
+        seq = [t.transpose(0, 1)[None] for t in (q, k, v)]  # (1, heads, len, dim)
+        mask = None
+        if layer.sliding_window is not None and q.shape[0] > layer.sliding_window:
+            places = torch.arange(q.shape[0], device=q.device)
+            mask = (places[:, None] - places[None, :]).abs() < layer.sliding_window
+        return F.scaled_dot_product_attention(*seq, attn_mask=mask, scale=layer.scale,
+                                              enable_gqa=True)[0].transpose(0, 1)
+
     def encoder_attention(self, layer, q, k, v, md: StepMetadata) -> torch.Tensor:
         """Each sequence's tokens attend to all of that sequence's (an encoder step holds
         whole prompts): (num_tokens, heads, dim). Sequences of near lengths are padded to

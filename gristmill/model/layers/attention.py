@@ -62,17 +62,7 @@ class BidirectionalAttention(nn.Module):
         self.sliding_window = sliding_window
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        bounds = get_metadata().query_start_host
-        out = torch.empty_like(q)
-        for start, end in zip(bounds[:-1], bounds[1:]):
-            seq = [t[start:end].transpose(0, 1)[None] for t in (q, k, v)]  # (1, heads, len, dim)
-            mask = None
-            if self.sliding_window is not None and end - start > self.sliding_window:
-                places = torch.arange(end - start, device=q.device)
-                mask = (places[:, None] - places[None, :]).abs() < self.sliding_window
-            out[start:end] = torch.nn.functional.scaled_dot_product_attention(
-                *seq, attn_mask=mask, scale=self.scale, enable_gqa=True)[0].transpose(0, 1)
-        return out
+        return current_backend().bidirectional_attention(self, q, k, v, get_metadata())
 
 
 def attention_inputs(module: nn.Module, positions: torch.Tensor, x: torch.Tensor,
