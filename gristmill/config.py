@@ -58,6 +58,11 @@ class EngineConfig:
     device: str = _field("auto", '"auto" (CUDA when available, else CPU), "cpu" or "cuda[:N]".')
     dtype: str = _field(
         "auto", '"auto" (bfloat16 on CUDA, float32 on CPU), "float32", "bfloat16" or "float16".')
+    kv_cache_dtype: str = _field(
+        "auto", '"auto" (the model\'s dtype), "float32", "bfloat16" or "float16": what the KV cache holds. '
+                "On CPU, float16 or bfloat16 hold twice the tokens in the same memory and a decode step "
+                "reads half the bytes; keys and values are rounded to it as they are written. On CUDA: "
+                '"auto" or the model\'s dtype.')
     quantization: str | None = _field(
         "auto", '"auto" (int8 on CPU, float on CUDA; an encoder such as BERT quantizes its activations '
                 "to 7 bits, which the AVX2 kernel multiplies faster: docs/performance.md), "
@@ -168,6 +173,8 @@ class EngineConfig:
               "device", f"must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         check(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
               f"must be 'auto', 'float32', 'bfloat16' or 'float16', got {self.dtype!r}")
+        check(self.kv_cache_dtype in ("auto", "float32", "bfloat16", "float16"), "kv_cache_dtype",
+              f"must be 'auto', 'float32', 'bfloat16' or 'float16', got {self.kv_cache_dtype!r}")
         check(self.load_format in ("auto", "dummy"), "load_format",
               f"must be 'auto' or 'dummy', got {self.load_format!r}")
         if isinstance(self.quantization, str) and self.quantization.lower() == "none":

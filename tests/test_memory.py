@@ -67,6 +67,18 @@ def test_llm_refuses_a_model_too_big_before_loading_it(tiny, tmp_path, monkeypat
     assert llm.generate("Hello", use_tqdm=False)[0].outputs[0].finish_reason in ("stop", "length")
 
 
+def test_a_narrower_kv_cache_counts_half_the_bytes_in_the_figures(tiny):
+    from gristmill import EngineConfig
+    from gristmill.engine.builder import resolve_model_dir
+    from gristmill.model.memory import memory_need_of
+
+    configs = {dtype: EngineConfig(model=str(tiny), device="cpu", max_model_len=64, max_num_seqs=4,
+                                   kv_cache_dtype=dtype) for dtype in ("auto", "float16")}
+    needs = {dtype: memory_need_of(config, resolve_model_dir(config)) for dtype, config in configs.items()}
+    assert needs["auto"].kv_cache > 0 and needs["float16"].kv_cache * 2 == needs["auto"].kv_cache
+    assert needs["float16"].weights == needs["auto"].weights
+
+
 def test_panels_packed_at_load_take_only_memory_left_beyond_the_need(monkeypatch):
     need = MemoryNeed("m", weights=3 << 30, weights_how="as stored", kv_cache=1 << 30, kv_how="", available=0,
                       available_how="")

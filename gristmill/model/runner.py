@@ -21,6 +21,7 @@ import torch
 
 from gristmill import startup
 from gristmill.config import EngineConfig
+from gristmill.errors import RequestError
 from gristmill.faults import InjectedFault
 from gristmill.model.context import forward_context
 from gristmill.model.layers import PagedAttention
@@ -121,9 +122,20 @@ class ModelRunner:
     def _kv_layers(self) -> list[PagedAttention]:
         return [m for m in self.model.modules() if isinstance(m, PagedAttention)]
 
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """What the KV cache holds (EngineConfig.kv_cache_dtype; "auto": the model's dtype)."""
+        name = self.config.kv_cache_dtype
+        dtype = self.dtype if name == "auto" else getattr(torch, name)
+        if dtype != self.dtype and self.device.type != "cpu":
+            raise RequestError(f"EngineConfig.kv_cache_dtype={name!r} is for CPU; on {self.device.type} the KV "
+                               f"cache holds the model's dtype ({str(self.dtype).removeprefix('torch.')}): "
+                               f"leave it 'auto'", param="kv_cache_dtype")
+        return dtype
+
     def _bytes_per_block(self) -> int:
         per_token = sum(2 * a.num_kv_heads * a.head_dim for a in self._kv_layers())
-        return per_token * self.block_size * (torch.finfo(self.dtype).bits // 8)
+        return per_token * self.block_size * (torch.finfo(self.kv_dtype).bits // 8)
 
     def _num_kv_blocks(self) -> int:
         config, per_block = self.config, self._bytes_per_block()
@@ -150,9 +162,9 @@ class ModelRunner:
         # One allocation for every layer: (2, num_layers, num_blocks, block_size, kv_heads, head_dim).
         shape = (2, len(attn), self.num_blocks, self.block_size, kv_heads, head_dim)
         if self.device.type == "cpu":
-            self.kv_cache = _untouched_zeros(shape, self.dtype)
+            self.kv_cache = _untouched_zeros(shape, self.kv_dtype)
         else:
-            self.kv_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
+            self.kv_cache = torch.zeros(shape, device=self.device, dtype=self.kv_dtype)
         for i, layer in enumerate(attn):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
 

@@ -67,6 +67,25 @@ def test_every_code_path_of_the_decode_attention_matches_torch(heads, kv_heads, 
         assert (got - expected).abs().max().item() < 2e-5, isa
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 1, 256), (8, 2, 24), (3, 3, 20)])
+def test_a_narrower_kv_cache_reads_as_the_float32_cache_of_its_values(cache_dtype, heads, kv_heads, head_dim):
+    # EngineConfig.kv_cache_dtype: each key and value widens exactly to the float it stands
+    # for, so every code path gives, bit for bit, what it gives over a float32 cache
+    # holding the same values; and the torch path agrees with it.
+    backend = _cpu_backend()
+    attn, md, q = _decode_case(heads, kv_heads, head_dim, None, [1, 40, 17])
+    narrow = (attn.k_cache.to(cache_dtype), attn.v_cache.to(cache_dtype))
+    for window in (0, 6):
+        for isa in range(backend.ops.best_isa() + 1):
+            args = (md.decode_block_tables, md.decode_context_lens, attn.scale, window, isa)
+            got = backend.ops.paged_decode_attention(q, *narrow, *args)
+            assert torch.equal(got, backend.ops.paged_decode_attention(q, *(c.float() for c in narrow), *args)), isa
+    attn.k_cache, attn.v_cache = narrow
+    expected = REFERENCE.decode_attention(attn, q, md)
+    assert (backend.decode_attention(attn, q, md) - expected).abs().max().item() < 2e-5
+
+
 # -- the fused CPU ops (csrc/fused_ops.cpp) against the torch arithmetic they replace ----
 
 def _norm(dim: int, offset: float, seed: int) -> RMSNorm:

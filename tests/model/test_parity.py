@@ -327,3 +327,24 @@ def test_decode_stack_equals_layer_by_layer(family, quantization):
         sched.add_request(Request(rid, _prompt(n, seed=n), SamplingParams(max_tokens=6 + n, temperature=0)))
     stacked_steps, _ = run_comparing_stack_and_layers(runner, sched)
     assert stacked_steps >= 10
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("family", ["llama", "gemma3"], indirect=True)
+def test_a_narrower_kv_cache_in_the_decode_stack_and_the_layers(family, kv_cache_dtype):
+    """EngineConfig.kv_cache_dtype: the decode stack writes each step's keys and values
+    into the float16 / bfloat16 cache rounded as the layers' torch writes round them
+    (nearest even), and reads them alike: its hidden states stay bit-identical to the
+    layers run one by one, step after step (past Gemma 3's sliding window too)."""
+    name, path, _ = family
+    runner = ModelRunner(EngineConfig(
+        model=str(path), device="cpu", dtype="float32", quantization="int8", block_size=BLOCK_SIZE,
+        num_kv_blocks=64, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64,
+        kv_cache_dtype=kv_cache_dtype))
+    assert runner.kv_cache.dtype == getattr(torch, kv_cache_dtype)
+    bm = BlockManager(runner.num_blocks, BLOCK_SIZE, True)
+    sched = Scheduler(bm, 4, 64, runner.max_model_len)
+    for rid, n in (("a", 3), ("b", 12), ("c", 7)):
+        sched.add_request(Request(rid, _prompt(n, seed=n), SamplingParams(max_tokens=6 + n, temperature=0)))
+    stacked_steps, _ = run_comparing_stack_and_layers(runner, sched)
+    assert stacked_steps >= 10

@@ -66,6 +66,35 @@ def test_the_cpu_kv_cache_does_not_ask_for_huge_pages(tiny_llama):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error of a machine without a GPU")
+@pytest.mark.parametrize("kv_cache_dtype", ["float16", "bfloat16"])
+def test_a_narrower_kv_cache_holds_twice_the_tokens_in_the_same_memory(tiny_llama, kv_cache_dtype):
+    wide = ModelRunner(EngineConfig(model=str(tiny_llama), device="cpu", quantization=None, kv_cache_memory_gb=0.25))
+    narrow = ModelRunner(EngineConfig(model=str(tiny_llama), device="cpu", quantization=None, kv_cache_memory_gb=0.25,
+                                      kv_cache_dtype=kv_cache_dtype))
+    assert wide.kv_cache.dtype == torch.float32 and narrow.kv_cache.dtype == getattr(torch, kv_cache_dtype)
+    assert narrow.num_blocks == 2 * wide.num_blocks
+    assert narrow.kv_cache.numel() * narrow.kv_cache.element_size() == 2**30 // 4
+    explicit = ModelRunner(EngineConfig(model=str(tiny_llama), device="cpu", quantization=None,
+                                        kv_cache_memory_gb=0.25, kv_cache_dtype="float32"))
+    assert explicit.kv_cache.dtype == torch.float32 and explicit.num_blocks == wide.num_blocks
+
+
+def test_a_narrower_kv_cache_on_cuda_is_a_clear_error():
+    # (the rule itself, on a runner's fields: no GPU here) On CUDA the attention kernels
+    # read the cache in the model's dtype; another is refused, naming the option.
+    from types import SimpleNamespace
+
+    def on_cuda(kv_cache_dtype):
+        runner = SimpleNamespace(config=EngineConfig(kv_cache_dtype=kv_cache_dtype), dtype=torch.bfloat16,
+                                 device=torch.device("cuda"))
+        return ModelRunner.kv_dtype.fget(runner)
+
+    assert on_cuda("auto") == on_cuda("bfloat16") == torch.bfloat16
+    with pytest.raises(RequestError, match="kv_cache_dtype='float16' is for CPU.*leave it 'auto'") as info:
+        on_cuda("float16")
+    assert info.value.param == "kv_cache_dtype"
+
+
 def test_cuda_without_a_gpu_is_a_clear_error(tiny_llama):
     with pytest.raises(RuntimeError, match="torch sees no CUDA GPU.*use device='cpu' or 'auto'"):
         ModelRunner(EngineConfig(model=str(tiny_llama), device="cuda"))
@@ -73,7 +102,8 @@ def test_cuda_without_a_gpu_is_a_clear_error(tiny_llama):
 
 @pytest.mark.parametrize("field,value", [("gpu_memory_utilization", 0), ("gpu_memory_utilization", 1.5),
                                          ("gpu_memory_utilization", True), ("kv_cache_memory_gb", 0),
-                                         ("kv_cache_memory_gb", -1.0)])
+                                         ("kv_cache_memory_gb", -1.0), ("kv_cache_dtype", "fp8"),
+                                         ("kv_cache_dtype", "half")])
 def test_memory_options_are_validated(field, value):
     with pytest.raises(RequestError, match=f"EngineConfig.{field}") as info:
         EngineConfig(**{field: value})

@@ -93,8 +93,8 @@ class CpuBackend(Backend):
             return super().prefill_attention(layer, q, k, v, context_len, table, block_size)
         if prior:  # the sequence's keys and values so far, this step's written already
             flat = (layer.num_kv_heads, layer.head_dim)
-            k = layer.k_cache[table].view(-1, *flat)[:context_len]
-            v = layer.v_cache[table].view(-1, *flat)[:context_len]
+            k = layer.k_cache[table].view(-1, *flat)[:context_len].to(q.dtype)
+            v = layer.v_cache[table].view(-1, *flat)[:context_len].to(q.dtype)
         return chunked_attention(q, k, v, layer.scale, prior, layer.sliding_window)
 
     def bidirectional_sequence(self, layer, q, k, v):

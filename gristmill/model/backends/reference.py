@@ -141,19 +141,20 @@ class Backend:
     def write_kv(self, layer, k, v, md: StepMetadata) -> None:
         flat_k = layer.k_cache.view(-1, layer.num_kv_heads, layer.head_dim)
         flat_v = layer.v_cache.view(-1, layer.num_kv_heads, layer.head_dim)
-        flat_k.index_copy_(0, md.slot_mapping, k)
-        flat_v.index_copy_(0, md.slot_mapping, v)
+        flat_k.index_copy_(0, md.slot_mapping, k.to(flat_k.dtype))  # (rounded, where the cache is narrower)
+        flat_v.index_copy_(0, md.slot_mapping, v.to(flat_v.dtype))
 
     @staticmethod
-    def _gather(layer, cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    def _gather(layer, cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         # block_tables: (batch, max_blocks) -> (batch, num_kv_heads, max_blocks * block_size, head_dim)
         batch = block_tables.shape[0]
-        return cache[block_tables].view(batch, -1, layer.num_kv_heads, layer.head_dim).transpose(1, 2)
+        rows = cache[block_tables].view(batch, -1, layer.num_kv_heads, layer.head_dim).transpose(1, 2)
+        return rows.to(dtype)  # (the queries' float type, where the cache holds a narrower one)
 
     def decode_attention(self, layer, q: torch.Tensor, md: StepMetadata) -> torch.Tensor:
         """Gather each sequence's keys and values, then SDPA: (num_decodes, heads, dim)."""
-        keys = self._gather(layer, layer.k_cache, md.decode_block_tables)
-        values = self._gather(layer, layer.v_cache, md.decode_block_tables)
+        keys = self._gather(layer, layer.k_cache, md.decode_block_tables, q.dtype)
+        values = self._gather(layer, layer.v_cache, md.decode_block_tables, q.dtype)
         mask = md.decode_mask(layer.sliding_window)
         out = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=mask,
                                              scale=layer.scale, enable_gqa=True)
@@ -166,8 +167,8 @@ class Backend:
         query = q.transpose(0, 1)[None]  # (1, num_heads, num_new, head_dim)
         has_prior = context_len > num_new
         if has_prior:
-            keys = self._gather(layer, layer.k_cache, table[None])[:, :, :context_len]
-            values = self._gather(layer, layer.v_cache, table[None])[:, :, :context_len]
+            keys = self._gather(layer, layer.k_cache, table[None], q.dtype)[:, :, :context_len]
+            values = self._gather(layer, layer.v_cache, table[None], q.dtype)[:, :, :context_len]
         else:
             keys, values = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
         window = layer.sliding_window

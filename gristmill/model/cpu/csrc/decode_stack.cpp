@@ -26,6 +26,8 @@
 #include <ATen/ops/linear.h>
 #include <ATen/ops/silu.h>
 
+#include <type_traits>
+
 namespace {
 
 constexpr int64_t kTensorsPerLayer = 26;
@@ -60,19 +62,35 @@ at::Tensor act_mul(const at::Tensor& gate_up, int64_t activation) {
 }
 
 // k, v: (n, kv_heads, head_dim) into their slots of the (blocks, block_size, kv_heads,
-// head_dim) caches.
+// head_dim) caches, rounded to the caches' float type as torch's `.to` rounds (nearest even).
+template <class T>
+void write_rows(const float* kp, const float* vp, T* kc, T* vc, int64_t row, int64_t num_slots, const int64_t* slots,
+                int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(slots[i] >= 0 && slots[i] < num_slots, "slot ", slots[i], " is outside the KV cache");
+    if constexpr (std::is_same_v<T, float>) {
+      std::copy(kp + i * row, kp + (i + 1) * row, kc + slots[i] * row);
+      std::copy(vp + i * row, vp + (i + 1) * row, vc + slots[i] * row);
+    } else {
+      for (int64_t j = 0; j < row; ++j) {
+        kc[slots[i] * row + j] = T(kp[i * row + j]);
+        vc[slots[i] * row + j] = T(vp[i * row + j]);
+      }
+    }
+  }
+}
+
 void write_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
                  const int64_t* slots, int64_t n) {
   const int64_t row = k.size(1) * k.size(2), num_slots = k_cache.numel() / row;
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
-  for (int64_t i = 0; i < n; ++i) {
-    TORCH_CHECK(slots[i] >= 0 && slots[i] < num_slots, "slot ", slots[i], " is outside the KV cache");
-    std::copy(kp + i * row, kp + (i + 1) * row, kc + slots[i] * row);
-    std::copy(vp + i * row, vp + (i + 1) * row, vc + slots[i] * row);
-  }
+  if (k_cache.scalar_type() == at::kHalf)
+    write_rows(kp, vp, k_cache.data_ptr<at::Half>(), v_cache.data_ptr<at::Half>(), row, num_slots, slots, n);
+  else if (k_cache.scalar_type() == at::kBFloat16)
+    write_rows(kp, vp, k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(), row, num_slots, slots, n);
+  else
+    write_rows(kp, vp, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), row, num_slots, slots, n);
 }
 
 }  // namespace

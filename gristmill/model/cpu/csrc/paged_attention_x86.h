@@ -59,6 +59,20 @@ struct V {
 };
 #endif
 
+// W of a cache's elements from p, as floats (float16 and bfloat16 widen exactly).
+ATTN_TARGET inline typename V::F load_cache(const float* p) { return V::load(p); }
+#if ATTN_512
+ATTN_TARGET inline V::F load_cache(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+ATTN_TARGET inline V::F load_cache(const at::BFloat16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+#else
+ATTN_TARGET inline V::F load_cache(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+ATTN_TARGET inline V::F load_cache(const at::BFloat16* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+#endif
+
 // n (<= W) partial-sum vectors summed across their lanes, times scale, to s[where[i]].
 ATTN_TARGET inline void flush(typename V::F pending[V::W], const int64_t where[V::W], int n, float scale, float* s) {
   alignas(64) float lanes[V::W];
@@ -69,6 +83,8 @@ ATTN_TARGET inline void flush(typename V::F pending[V::W], const int64_t where[V
 
 // Sequence b's attention for the query heads of KV heads [kv0, kv1) (head_dim a multiple
 // of V::W), a token's keys (values) of those heads read together: they lie side by side.
+// T: the cache's element type.
+template <class T>
 ATTN_TARGET void attend(const Job& job, int64_t b, int64_t kv0, int64_t kv1, Scratch& scratch) {
   constexpr int W = V::W;
   const int64_t d = job.head_dim, group = job.group, chunks = d / W, heads = (kv1 - kv0) * group;
@@ -79,9 +95,9 @@ ATTN_TARGET void attend(const Job& job, int64_t b, int64_t kv0, int64_t kv1, Scr
   std::fill(out, out + heads * d, 0.f);
   if (span <= 0) return;
   const int64_t* table = job.tables + b * job.max_blocks;
-  const auto slot = [&](const float* cache, int64_t t) {  // token t's row of KV head kv0
+  const auto slot = [&](const void* cache, int64_t t) {  // token t's row of KV head kv0
     const int64_t at = table[t / job.block_size] * job.block_size + t % job.block_size;
-    return cache + (at * job.num_kv_heads + kv0) * d;
+    return static_cast<const T*>(cache) + (at * job.num_kv_heads + kv0) * d;
   };
   if (int64_t(scratch.scores.size()) < heads * stride) scratch.scores.resize(heads * stride);
   if (int64_t(scratch.inverse.size()) < heads) scratch.inverse.resize(heads);
@@ -93,13 +109,13 @@ ATTN_TARGET void attend(const Job& job, int64_t b, int64_t kv0, int64_t kv1, Scr
   int64_t where[W];
   int n = 0;
   for (int64_t i = 0; i < span; ++i) {
-    const float* k = slot(job.k, first + i);
+    const T* k = slot(job.k, first + i);
     for (int64_t kv = 0, h = 0; kv < kv1 - kv0; ++kv) {
-      const float* kh = k + kv * d;
+      const T* kh = k + kv * d;
       for (int64_t g = 0; g < group; ++g, ++h) {
         const float* qh = q + h * d;
-        typename V::F acc = V::mul(V::load(qh), V::load(kh));
-        for (int64_t c = 1; c < chunks; ++c) acc = V::fmadd(V::load(qh + c * W), V::load(kh + c * W), acc);
+        typename V::F acc = V::mul(V::load(qh), load_cache(kh));
+        for (int64_t c = 1; c < chunks; ++c) acc = V::fmadd(V::load(qh + c * W), load_cache(kh + c * W), acc);
         pending[n] = acc;
         where[n++] = h * stride + i;
         if (n == W) {
@@ -130,7 +146,7 @@ ATTN_TARGET void attend(const Job& job, int64_t b, int64_t kv0, int64_t kv1, Scr
   // out_h += p_h,i v_i, 4 tokens at a time (out: heads x head_dim floats, in L1), then / total
   for (int64_t i0 = 0; i0 < span; i0 += 4) {
     const int tn = int(std::min<int64_t>(4, span - i0));
-    const float* v[4];
+    const T* v[4];
     for (int j = 0; j < tn; ++j) v[j] = slot(job.v, first + i0 + j);
     for (int64_t kv = 0, h = 0; kv < kv1 - kv0; ++kv)
       for (int64_t g = 0; g < group; ++g, ++h) {
@@ -139,7 +155,7 @@ ATTN_TARGET void attend(const Job& job, int64_t b, int64_t kv0, int64_t kv1, Scr
         for (int64_t c = 0; c < chunks; ++c) {
           typename V::F acc = V::load(o + c * W);
           for (int j = 0; j < 4; ++j)
-            if (j < tn) acc = V::fmadd(V::set1(p[j]), V::load(v[j] + kv * d + c * W), acc);
+            if (j < tn) acc = V::fmadd(V::set1(p[j]), load_cache(v[j] + kv * d + c * W), acc);
           V::store(o + c * W, acc);
         }
       }
