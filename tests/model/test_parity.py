@@ -311,22 +311,29 @@ def test_large_vocab_many_rows(tmp_path):
     assert result == {rid: 3 for rid in prompts} and facts["max_decode_batch"] == 9, facts
 
 
-@pytest.mark.parametrize("quantization", ["int8", "q4"])
-def test_decode_stack_equals_layer_by_layer(family, quantization):
-    """Quantized models run decode-only steps as one C++ call (cpu/decode_stack.py). At
-    every such step, with 1 to 3 sequences of different lengths decoding (past Gemma 3's
-    sliding window too), its hidden states are bit-identical to the layers run one by
-    one, so a request's tokens do not depend on whether a prefill shares its step."""
-    name, path, _ = family
+def _stack_against_layers(path, quantization: str, kv_cache_dtype: str = "auto") -> ModelRunner:
+    """Three sequences of 3, 12 and 7 tokens decoded together, each decode-only step's
+    stack compared with the layers one by one (run_comparing_stack_and_layers)."""
     runner = ModelRunner(EngineConfig(
         model=str(path), device="cpu", dtype="float32", quantization=quantization, block_size=BLOCK_SIZE,
-        num_kv_blocks=64, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64))
+        num_kv_blocks=64, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64,
+        kv_cache_dtype=kv_cache_dtype))
     bm = BlockManager(runner.num_blocks, BLOCK_SIZE, True)
     sched = Scheduler(bm, 4, 64, runner.max_model_len)
     for rid, n in (("a", 3), ("b", 12), ("c", 7)):
         sched.add_request(Request(rid, _prompt(n, seed=n), SamplingParams(max_tokens=6 + n, temperature=0)))
     stacked_steps, _ = run_comparing_stack_and_layers(runner, sched)
     assert stacked_steps >= 10
+    return runner
+
+
+@pytest.mark.parametrize("quantization", ["int8", "q4"])
+def test_decode_stack_equals_layer_by_layer(family, quantization):
+    """Quantized models run decode-only steps as one C++ call (cpu/decode_stack.py). At
+    every such step, with 1 to 3 sequences of different lengths decoding (past Gemma 3's
+    sliding window too), its hidden states are bit-identical to the layers run one by
+    one, so a request's tokens do not depend on whether a prefill shares its step."""
+    _stack_against_layers(family[1], quantization)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["float16", "bfloat16"])
@@ -336,15 +343,5 @@ def test_a_narrower_kv_cache_in_the_decode_stack_and_the_layers(family, kv_cache
     into the float16 / bfloat16 cache rounded as the layers' torch writes round them
     (nearest even), and reads them alike: its hidden states stay bit-identical to the
     layers run one by one, step after step (past Gemma 3's sliding window too)."""
-    name, path, _ = family
-    runner = ModelRunner(EngineConfig(
-        model=str(path), device="cpu", dtype="float32", quantization="int8", block_size=BLOCK_SIZE,
-        num_kv_blocks=64, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64,
-        kv_cache_dtype=kv_cache_dtype))
+    runner = _stack_against_layers(family[1], "int8", kv_cache_dtype)
     assert runner.kv_cache.dtype == getattr(torch, kv_cache_dtype)
-    bm = BlockManager(runner.num_blocks, BLOCK_SIZE, True)
-    sched = Scheduler(bm, 4, 64, runner.max_model_len)
-    for rid, n in (("a", 3), ("b", 12), ("c", 7)):
-        sched.add_request(Request(rid, _prompt(n, seed=n), SamplingParams(max_tokens=6 + n, temperature=0)))
-    stacked_steps, _ = run_comparing_stack_and_layers(runner, sched)
-    assert stacked_steps >= 10
