@@ -210,7 +210,7 @@ def cpu_memory_need(model_dir: Path, hf_config, config, max_model_len: int, quan
     if getattr(config, "enable_lora", False):
         weights += lora_slot_bytes(hf_config, config.max_loras, config.max_lora_rank, dtype_bytes)
         weights_how += f" + {config.max_loras} LoRA slot(s) of rank {config.max_lora_rank}"
-    kv_bytes = {"auto": dtype_bytes, "float32": 4}.get(getattr(config, "kv_cache_dtype", "auto"), 2)
+    kv_bytes = {"auto": dtype_bytes, "float32": 4}.get(config.kv_cache_dtype, 2)  # (float16, bfloat16)
     kv, kv_how = kv_cache_bytes(hf_config, config, max_model_len, kv_bytes)
     available, available_how = available_memory()
     from gristmill.model.loader.gguf_model import GGUF_LINK

@@ -123,6 +123,8 @@ class CpuBackend(Backend):
 # Queries a chunk of `chunked_attention`, and the most scores one may hold.
 _CHUNK = 64
 _CHUNK_SCORES = 1 << 20
+# [query, _, key] of a chunk: the key comes after the query (the causal edge's triangle).
+_LATER = torch.ones(_CHUNK, _CHUNK, dtype=torch.bool).triu_(1)[:, None]
 
 
 def _chunks_pay(layer, q: torch.Tensor, context_len: int) -> bool:
@@ -130,7 +132,7 @@ def _chunks_pay(layer, q: torch.Tensor, context_len: int) -> bool:
     chunks"): a sliding window shorter than the context (SDPA scores every key, then masks
     them), or two chunks' queries or more whose scores stay small enough for the caches
     (below 128 queries the chunks' own ops cost more than they save)."""
-    if q.dtype != torch.float32 or q.device.type != "cpu":
+    if q.dtype != torch.float32:
         return False
     window = layer.sliding_window
     if window is not None and context_len > window + _CHUNK:
@@ -155,7 +157,6 @@ def chunked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     grouped = q.view(n, kv_heads, group, dim).transpose(0, 1)  # (kv_heads, n, group, dim)
     keys_t, values_h = keys.permute(1, 2, 0), values.transpose(0, 1)  # (kv_heads, dim, T), (kv_heads, T, dim)
     out = torch.empty(n, kv_heads, group, dim, dtype=q.dtype)
-    later = torch.ones(_CHUNK, _CHUNK, dtype=torch.bool).triu_(1)[:, None]  # [query, _, key]: the key comes after it
     for s in range(0, n, _CHUNK):
         e = min(n, s + _CHUNK)
         c, first_place = e - s, prior + s
@@ -171,7 +172,7 @@ def chunked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
             edge = min(c, hi - lo)
             scores[..., :edge].masked_fill_(torch.arange(lo, lo + edge) <= places - window, float("-inf"))
         if causal:
-            scores[..., hi - lo - c:].masked_fill_(later[:c, :, :c], float("-inf"))
+            scores[..., hi - lo - c:].masked_fill_(_LATER[:c, :, :c], float("-inf"))
         elif window is not None and first_place + window < hi:
             edge = min(c, hi - lo)
             scores[..., hi - lo - edge:].masked_fill_(torch.arange(hi - edge, hi) >= places + window, float("-inf"))
