@@ -329,7 +329,7 @@ GGUF_TARGET void panel_tile(const uint8_t* panel, int64_t n_rows, int64_t k, con
       for (int v = 0; v < NV; ++v) acc[i][v] = Vec::zero();
     for (int64_t j = u; j < blocks; j += 8, rec += kRec) {
       if constexpr (kFirst)
-        for (int64_t o = 0; o < kRec; o += 64) _mm_prefetch((const char*)rec + kAhead + o, _MM_HINT_T0);
+        for (int64_t o = 0; o < kRec; o += 64) _mm_prefetch((const char*)rec + kAhead + o, kStream);
       Vec::F s[MR][NV];
       record_sums<G, kOnce, NV, MR>(rec, a.q + 32 * j, a.ldq, a.sum16 + 2 * j, a.ld16, s);
       for (int v = 0; v < NV; ++v) {
