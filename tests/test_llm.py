@@ -186,6 +186,30 @@ def test_logprobs_are_logprob_objects_with_true_ranks_and_token_texts(float_llm,
     assert max(ranks) > 2, ranks  # (temperature 2: some sampled token is outside the top 2)
 
 
+def test_plain_greedy_steps_take_the_argmax_from_the_lm_head_alone(default_llm):
+    # Steps of plain greedy rows ask the GGUF LM head for its argmax alone (its logits, 1
+    # MiB a row, are never written); rows that ask for logprobs take the logits. The same
+    # tokens either way, prefill steps and decode steps, alone and in a batch.
+    head = default_llm.core.executor.model.lm_head
+    rows = []
+
+    def counted(hidden):  # the head's own argmax, its calls counted
+        rows.append(hidden.shape[0])
+        return type(head).argmax(head, hidden)
+
+    prompts = ["The capital of France is", "def fib(n):", "Once upon a time, in a land far away,"]
+    head.argmax = counted
+    try:
+        plain = default_llm.generate(prompts, greedy(10), use_tqdm=False)
+        [alone] = default_llm.generate(prompts[1], greedy(10), use_tqdm=False)
+    finally:
+        del head.argmax
+    assert sum(rows) == 4 * 10 and max(rows) == 3, rows  # every sampled row: one per token
+    with_logits = default_llm.generate(prompts, greedy(10, logprobs=1), use_tqdm=False)
+    assert [o.token_ids for o in plain] == [o.token_ids for o in with_logits]
+    assert alone.token_ids == plain[1].token_ids
+
+
 def test_every_block_is_returned(default_llm):
     stats = default_llm.core.stats()
     assert stats["num_free_blocks"] == stats["num_total_blocks"]

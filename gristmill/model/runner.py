@@ -92,6 +92,8 @@ class ModelRunner:
         self._prompt_entries: dict | None = None
         self.graphs = None
         self._greedy: torch.Tensor | None = None  # argmax of the last forward's logits, when it came with them
+        #: Plain steps ask the LM head for their argmax alone (`forward`'s greedy_only).
+        self._greedy_from_head = hasattr(self.model, "greedy_tokens")
         #: Async scheduling pays where a GPU computes while the host goes on.
         self.prefers_async = self.device.type == "cuda"
         #: The ids sampled by the last step, on the device, row j for the request
@@ -190,7 +192,7 @@ class ModelRunner:
             self.generators.pop(request_id, None)
         if self.pooler is not None:
             return self._pool(out)
-        logits, items = self.forward(out)
+        logits, items = self.forward(out, greedy_only=out.plain)
         prompt_logprobs, self._prompt_entries = self._prompt_entries, None
         if not items:
             self._row_ids, self._row_map = [], {}
@@ -219,11 +221,14 @@ class ModelRunner:
         return tokens, pending
 
     @torch.inference_mode()
-    def forward(self, out: SchedulerOutput) -> tuple[torch.Tensor | None, list[ScheduledRequest]]:
+    def forward(self, out: SchedulerOutput,
+                greedy_only: bool = False) -> tuple[torch.Tensor | None, list[ScheduledRequest]]:
         """Run the model over a step; returns (logits of the sampled rows, their
         ScheduledRequests). The KV cache is updated for every scheduled token. The logits
         may live in a reused buffer (a CUDA graph's, the int8 LM head's): valid until
-        the next call."""
+        the next call. `greedy_only` (a plain step: its tokens are the logits' argmax):
+        where the LM head gives the argmax without the logits (a GGUF head on CPU), only
+        that is made (`self._greedy`), and the logits are None."""
         self._greedy = None
         self._prompt_entries = None
         if not out.scheduled:
@@ -251,7 +256,13 @@ class ModelRunner:
                 self._prompt_entries = self._prompt_logprobs(hidden, host, out)
             if not items:
                 return None, []
-            return self.model.compute_logits(hidden[sample_indices]), items
+            rows = hidden[sample_indices]
+            if greedy_only and self._greedy_from_head:
+                self._greedy = self.model.greedy_tokens(rows)
+                if self._greedy is not None:
+                    return None, items
+                self._greedy_from_head = False  # (this head cannot: not asked again)
+            return self.model.compute_logits(rows), items
 
     #: Prompt rows whose logits are made at once, for prompt logprobs (a 262k vocabulary
     #: in float32: 1 MiB a row).

@@ -562,3 +562,35 @@ def test_decode_stack_with_gguf_layers_equals_layer_by_layer(tmp_path):
         sched.add_request(Request(rid, prompt, SamplingParams(max_tokens=5, temperature=0)))
     stacked_steps, _ = run_comparing_stack_and_layers(runner, sched)
     assert stacked_steps >= 3
+
+
+# ---- the argmax alone (greedy decoding through an LM head) ----------------------------
+
+@pytest.mark.parametrize("isa", PATHS)
+@pytest.mark.parametrize("rows", ROWS)
+def test_argmax_alone_is_the_argmax_of_the_outputs(isa, rows):
+    # Every type in five tiles, a bias, from the bytes and from panels packed once: each
+    # tile's maxima are the outputs' own floats, so the index is torch's argmax of them.
+    layer = _layer(_mixed_parts(512), 512, torch.randn(135), isa=isa)
+    x = _inputs(rows, 512, seed=rows)
+    expected = layer(x).argmax(-1)
+    assert torch.equal(layer.argmax(x), expected)
+    if layer.pack_panels(isa):
+        assert torch.equal(layer.argmax(x), expected)
+
+
+@pytest.mark.parametrize("isa", PATHS)
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_argmax_alone_takes_the_first_of_equal_outputs_and_the_first_nan(isa, rows):
+    blocks = _made(T.Q8_0, 100, 256)
+    for copy in (9, 70):  # rows 3 and 9 in one tile, 70 in a later one: equal outputs
+        blocks[copy] = blocks[3]
+    layer = _layer([(T.Q8_0, blocks)], 256, isa=isa)
+    x = layer.dequantized()[3].repeat(rows, 1)  # row 3's own direction: its output is the largest
+    y = layer(x)
+    assert torch.equal(y[:, 3], y[:, 70]) and bool((y[:, 3] > y[:, 4]).all())
+    assert layer.argmax(x).tolist() == [3] * rows == y.argmax(-1).tolist()
+    bias = torch.zeros(100)
+    bias[20], bias[50], bias[80] = float("inf"), float("nan"), float("nan")  # a NaN counts as the largest
+    layer = _layer([(T.Q8_0, blocks)], 256, bias, isa=isa)
+    assert layer.argmax(x).tolist() == [50] * rows == layer(x).argmax(-1).tolist()

@@ -147,6 +147,19 @@ class GGUFLinear(QuantizedLinear):
         object.__setattr__(self, "_call", call)
         return call
 
+    def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
+        """`self(x).argmax(-1)`, int64, without the outputs ever being written: the kernel
+        keeps each output tile's largest value per row (the same floats, so the same index,
+        the first of equal values). Greedy decoding through an LM head, whose outputs are
+        1 MiB a row for a 262k vocabulary. None without the compiled kernels."""
+        ext = kernels.int8_extension()
+        if ext is None:
+            return None
+        flat = x.reshape(-1, self.in_features)
+        bias = self.bias.float() if self.bias is not None else _EMPTY
+        ids = ext.gguf_linear_argmax(flat.float(), self.layout, bias, self.in_features, self._isa(ext))
+        return ids.view(x.shape[:-1])
+
     def dequantized(self) -> torch.Tensor:
         """(out_features, in_features) float32: gguf.dequantize of the parts, bit for bit,
         from the kernels' own decode."""

@@ -50,3 +50,10 @@ def _cat(tensors: list[torch.Tensor]) -> nn.Parameter:
         return nn.Parameter(torch.empty((sum(t.shape[0] for t in tensors), *tensors[0].shape[1:]), device="meta",
                                         dtype=tensors[0].dtype), requires_grad=False)
     return nn.Parameter(torch.cat([t.detach() for t in tensors]), requires_grad=False)
+
+
+def head_argmax(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor | None:
+    """`head(hidden).argmax(-1)` where the head gives it without writing its outputs (a
+    GGUF LM head on CPU: `GGUFLinear.argmax`), else None."""
+    argmax = getattr(head, "argmax", None)
+    return None if argmax is None else argmax(hidden)

@@ -9,6 +9,7 @@ from torch import nn
 from gristmill.model.layers import (GatedMLP, PagedAttention, RMSNorm, attention_inputs, embedding, residual_norm,
                                     run_layers, shared_rotary)
 from gristmill.model.layers.attention import BidirectionalAttention
+from gristmill.model.layers.linear import head_argmax
 
 
 class Gemma3Attention(nn.Module):
@@ -95,3 +96,9 @@ class Gemma3ForCausalLM(nn.Module):
         if self.softcap:  # the same three roundings, in place
             out.div_(self.softcap).tanh_().mul_(self.softcap)
         return out
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """`compute_logits(hidden).argmax(-1)` from the LM head alone, where it can give
+        it without the logits (None: it cannot, or a softcap's rounding could tie what
+        the head's outputs do not)."""
+        return None if self.softcap else head_argmax(self.lm_head, hidden)

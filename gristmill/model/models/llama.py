@@ -7,6 +7,7 @@ from torch import nn
 
 from gristmill.model.layers import (GatedMLP, PagedAttention, RMSNorm, attention_inputs, embedding, residual_norm,
                                     run_layers, shared_rotary)
+from gristmill.model.layers.linear import head_argmax
 
 
 class LlamaAttention(nn.Module):
@@ -85,6 +86,11 @@ class LlamaForCausalLM(nn.Module):
         if out is None:
             return self.lm_head(hidden)
         return torch.mm(hidden, self.lm_head.weight.t(), out=out)
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """`compute_logits(hidden).argmax(-1)` from the LM head alone, where it can give
+        it without the logits (None: it cannot)."""
+        return head_argmax(self.lm_head, hidden)
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

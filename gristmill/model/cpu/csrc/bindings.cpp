@@ -21,6 +21,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_stack", &decode_stack, "a decode-only step's decoder layers in one call");
   m.def("int8_linear", &int8_linear, "int8 linear layer: block-quantized weights and activations");
   m.def("gguf_linear", &gguf_linear, "linear layer over GGUF quantized blocks as they lie, int8 activations");
+  m.def("gguf_linear_argmax", &gguf_linear_argmax,
+        "the argmax of each row of gguf_linear's output, without writing that output");
   m.def("gguf_dequantize", &gguf_dequantize, "the float32 weights of GGUF quantized blocks, as gguf_linear sees them");
   m.def("gguf_pack_panels", &gguf_pack_panels, "a GGUF part's panels for a code path, packed once");
   m.def("gguf_panel_bytes", &gguf_panel_bytes, "the bytes gguf_pack_panels makes of a part");

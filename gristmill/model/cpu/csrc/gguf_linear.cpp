@@ -247,6 +247,39 @@ class Tiles {
   int64_t k_, n_out_;
 };
 
+// x through a layout's tiles (gguf_linear's arguments, checked): into `out`, or only each
+// row's tile maxima.
+void run_layout(at::Tensor x, const std::vector<Part>& parts, const float* bias, int64_t k, int64_t isa,
+                int64_t activation, float* out, const TileMaxima* maxima) {
+  const int64_t n_out = rows_of(parts);
+  const int64_t kp = (k + kGroup - 1) / kGroup * kGroup;  // whole groups: the short one's padding is zeros
+  Rows rows = make_rows(x.size(0), kp, /*with_sums=*/true, /*with_sums16=*/true);
+  const Tiles tiles(parts, isa, k, n_out);
+  const int64_t qblocks = rows.qblocks, ld16 = kp / 16;
+  quantize_and_run_tiles(
+      x, RowFormat{}, rows, n_out, bias, activation, out,
+      [&](int64_t m, int mb, int64_t blk, float* acc) {
+        const Acts acts{rows.q + m * kp, kp, rows.scale + m * qblocks, rows.scaled_sum + m * qblocks,
+                        qblocks, rows.sum16 + m * ld16, ld16};
+        tiles.run(acts, mb, blk, acc);
+      },
+      [&](int64_t t, int64_t chunk_rows) { tiles.prepare(t, chunk_rows); }, kSplit, maxima);
+}
+
+// gguf_linear's checks; returns the parts and x made contiguous.
+std::vector<Part> checked(at::Tensor& x, const at::Tensor& layout, const at::Tensor& bias, int64_t in_features,
+                          int64_t isa, const char* who) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) == in_features,
+              who, ": x must be (M, in_features) float32");
+  std::vector<Part> parts = parts_of(layout, in_features, who, isa);
+  TORCH_CHECK(bias.numel() == 0 ||
+                  (bias.scalar_type() == at::kFloat && bias.is_contiguous() && bias.numel() == rows_of(parts)),
+              who, ": bias must be float32 (N,)");
+  TORCH_CHECK(isa >= kPortable && isa <= best_isa(), who, ": this CPU cannot run isa ", isa);
+  x = x.contiguous();
+  return parts;
+}
+
 }  // namespace
 
 // x: (M, K) float32, K = in_features. layout: (P, 3) int64, [ggml_type, rows, data_ptr]
@@ -254,31 +287,35 @@ class Tiles {
 // parts' rows, written into `out` when it is not empty. activation: as int8_linear's.
 at::Tensor gguf_linear(at::Tensor x, at::Tensor layout, at::Tensor bias, int64_t in_features, int64_t isa,
                        int64_t activation, at::Tensor out) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) == in_features,
-              "gguf_linear: x must be (M, in_features) float32");
-  const std::vector<Part> parts = parts_of(layout, in_features, "gguf_linear", isa);
-  const int64_t n_out = rows_of(parts), k = in_features;
-  TORCH_CHECK(bias.numel() == 0 || (bias.scalar_type() == at::kFloat && bias.is_contiguous() && bias.numel() == n_out),
-              "gguf_linear: bias must be float32 (N,)");
-  TORCH_CHECK(isa >= kPortable && isa <= best_isa(), "gguf_linear: this CPU cannot run isa ", isa);
+  const std::vector<Part> parts = checked(x, layout, bias, in_features, isa, "gguf_linear");
   TORCH_CHECK(activation == kNoActivation || activation == kGelu, "gguf_linear: unknown activation ", activation);
-  x = x.contiguous();
+  const int64_t n_out = rows_of(parts);
   out = output_for(x, n_out, out);
   if (x.size(0) == 0 || n_out == 0) return out;
-
-  const int64_t kp = (k + kGroup - 1) / kGroup * kGroup;  // whole groups: the short one's padding is zeros
-  Rows rows = make_rows(x.size(0), kp, /*with_sums=*/true, /*with_sums16=*/true);
-  const Tiles tiles(parts, isa, k, n_out);
-  const int64_t qblocks = rows.qblocks, ld16 = kp / 16;
-  quantize_and_run_tiles(
-      x, RowFormat{}, rows, n_out, bias.numel() ? bias.data_ptr<float>() : nullptr, activation, out.data_ptr<float>(),
-      [&](int64_t m, int mb, int64_t blk, float* acc) {
-        const Acts acts{rows.q + m * kp, kp, rows.scale + m * qblocks, rows.scaled_sum + m * qblocks,
-                        qblocks, rows.sum16 + m * ld16, ld16};
-        tiles.run(acts, mb, blk, acc);
-      },
-      [&](int64_t t, int64_t chunk_rows) { tiles.prepare(t, chunk_rows); }, kSplit);
+  run_layout(x, parts, bias.numel() ? bias.data_ptr<float>() : nullptr, in_features, isa, activation,
+             out.data_ptr<float>(), nullptr);
   return out;
+}
+
+// gguf_linear(x, ...).argmax(-1) (int64 (M,)), without writing the (M, N) outputs: each
+// tile's largest value per row, then each row's largest of those (the first index of
+// equal values; a NaN counts as the largest). The same floats as gguf_linear's, so the
+// same index as torch's argmax of them. For greedy decoding through an LM head, whose N
+// (a vocabulary: 262,144 for Gemma 3) makes the outputs 1 MiB a row.
+at::Tensor gguf_linear_argmax(at::Tensor x, at::Tensor layout, at::Tensor bias, int64_t in_features, int64_t isa) {
+  const std::vector<Part> parts = checked(x, layout, bias, in_features, isa, "gguf_linear_argmax");
+  const int64_t n_out = rows_of(parts), m = x.size(0);
+  TORCH_CHECK(n_out > 0, "gguf_linear_argmax: the layout has no rows");
+  at::Tensor ids = x.new_empty({m}, x.options().dtype(at::kLong));
+  if (m == 0) return ids;
+  const int64_t n_tiles = (n_out + kTileN - 1) / kTileN;
+  at::Tensor value = x.new_empty({m, n_tiles}), index = x.new_empty({m, n_tiles}, x.options().dtype(at::kLong));
+  const TileMaxima maxima{value.data_ptr<float>(), index.data_ptr<int64_t>(), n_tiles};
+  run_layout(x, parts, bias.numel() ? bias.data_ptr<float>() : nullptr, in_features, isa, kNoActivation, nullptr,
+             &maxima);
+  int64_t* out = ids.data_ptr<int64_t>();
+  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) { argmax_of_maxima(maxima, begin, end, out); });
+  return ids;
 }
 
 // The (N, K) float32 weights of a layout, from the decode the kernels use: equal to

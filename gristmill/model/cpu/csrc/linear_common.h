@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 
@@ -30,6 +31,7 @@ at::Tensor q4_linear(at::Tensor x, at::Tensor qweight, at::Tensor wscale, at::Te
 // part's panels packed once (gguf_pack_panels) and the code path they are for.
 at::Tensor gguf_linear(at::Tensor x, at::Tensor layout, at::Tensor bias, int64_t in_features, int64_t isa,
                        int64_t activation, at::Tensor out);
+at::Tensor gguf_linear_argmax(at::Tensor x, at::Tensor layout, at::Tensor bias, int64_t in_features, int64_t isa);
 at::Tensor gguf_dequantize(at::Tensor layout, int64_t in_features);
 at::Tensor gguf_pack_panels(at::Tensor data, int64_t type, int64_t in_features, int64_t isa);
 int64_t gguf_panel_bytes(int64_t type, int64_t rows, int64_t in_features, int64_t isa);
@@ -230,16 +232,83 @@ struct Split {
   int64_t tiles_per_item = 0;  // > 0: split tiles as items the threads take in turn (parallel_items)
 };
 
+// Where a call keeps only each row's largest output (greedy decoding's argmax): per row
+// and output tile, the tile's largest value and its output channel, (M, n_tiles) each.
+// Every cell is written by the one thread that ran that tile for that row, however the
+// call is split; `argmax_of_maxima` then reads each row's tiles in order.
+struct TileMaxima {
+  float* value;
+  int64_t* index;
+  int64_t n_tiles;
+};
+
+// The largest of v[0, n) (n > 0) and where it is (the first of equal ones; a NaN counts
+// as the largest, the first NaN winning, as torch's argmax has it).
+inline std::pair<float, int64_t> maximum_of_portable(const float* v, int64_t n) {
+  float most = v[0];
+  int64_t at = 0;
+  for (int64_t c = 1; c < n && !std::isnan(most); ++c)
+    if (v[c] > most || std::isnan(v[c])) most = v[c], at = c;
+  return {most, at};
+}
+
+#if defined(__x86_64__) || defined(__i386__)
+// The same: the largest value and whether any is a NaN, 8 lanes at a time, then the
+// first lane equal to it (or the first NaN). With no NaN, vmaxps is exact and == finds
+// the first of equal values (-0 and +0 equal, as for `>` above).
+__attribute__((target("avx2"))) inline std::pair<float, int64_t> maximum_of_avx2(const float* v, int64_t n) {
+  if (n < 8) return maximum_of_portable(v, n);
+  __m256 most = _mm256_loadu_ps(v), nan = _mm256_cmp_ps(most, most, _CMP_UNORD_Q);
+  int64_t c = 8;
+  for (; c + 8 <= n; c += 8) {
+    const __m256 x = _mm256_loadu_ps(v + c);
+    most = _mm256_max_ps(most, x);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  }
+  if (_mm256_movemask_ps(nan) != 0) return maximum_of_portable(v, n);  // (rare: the first NaN)
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(most), _mm256_extractf128_ps(most, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  float best = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
+  for (int64_t t = c; t < n; ++t) {  // the tail
+    if (std::isnan(v[t])) return maximum_of_portable(v, n);
+    best = std::max(best, v[t]);
+  }
+  const __m256 b = _mm256_set1_ps(best);
+  for (int64_t i = 0; i + 8 <= n; i += 8)
+    if (const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(v + i), b, _CMP_EQ_OQ)))
+      return {best, i + __builtin_ctz(hit)};
+  for (int64_t i = n / 8 * 8;; ++i)
+    if (v[i] == best) return {best, i};
+}
+#endif
+
+inline std::pair<float, int64_t> maximum_of(const float* v, int64_t n, bool avx2) {
+#if defined(__x86_64__) || defined(__i386__)
+  if (avx2) return maximum_of_avx2(v, n);
+#endif
+  return maximum_of_portable(v, n);
+}
+
+// Row r's argmax over its tiles' maxima (their channels), rows [m0, m1).
+inline void argmax_of_maxima(const TileMaxima& maxima, int64_t m0, int64_t m1, int64_t* out) {
+  const bool avx2 = best_isa() >= kAvx2;
+  for (int64_t r = m0; r < m1; ++r) {
+    const int64_t tile = maximum_of(maxima.value + r * maxima.n_tiles, maxima.n_tiles, avx2).second;
+    out[r] = maxima.index[r * maxima.n_tiles + tile];
+  }
+}
+
 // Rows [m0, m1) through tiles [t0, t1): tile(m, mb, block, acc) for every tile of kTileN
 // output channels (starting at packed block `block`) and every run of up to kMaxM rows;
 // the tile fills acc[i * kTileN + c], which lands in out (plus bias, then the
-// activation: applied here, the output is written once, while it is in L1). Rows go in
+// activation: applied here, the output is written once, while it is in L1), or, given
+// `maxima`, only its largest value per row does. Rows go in
 // chunks that stay in L2 while every weight tile passes over them; prepare(t, rows) is
 // called on tile t before a chunk of `rows` rows passes over it, on the same thread.
 template <typename TileCall, typename Prepare = NoPrepare>
 void run_tiles(int64_t m0, int64_t m1, int64_t t0, int64_t t1, int64_t n_out, int64_t kp, const float* bias,
                int64_t activation, float* out, const TileCall& tile, const Prepare& prepare = Prepare{},
-               Split split = Split{}) {
+               Split split = Split{}, const TileMaxima* maxima = nullptr) {
   const bool avx2 = best_isa() >= kAvx2;
   const int64_t m_chunk = std::max<int64_t>(kMaxM, (split.chunk_bytes / kp) / kMaxM * kMaxM);
   float acc[kMaxM * kTileN];
@@ -257,6 +326,14 @@ void run_tiles(int64_t m0, int64_t m1, int64_t t0, int64_t t1, int64_t n_out, in
             for (int64_t c = 0; c < width; ++c) acc[i * kTileN + c] += bias[n0 + c];
         // the whole tile at once, padded columns too (zero weights: finite, never written)
         if (activation == kGelu) vmath::gelu_inplace(acc, mb * kTileN, avx2);
+        if (maxima != nullptr) {
+          for (int i = 0; i < mb; ++i) {
+            const auto [most, at] = maximum_of(acc + i * kTileN, width, avx2);
+            maxima->value[(m + i) * maxima->n_tiles + t] = most;
+            maxima->index[(m + i) * maxima->n_tiles + t] = n0 + at;
+          }
+          continue;
+        }
         for (int i = 0; i < mb; ++i) std::memcpy(out + (m + i) * n_out + n0, acc + i * kTileN, width * sizeof(float));
       }
     }
@@ -288,7 +365,7 @@ inline int64_t item_rows(int64_t m_total, int64_t threads, int64_t rows_per_item
 template <typename TileCall, typename Prepare = NoPrepare>
 void quantize_and_run_tiles(const at::Tensor& x, RowFormat format, Rows& rows, int64_t n_out, const float* bias,
                             int64_t activation, float* out, const TileCall& tile, const Prepare& prepare = Prepare{},
-                            Split split = Split{}) {
+                            Split split = Split{}, const TileMaxima* maxima = nullptr) {
   const int64_t m_total = x.size(0), kp = rows.kp;
   const int64_t n_tiles = (n_out + kTileN - 1) / kTileN;
   const int64_t threads = at::get_num_threads();
@@ -298,7 +375,7 @@ void quantize_and_run_tiles(const at::Tensor& x, RowFormat format, Rows& rows, i
     parallel_items((m_total + rows_per_item - 1) / rows_per_item, [&](int64_t item) {
       const int64_t m0 = item * rows_per_item, m1 = std::min(m_total, m0 + rows_per_item);
       quantize_rows(x, format, rows, m0, m1);
-      run_tiles(m0, m1, 0, n_tiles, n_out, kp, bias, activation, out, tile, prepare, split);
+      run_tiles(m0, m1, 0, n_tiles, n_out, kp, bias, activation, out, tile, prepare, split, maxima);
     });
     return;
   }
@@ -306,12 +383,12 @@ void quantize_and_run_tiles(const at::Tensor& x, RowFormat format, Rows& rows, i
   if (split.tiles_per_item > 0) {
     parallel_items((n_tiles + split.tiles_per_item - 1) / split.tiles_per_item, [&](int64_t item) {
       const int64_t t0 = item * split.tiles_per_item, t1 = std::min(n_tiles, t0 + split.tiles_per_item);
-      run_tiles(0, m_total, t0, t1, n_out, kp, bias, activation, out, tile, prepare, split);
+      run_tiles(0, m_total, t0, t1, n_out, kp, bias, activation, out, tile, prepare, split, maxima);
     });
     return;
   }
   at::parallel_for(0, n_tiles, 4, [&](int64_t t_begin, int64_t t_end) {
-    run_tiles(0, m_total, t_begin, t_end, n_out, kp, bias, activation, out, tile, prepare, split);
+    run_tiles(0, m_total, t_begin, t_end, n_out, kp, bias, activation, out, tile, prepare, split, maxima);
   });
 }
 
