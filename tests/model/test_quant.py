@@ -64,6 +64,28 @@ def test_kernel_path_equals_reference_arithmetic(kind, isa, rows, in_features, o
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("isa", PATHS)
+@pytest.mark.parametrize("rows", [1, 5, 64, 130])
+def test_int8_argmax_alone_is_the_argmax_of_the_outputs(isa, rows):
+    # An LM head of 1,000 outputs (32 tiles), bias, rows split by tiles and by rows between
+    # threads; outputs 5 and 900 (other tiles) and 7 (5's) equal and the largest, then a
+    # NaN in the bias: the first of equal ones, and a NaN counting as the largest.
+    linear, _ = _layer(256, 1000, bias=True)
+    with torch.no_grad():
+        linear.weight[[7, 900]] = linear.weight[5].clone()
+        linear.bias[[7, 900]] = linear.bias[5].clone()
+    layer = Int8Linear.from_linear(linear)
+    layer.isa = isa
+    x = torch.randn(rows, 256)
+    x[0] = linear.weight[5].detach() * 50  # row 0: output 5 the largest
+    expected = layer(x).argmax(-1)
+    assert int(expected[0]) == 5 and torch.equal(layer(x)[0, 5], layer(x)[0, 900])
+    assert torch.equal(layer.argmax(x), expected)
+    layer.bias[300] = float("nan")
+    assert layer.argmax(x).tolist() == [300] * rows == layer(x).argmax(-1).tolist()
+    assert Q4Linear.from_linear(linear).argmax(x) is None  # (no such call: its heads are int8)
+
+
 # 7-bit activations (an encoder's layers): the AVX2 path multiplies them as unsigned
 # bytes; from 64 rows (at 2 threads) the rows, not the output tiles, are split between
 # threads. Odd sizes: rows not a multiple of the 4-row tile, K and N not of 32.

@@ -30,7 +30,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, dequantize
 from torch import nn
 
 from gristmill.model.cpu import kernels
-from gristmill.model.cpu.qlinear import _EMPTY, FUSED_ACTIVATIONS, QuantizedLinear, _quantize_rows
+from gristmill.model.cpu.qlinear import _EMPTY, QuantizedLinear, _quantize_rows
 from gristmill.model.layers.mlp import ACTIVATIONS
 
 # The block types the kernels multiply by as stored.
@@ -133,32 +133,12 @@ class GGUFLinear(QuantizedLinear):
     def _isa(self, ext) -> int:
         return ext.best_isa() if self.isa is None else self.isa
 
-    def _bind(self):
-        ext = kernels.int8_extension()
-        if ext is None:
-            call = lambda flat, out, activation: self.reference(flat, activation)  # noqa: E731
-        else:
-            kernel, layout, k = ext.gguf_linear, self.layout, self.in_features
-            isa = self._isa(ext)
-            bias = self.bias.float() if self.bias is not None else _EMPTY
-
-            def call(flat, out, activation):
-                return kernel(flat, layout, bias, k, isa, FUSED_ACTIVATIONS.get(activation, 0), out)
-        object.__setattr__(self, "_call", call)
-        return call
-
-    def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
-        """`self(x).argmax(-1)`, int64, without the outputs ever being written: the kernel
-        keeps each output tile's largest value per row (the same floats, so the same index,
-        the first of equal values). Greedy decoding through an LM head, whose outputs are
-        1 MiB a row for a 262k vocabulary. None without the compiled kernels."""
+    def _kernel(self, suffix: str = ""):
         ext = kernels.int8_extension()
         if ext is None:
             return None
-        flat = x.reshape(-1, self.in_features)
         bias = self.bias.float() if self.bias is not None else _EMPTY
-        ids = ext.gguf_linear_argmax(flat.float(), self.layout, bias, self.in_features, self._isa(ext))
-        return ids.view(x.shape[:-1])
+        return getattr(ext, "gguf_linear" + suffix), (self.layout, bias, self.in_features, self._isa(ext))
 
     def dequantized(self) -> torch.Tensor:
         """(out_features, in_features) float32: gguf.dequantize of the parts, bit for bit,

@@ -195,26 +195,44 @@ class QuantizedLinear(nn.Module):
         object.__setattr__(self, "_call", None)  # .to() and friends replace the buffers
         return super()._apply(*args, **kwargs)
 
+    def _kernel(self, suffix: str = ""):
+        """(the extension's function `kernel + suffix`, its arguments after x: weights,
+        bias, out_features, code path, options), or None without it."""
+        ext = kernels.q4_extension() if self.kernel == "q4_linear" else kernels.int8_extension()
+        function = getattr(ext, self.kernel + suffix, None) if ext is not None else None
+        if function is None:
+            return None
+        isa = ext.best_isa() if self.isa is None else self.isa
+        bias = self.bias if self.bias is not None else _EMPTY
+        weights = [getattr(self, name) for name in self._buffers_of_kernel]
+        return function, (*weights, bias, self.out_features, isa, *self._kernel_options())
+
     def _bind(self):
         """The function of one (rows, in_features) float32 input and an output buffer that
         runs this layer: the kernel with its weights, bias and code path bound (a batch-1
         step makes ~70 of these calls, so looking each of them up every time counts)."""
-        ext = kernels.q4_extension() if self.kernel == "q4_linear" else kernels.int8_extension()
-        if ext is None:
+        bound = self._kernel()
+        if bound is None:
             call = lambda flat, out, activation: self.reference(flat, activation)  # noqa: E731
         else:
-            kernel = getattr(ext, self.kernel)
-            isa = ext.best_isa() if self.isa is None else self.isa
-            bias = self.bias if self.bias is not None else _EMPTY
-            weights = [getattr(self, name) for name in self._buffers_of_kernel]
-            n = self.out_features
-
-            options = self._kernel_options()
+            kernel, args = bound
 
             def call(flat, out, activation):
-                return kernel(flat, *weights, bias, n, isa, *options, FUSED_ACTIVATIONS.get(activation, 0), out)
+                return kernel(flat, *args, FUSED_ACTIVATIONS.get(activation, 0), out)
         object.__setattr__(self, "_call", call)
         return call
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
+        """`self(x).argmax(-1)`, int64, without the outputs ever being written: the kernel
+        keeps each output tile's largest value per row (the same floats, so the same index,
+        the first of equal values). Greedy decoding through an LM head, whose outputs are
+        1 MiB a row for a 262k vocabulary. None where the kernel has no such call, or
+        without the compiled kernels."""
+        bound = self._kernel("_argmax")
+        if bound is None:
+            return None
+        kernel, args = bound
+        return kernel(x.reshape(-1, self.in_features).float(), *args).view(x.shape[:-1])
 
     def forward(self, x: torch.Tensor, activation: str | None = None) -> torch.Tensor:
         """x @ W^T + bias, then `activation` (an ACTIVATIONS name) when given: inside the

@@ -20,6 +20,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qkv_rotary", &qkv_rotary, "split fused qkv into heads, q/k norm, rotary");
   m.def("decode_stack", &decode_stack, "a decode-only step's decoder layers in one call");
   m.def("int8_linear", &int8_linear, "int8 linear layer: block-quantized weights and activations");
+  m.def("int8_linear_argmax", &int8_linear_argmax,
+        "the argmax of each row of int8_linear's output, without writing that output");
   m.def("gguf_linear", &gguf_linear, "linear layer over GGUF quantized blocks as they lie, int8 activations");
   m.def("gguf_linear_argmax", &gguf_linear_argmax,
         "the argmax of each row of gguf_linear's output, without writing that output");

@@ -304,18 +304,11 @@ at::Tensor gguf_linear(at::Tensor x, at::Tensor layout, at::Tensor bias, int64_t
 // (a vocabulary: 262,144 for Gemma 3) makes the outputs 1 MiB a row.
 at::Tensor gguf_linear_argmax(at::Tensor x, at::Tensor layout, at::Tensor bias, int64_t in_features, int64_t isa) {
   const std::vector<Part> parts = checked(x, layout, bias, in_features, isa, "gguf_linear_argmax");
-  const int64_t n_out = rows_of(parts), m = x.size(0);
-  TORCH_CHECK(n_out > 0, "gguf_linear_argmax: the layout has no rows");
-  at::Tensor ids = x.new_empty({m}, x.options().dtype(at::kLong));
-  if (m == 0) return ids;
-  const int64_t n_tiles = (n_out + kTileN - 1) / kTileN;
-  at::Tensor value = x.new_empty({m, n_tiles}), index = x.new_empty({m, n_tiles}, x.options().dtype(at::kLong));
-  const TileMaxima maxima{value.data_ptr<float>(), index.data_ptr<int64_t>(), n_tiles};
-  run_layout(x, parts, bias.numel() ? bias.data_ptr<float>() : nullptr, in_features, isa, kNoActivation, nullptr,
-             &maxima);
-  int64_t* out = ids.data_ptr<int64_t>();
-  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) { argmax_of_maxima(maxima, begin, end, out); });
-  return ids;
+  TORCH_CHECK(rows_of(parts) > 0, "gguf_linear_argmax: the layout has no rows");
+  return argmax_through_maxima(x, rows_of(parts), [&](const TileMaxima* maxima) {
+    run_layout(x, parts, bias.numel() ? bias.data_ptr<float>() : nullptr, in_features, isa, kNoActivation, nullptr,
+               maxima);
+  });
 }
 
 // The (N, K) float32 weights of a layout, from the decode the kernels use: equal to

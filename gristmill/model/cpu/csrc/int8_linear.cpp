@@ -252,6 +252,49 @@ RowFormat row_format(int64_t isa, int64_t x_levels) {
   return RowFormat{int(x_levels), offset};
 }
 
+// int8_linear's checks (x made contiguous); returns Kp.
+int64_t checked(at::Tensor& x, const at::Tensor& qweight, const at::Tensor& wscale, const at::Tensor& wsum,
+                const at::Tensor& bias, int64_t n_out, int64_t isa, int64_t x_levels, const char* who) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, who, ": x must be (M, K) float32");
+  TORCH_CHECK(qweight.dim() == 4 && qweight.scalar_type() == at::kChar && qweight.size(2) == kBlock &&
+                  qweight.size(3) == 4 && qweight.size(0) % (kTileN / kBlock) == 0 &&
+                  qweight.size(1) % (kQ / 4) == 0 && qweight.is_contiguous(),
+              who, ": qweight must be packed int8 (Np / 16, Kp / 4, 16, 4), Np and Kp multiples of 32");
+  const int64_t blocks = qweight.size(0), kp = 4 * qweight.size(1), qblocks = kp / kQ;
+  TORCH_CHECK(wscale.scalar_type() == at::kHalf && wscale.is_contiguous() && wscale.numel() == blocks * qblocks * kBlock,
+              who, ": wscale must be float16 (Np / 16, Kp / 32, 16)");
+  TORCH_CHECK(wsum.scalar_type() == at::kShort && wsum.is_contiguous() && wsum.numel() == blocks * qblocks * kBlock,
+              who, ": wsum must be int16 (Np / 16, Kp / 32, 16)");
+  TORCH_CHECK(x.size(1) <= kp && n_out <= blocks * kBlock, who, ": shapes do not match");
+  TORCH_CHECK(bias.numel() == 0 || (bias.scalar_type() == at::kFloat && bias.numel() == n_out),
+              who, ": bias must be float32 (N,)");
+  TORCH_CHECK(isa >= kPortable && isa <= best_isa(), who, ": this CPU cannot run isa ", isa);
+  TORCH_CHECK(x_levels == 127 || x_levels == 63, who, ": x_levels must be 127 or 63");
+  x = x.contiguous();
+  return kp;
+}
+
+// x (checked) through the packed weights' tiles: into `out`, or only each row's tile maxima.
+void run_packed(const at::Tensor& x, int64_t kp, const at::Tensor& qweight, const at::Tensor& wscale,
+                const at::Tensor& wsum, const at::Tensor& bias, int64_t n_out, int64_t isa, int64_t x_levels,
+                int64_t activation, float* out, const TileMaxima* maxima) {
+  const int64_t qblocks = kp / kQ;
+  Rows rows = make_rows(x.size(0), kp, /*with_sums=*/false);
+  const int8_t* w_ptr = qweight.data_ptr<int8_t>();
+  const auto* ws_ptr = reinterpret_cast<const uint16_t*>(wscale.data_ptr<at::Half>());
+  const int16_t* wsum_ptr = wsum.data_ptr<int16_t>();
+  const TileFn tile = tile_for(isa, x_levels);
+  const int64_t stride = kp / 4 * kGroupBytes, sstride = qblocks * kBlock;
+  quantize_and_run_tiles(
+      x, row_format(isa, x_levels), rows, n_out, bias.numel() ? bias.data_ptr<float>() : nullptr, activation, out,
+      [&](int64_t m, int mb, int64_t blk, float* acc) {
+        const Tile tl{rows.q + m * kp, kp, rows.scale + m * qblocks, qblocks, w_ptr + blk * stride, stride,
+                      ws_ptr + blk * sstride, wsum_ptr + blk * sstride, sstride, qblocks};
+        tile(tl, mb, acc);
+      },
+      NoPrepare{}, Split{}, maxima);
+}
+
 }  // namespace
 
 // x: (M, K) float32. qweight: (Np / 16, Kp / 4, 16, 4) int8; wscale: (Np / 16, Kp / 32, 16)
@@ -263,39 +306,21 @@ RowFormat row_format(int64_t isa, int64_t x_levels) {
 at::Tensor int8_linear(at::Tensor x, at::Tensor qweight, at::Tensor wscale, at::Tensor wsum,
                           at::Tensor bias, int64_t out_features, int64_t isa, int64_t x_levels,
                           int64_t activation, at::Tensor out) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "int8_linear: x must be (M, K) float32");
-  TORCH_CHECK(qweight.dim() == 4 && qweight.scalar_type() == at::kChar && qweight.size(2) == kBlock &&
-                  qweight.size(3) == 4 && qweight.size(0) % (kTileN / kBlock) == 0 &&
-                  qweight.size(1) % (kQ / 4) == 0 && qweight.is_contiguous(),
-              "int8_linear: qweight must be packed int8 (Np / 16, Kp / 4, 16, 4), Np and Kp multiples of 32");
-  const int64_t blocks = qweight.size(0), groups = qweight.size(1), kp = 4 * groups, qblocks = kp / kQ;
-  TORCH_CHECK(wscale.scalar_type() == at::kHalf && wscale.is_contiguous() && wscale.numel() == blocks * qblocks * kBlock,
-              "int8_linear: wscale must be float16 (Np / 16, Kp / 32, 16)");
-  TORCH_CHECK(wsum.scalar_type() == at::kShort && wsum.is_contiguous() && wsum.numel() == blocks * qblocks * kBlock,
-              "int8_linear: wsum must be int16 (Np / 16, Kp / 32, 16)");
-  const int64_t n_out = out_features;
-  TORCH_CHECK(x.size(1) <= kp && n_out <= blocks * kBlock, "int8_linear: shapes do not match");
-  TORCH_CHECK(bias.numel() == 0 || (bias.scalar_type() == at::kFloat && bias.numel() == n_out),
-              "int8_linear: bias must be float32 (N,)");
-  TORCH_CHECK(isa >= kPortable && isa <= best_isa(), "int8_linear: this CPU cannot run isa ", isa);
-  TORCH_CHECK(x_levels == 127 || x_levels == 63, "int8_linear: x_levels must be 127 or 63");
+  const int64_t kp = checked(x, qweight, wscale, wsum, bias, out_features, isa, x_levels, "int8_linear");
   TORCH_CHECK(activation == kNoActivation || activation == kGelu, "int8_linear: unknown activation ", activation);
-  x = x.contiguous();
-  out = output_for(x, n_out, out);
+  out = output_for(x, out_features, out);
   if (x.size(0) == 0) return out;
-
-  Rows rows = make_rows(x.size(0), kp, /*with_sums=*/false);
-  const int8_t* w_ptr = qweight.data_ptr<int8_t>();
-  const auto* ws_ptr = reinterpret_cast<const uint16_t*>(wscale.data_ptr<at::Half>());
-  const int16_t* wsum_ptr = wsum.data_ptr<int16_t>();
-  const TileFn tile = tile_for(isa, x_levels);
-  const int64_t stride = groups * kGroupBytes, sstride = qblocks * kBlock;
-  quantize_and_run_tiles(x, row_format(isa, x_levels), rows, n_out, bias.numel() ? bias.data_ptr<float>() : nullptr,
-                         activation, out.data_ptr<float>(), [&](int64_t m, int mb, int64_t blk, float* acc) {
-                           const Tile tl{rows.q + m * kp, kp, rows.scale + m * qblocks, qblocks,
-                                         w_ptr + blk * stride, stride, ws_ptr + blk * sstride,
-                                         wsum_ptr + blk * sstride, sstride, qblocks};
-                           tile(tl, mb, acc);
-                         });
+  run_packed(x, kp, qweight, wscale, wsum, bias, out_features, isa, x_levels, activation, out.data_ptr<float>(),
+             nullptr);
   return out;
+}
+
+// int8_linear(x, ...).argmax(-1) (int64 (M,)) without writing its outputs: as
+// gguf_linear_argmax (linear_common.h's TileMaxima).
+at::Tensor int8_linear_argmax(at::Tensor x, at::Tensor qweight, at::Tensor wscale, at::Tensor wsum, at::Tensor bias,
+                              int64_t out_features, int64_t isa, int64_t x_levels) {
+  const int64_t kp = checked(x, qweight, wscale, wsum, bias, out_features, isa, x_levels, "int8_linear_argmax");
+  return argmax_through_maxima(x, out_features, [&](const TileMaxima* maxima) {
+    run_packed(x, kp, qweight, wscale, wsum, bias, out_features, isa, x_levels, kNoActivation, nullptr, maxima);
+  });
 }

@@ -32,6 +32,8 @@ at::Tensor q4_linear(at::Tensor x, at::Tensor qweight, at::Tensor wscale, at::Te
 at::Tensor gguf_linear(at::Tensor x, at::Tensor layout, at::Tensor bias, int64_t in_features, int64_t isa,
                        int64_t activation, at::Tensor out);
 at::Tensor gguf_linear_argmax(at::Tensor x, at::Tensor layout, at::Tensor bias, int64_t in_features, int64_t isa);
+at::Tensor int8_linear_argmax(at::Tensor x, at::Tensor qweight, at::Tensor wscale, at::Tensor wsum, at::Tensor bias,
+                              int64_t out_features, int64_t isa, int64_t x_levels);
 at::Tensor gguf_dequantize(at::Tensor layout, int64_t in_features);
 at::Tensor gguf_pack_panels(at::Tensor data, int64_t type, int64_t in_features, int64_t isa);
 int64_t gguf_panel_bytes(int64_t type, int64_t rows, int64_t in_features, int64_t isa);
@@ -289,6 +291,51 @@ inline std::pair<float, int64_t> maximum_of(const float* v, int64_t n, bool avx2
   return maximum_of_portable(v, n);
 }
 
+// A tile's maxima for its mb rows (acc: kTileN floats a row, `width` of them outputs n0
+// on): one call a tile, the whole-tile case in registers.
+#if defined(__x86_64__) || defined(__i386__)
+__attribute__((target("avx2"))) inline void keep_tile_maxima_avx2(const float* acc, int mb, int64_t width,
+                                                                   int64_t n0, float* value, int64_t* index,
+                                                                   int64_t stride) {
+  static_assert(kTileN == 32, "a whole tile is 4 vectors of 8");
+  for (int i = 0; i < mb; ++i) {
+    const float* v = acc + i * kTileN;
+    if (width == kTileN) {
+      const __m256 a = _mm256_loadu_ps(v), b = _mm256_loadu_ps(v + 8), c = _mm256_loadu_ps(v + 16),
+                   d = _mm256_loadu_ps(v + 24);
+      const __m256 nan = _mm256_or_ps(_mm256_or_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q), _mm256_cmp_ps(b, b, _CMP_UNORD_Q)),
+                                      _mm256_or_ps(_mm256_cmp_ps(c, c, _CMP_UNORD_Q), _mm256_cmp_ps(d, d, _CMP_UNORD_Q)));
+      if (_mm256_movemask_ps(nan) == 0) {
+        const __m256 m8 = _mm256_max_ps(_mm256_max_ps(a, b), _mm256_max_ps(c, d));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        const float best = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
+        const __m256 all = _mm256_set1_ps(best);
+        const uint32_t hits = uint32_t(_mm256_movemask_ps(_mm256_cmp_ps(a, all, _CMP_EQ_OQ))) |
+                              uint32_t(_mm256_movemask_ps(_mm256_cmp_ps(b, all, _CMP_EQ_OQ))) << 8 |
+                              uint32_t(_mm256_movemask_ps(_mm256_cmp_ps(c, all, _CMP_EQ_OQ))) << 16 |
+                              uint32_t(_mm256_movemask_ps(_mm256_cmp_ps(d, all, _CMP_EQ_OQ))) << 24;
+        value[i * stride] = best, index[i * stride] = n0 + __builtin_ctz(hits);
+        continue;
+      }
+    }
+    const auto [most, at] = maximum_of_avx2(v, width);
+    value[i * stride] = most, index[i * stride] = n0 + at;
+  }
+}
+#endif
+
+inline void keep_tile_maxima(const float* acc, int mb, int64_t width, int64_t n0, float* value, int64_t* index,
+                             int64_t stride, bool avx2) {
+#if defined(__x86_64__) || defined(__i386__)
+  if (avx2) return keep_tile_maxima_avx2(acc, mb, width, n0, value, index, stride);
+#endif
+  for (int i = 0; i < mb; ++i) {
+    const auto [most, at] = maximum_of_portable(acc + i * kTileN, width);
+    value[i * stride] = most, index[i * stride] = n0 + at;
+  }
+}
+
 // Row r's argmax over its tiles' maxima (their channels), rows [m0, m1).
 inline void argmax_of_maxima(const TileMaxima& maxima, int64_t m0, int64_t m1, int64_t* out) {
   const bool avx2 = best_isa() >= kAvx2;
@@ -327,11 +374,8 @@ void run_tiles(int64_t m0, int64_t m1, int64_t t0, int64_t t1, int64_t n_out, in
         // the whole tile at once, padded columns too (zero weights: finite, never written)
         if (activation == kGelu) vmath::gelu_inplace(acc, mb * kTileN, avx2);
         if (maxima != nullptr) {
-          for (int i = 0; i < mb; ++i) {
-            const auto [most, at] = maximum_of(acc + i * kTileN, width, avx2);
-            maxima->value[(m + i) * maxima->n_tiles + t] = most;
-            maxima->index[(m + i) * maxima->n_tiles + t] = n0 + at;
-          }
+          const int64_t at = m * maxima->n_tiles + t;
+          keep_tile_maxima(acc, mb, width, n0, maxima->value + at, maxima->index + at, maxima->n_tiles, avx2);
           continue;
         }
         for (int i = 0; i < mb; ++i) std::memcpy(out + (m + i) * n_out + n0, acc + i * kTileN, width * sizeof(float));
@@ -390,6 +434,21 @@ void quantize_and_run_tiles(const at::Tensor& x, RowFormat format, Rows& rows, i
   at::parallel_for(0, n_tiles, 4, [&](int64_t t_begin, int64_t t_end) {
     run_tiles(0, m_total, t_begin, t_end, n_out, kp, bias, activation, out, tile, prepare, split, maxima);
   });
+}
+
+// The argmax of each row of a kernel's (M, n_out) outputs, int64 (M,), without writing
+// them: run(maxima) makes the kernel's quantize_and_run_tiles call with `maxima`.
+template <typename Run>
+at::Tensor argmax_through_maxima(const at::Tensor& x, int64_t n_out, const Run& run) {
+  const int64_t m = x.size(0), n_tiles = (n_out + kTileN - 1) / kTileN;
+  at::Tensor ids = x.new_empty({m}, x.options().dtype(at::kLong));
+  if (m == 0 || n_out == 0) return ids;
+  at::Tensor value = x.new_empty({m, n_tiles}), index = x.new_empty({m, n_tiles}, x.options().dtype(at::kLong));
+  const TileMaxima maxima{value.data_ptr<float>(), index.data_ptr<int64_t>(), n_tiles};
+  run(&maxima);
+  int64_t* out = ids.data_ptr<int64_t>();
+  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) { argmax_of_maxima(maxima, begin, end, out); });
+  return ids;
 }
 
 }  // namespace linear
