@@ -199,9 +199,10 @@ class QuantizedLinear(nn.Module):
         """(the extension's function `kernel + suffix`, its arguments after x: weights,
         bias, out_features, code path, options), or None without it."""
         ext = kernels.q4_extension() if self.kernel == "q4_linear" else kernels.int8_extension()
-        function = getattr(ext, self.kernel + suffix, None) if ext is not None else None
-        if function is None:
-            return None
+        name = self.kernel + suffix
+        if ext is None or (suffix and not hasattr(ext, name)):
+            return None  # (no extension, or a variant this kernel lacks)
+        function = getattr(ext, name)
         isa = ext.best_isa() if self.isa is None else self.isa
         bias = self.bias if self.bias is not None else _EMPTY
         weights = [getattr(self, name) for name in self._buffers_of_kernel]

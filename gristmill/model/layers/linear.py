@@ -54,6 +54,6 @@ def _cat(tensors: list[torch.Tensor]) -> nn.Parameter:
 
 def head_argmax(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor | None:
     """`head(hidden).argmax(-1)` where the head gives it without writing its outputs (a
-    GGUF LM head on CPU: `GGUFLinear.argmax`), else None."""
+    quantized LM head on CPU: `QuantizedLinear.argmax`), else None."""
     argmax = getattr(head, "argmax", None)
     return None if argmax is None else argmax(hidden)
