@@ -86,6 +86,26 @@ def test_int8_argmax_alone_is_the_argmax_of_the_outputs(isa, rows):
     assert Q4Linear.from_linear(linear).argmax(x) is None  # (no such call: its heads are int8)
 
 
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_a_models_greedy_tokens_come_from_its_head_unless_a_softcap_rounds_the_logits(softcap):
+    # Gemma's softcap rounds tanh(logit / cap) * cap, which can tie logits the head keeps
+    # apart: such a model leaves the argmax to its logits (greedy_tokens: None).
+    transformers = pytest.importorskip("transformers")
+    from gristmill.model.models.gemma3 import Gemma3ForCausalLM
+    config = transformers.Gemma3TextConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, layer_types=["full_attention"], final_logit_softcapping=softcap)
+    config.bidirectional = False  # (the loader's name for use_bidirectional_attention)
+    model = Gemma3ForCausalLM(config, max_positions=64)
+    model.lm_head = Int8Linear.from_linear(_layer(64, 300)[0])
+    hidden = torch.randn(5, 64)
+    tokens = model.greedy_tokens(hidden)
+    if softcap:
+        assert tokens is None
+    else:
+        assert torch.equal(tokens, model.compute_logits(hidden).argmax(-1))
+
+
 # 7-bit activations (an encoder's layers): the AVX2 path multiplies them as unsigned
 # bytes; from 64 rows (at 2 threads) the rows, not the output tiles, are split between
 # threads. Odd sizes: rows not a multiple of the 4-row tile, K and N not of 32.

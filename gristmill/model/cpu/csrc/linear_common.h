@@ -255,6 +255,13 @@ inline std::pair<float, int64_t> maximum_of_portable(const float* v, int64_t n) 
 }
 
 #if defined(__x86_64__) || defined(__i386__)
+// The largest of v's 8 lanes (none a NaN).
+__attribute__((target("avx2"))) inline float lanes_max(__m256 v) {
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  return _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
+}
+
 // The same: the largest value and whether any is a NaN, 8 lanes at a time, then the
 // first lane equal to it (or the first NaN). With no NaN, vmaxps is exact and == finds
 // the first of equal values (-0 and +0 equal, as for `>` above).
@@ -268,9 +275,7 @@ __attribute__((target("avx2"))) inline std::pair<float, int64_t> maximum_of_avx2
     nan = _mm256_or_ps(nan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
   }
   if (_mm256_movemask_ps(nan) != 0) return maximum_of_portable(v, n);  // (rare: the first NaN)
-  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(most), _mm256_extractf128_ps(most, 1));
-  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-  float best = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
+  float best = lanes_max(most);
   for (int64_t t = c; t < n; ++t) {  // the tail
     if (std::isnan(v[t])) return maximum_of_portable(v, n);
     best = std::max(best, v[t]);
@@ -292,7 +297,8 @@ inline std::pair<float, int64_t> maximum_of(const float* v, int64_t n, bool avx2
 }
 
 // A tile's maxima for its mb rows (acc: kTileN floats a row, `width` of them outputs n0
-// on): one call a tile, the whole-tile case in registers.
+// on): one call a tile, the whole-tile case in registers (through maximum_of_avx2's loops
+// instead, the 270M's LM head at 64 rows took 1.12x the time).
 #if defined(__x86_64__) || defined(__i386__)
 __attribute__((target("avx2"))) inline void keep_tile_maxima_avx2(const float* acc, int mb, int64_t width,
                                                                    int64_t n0, float* value, int64_t* index,
@@ -306,10 +312,7 @@ __attribute__((target("avx2"))) inline void keep_tile_maxima_avx2(const float* a
       const __m256 nan = _mm256_or_ps(_mm256_or_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q), _mm256_cmp_ps(b, b, _CMP_UNORD_Q)),
                                       _mm256_or_ps(_mm256_cmp_ps(c, c, _CMP_UNORD_Q), _mm256_cmp_ps(d, d, _CMP_UNORD_Q)));
       if (_mm256_movemask_ps(nan) == 0) {
-        const __m256 m8 = _mm256_max_ps(_mm256_max_ps(a, b), _mm256_max_ps(c, d));
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        const float best = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
+        const float best = lanes_max(_mm256_max_ps(_mm256_max_ps(a, b), _mm256_max_ps(c, d)));
         const __m256 all = _mm256_set1_ps(best);
         const uint32_t hits = uint32_t(_mm256_movemask_ps(_mm256_cmp_ps(a, all, _CMP_EQ_OQ))) |
                               uint32_t(_mm256_movemask_ps(_mm256_cmp_ps(b, all, _CMP_EQ_OQ))) << 8 |
